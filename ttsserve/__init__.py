@@ -1,0 +1,19 @@
+"""ttsserve: a vLLM-style serving engine for ChatTTS.
+
+`import ttsserve` works on any machine; CUDA-only modules are imported lazily by the GPU paths.
+"""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy re-exports keep `import ttsserve` cheap (no torch import until needed).
+    if name == "TTS":
+        from ttsserve.tts import TTS
+
+        return TTS
+    if name == "SamplingParams":
+        from ttsserve.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,102 @@
+"""The one attention interface of the GPT, and backend selection.
+
+The GPT calls `ctx.attend(layer_idx, q, k, v)` for every layer; the context decides where K/V live:
+- `DenseAttention` (attention/dense.py): one sequence, a growing dense cache; the single-request oracle.
+- `PagedAttention` (attention/torch_ref.py on CPU, attention/triton_paged.py on CUDA): a flat batch of
+  many sequences whose K/V live in fixed-size blocks addressed by `block_tables` / `slot_mapping`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class AttentionContext(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the new tokens over their sequence's whole context.
+
+        q: [T, num_heads, head_dim], k / v: [T, num_kv_heads, head_dim] (RoPE already applied to q and k).
+        Stores k / v for later steps and returns [T, num_heads, head_dim].
+        """
+        ...
+
+
+@dataclass
+class AttentionMetadata:
+    """A flat batch: the new tokens of B sequences laid end to end (T tokens in all).
+
+    cu_seqlens_q: [B + 1] int32, offsets of each sequence's new tokens in the flat batch.
+    seq_lens:     [B] int32, context length of each sequence after this step
+                  (num_computed_tokens + number of new tokens).
+    block_tables: [B, max_num_blocks] int32, physical block ids of each sequence (padding: 0).
+    slot_mapping: [T] int64, KV slot of each new token: block_id * block_size + offset.
+    max_query_len / max_seq_len: host ints, so kernels need no device-to-host sync.
+    *_cpu: host copies the CPU reference path iterates over.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    cu_seqlens_q_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Per-layer KV cache: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+class PagedAttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k / v into `kv_cache` at `md.slot_mapping`, then attend (causal within each sequence).
+
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: kv_cache_shape(...). Returns [T, Hq, D].
+        """
+        ...
+
+
+class PagedAttention:
+    """AttentionContext over per-layer paged caches and one step's metadata."""
+
+    def __init__(self, backend: PagedAttentionBackend, kv_caches: list[torch.Tensor], md: AttentionMetadata,
+                 scale: float) -> None:
+        self.backend, self.kv_caches, self.md, self.scale = backend, kv_caches, md, scale
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.md, self.scale)
+
+
+def select_backend(device: torch.device) -> PagedAttentionBackend:
+    """Chosen once at start-up: Triton on CUDA, the torch reference elsewhere."""
+    if device.type == "cuda":
+        from ttsserve.attention.triton_paged import TritonPagedAttention  # CUDA-only import
+
+        return TritonPagedAttention()
+    from ttsserve.attention.torch_ref import TorchPagedAttention
+
+    return TorchPagedAttention()

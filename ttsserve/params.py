@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, validated at the library boundary (ValueError on bad values)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+NUM_VQ = 4
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """ChatTTS sampling semantics (spec 4.2-4.3), per request.
+
+    temperature: a float, or one value per codebook (code stage only).
+    top_p / top_k: HF warpers with min_tokens_to_keep=3 (top_k=1 behaves as top-3, as in the reference).
+    repetition_penalty: frequency penalty rp**count over the last `repetition_window` generated tokens
+        of each (request, codebook) row; 1.0 disables it.
+    min_new_tokens: EOS is banned while fewer tokens than this were generated.
+    max_new_tokens: hard cap; hitting it marks the result `finish_reason="length"`.
+    seed: a seeded request gives the same tokens whatever else is in the batch and across preemption.
+        None means the engine draws a seed at admission (still preemption-invariant).
+    greedy: argmax over the penalized, EOS-banned logits (the golden vectors' "greedy" mode).
+    """
+
+    temperature: float | tuple[float, ...] = 0.3
+    top_p: float = 0.7
+    top_k: int = 20
+    repetition_penalty: float = 1.05
+    repetition_window: int = 16
+    min_new_tokens: int = 0
+    max_new_tokens: int = 2048
+    seed: int | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        temps = self.temperatures(NUM_VQ)
+        if any(not (t > 0.0) or t != t for t in temps):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if isinstance(self.temperature, tuple) and len(self.temperature) not in (1, NUM_VQ):
+            raise ValueError(f"temperature list must have 1 or {NUM_VQ} values, got {len(self.temperature)}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_window < 1:
+            raise ValueError(f"repetition_window must be >= 1, got {self.repetition_window}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    def temperatures(self, num_rows: int) -> tuple[float, ...]:
+        """Temperature per codebook row (num_rows = NUM_VQ for code, 1 for text)."""
+        t = self.temperature
+        if isinstance(t, (int, float)):
+            return (float(t),) * num_rows
+        t = tuple(float(x) for x in t)
+        return t * num_rows if len(t) == 1 else t[:num_rows] if num_rows == 1 else t
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def code_defaults(cls, **overrides) -> SamplingParams:
+        """InferCodeParams defaults of the reference (spec 4.1)."""
+        return cls(**overrides)
+
+    @classmethod
+    def refine_defaults(cls, **overrides) -> SamplingParams:
+        """RefineTextParams defaults of the reference (spec 4.1)."""
+        base = dict(temperature=0.7, top_p=0.7, top_k=20, repetition_penalty=1.0, max_new_tokens=384)
+        base.update(overrides)
+        return cls(**base)
