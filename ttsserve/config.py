@@ -52,3 +52,67 @@ class GPTConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one position (one frame)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob (one flat, validated dataclass; each is also a CLI flag and a TTSSERVE_* env var).
+
+    model: a checkpoint folder / hub id, or None to search ($TTSSERVE_MODEL, ./asset, the hub cache).
+    load_format: "auto" (a checkpoint if found, else dummy with a loud warning), "safetensors", "dummy".
+    dummy_size: "real" or "tiny" (random weights at the real ChatTTS size, or the test size).
+    kv_cache_memory: bytes for the KV pool on CPU (and on GPU when set; otherwise sized from
+        gpu_memory_utilization after profiling).
+    swap_space: GiB of host memory for swapped-out KV blocks.
+    target_step_latency_ms: the dynamic-batching goal; 0 disables the controller.
+    """
+
+    model: str | None = None
+    load_format: str = "auto"
+    dummy_size: str = "real"
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    quantization: str | None = None
+    verify_sha256: bool = False
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    swap_space: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    target_step_latency_ms: float = 0.0
+    first_chunk_frames: int = 8
+    max_chunk_frames: int = 64
+    enforce_eager: bool = False
+    max_queue_len: int = 1024
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.load_format in ("auto", "safetensors", "dummy"), "load_format must be auto|safetensors|dummy"),
+            (self.dummy_size in ("real", "tiny"), "dummy_size must be real|tiny"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device must be auto|cpu|cuda[:N]"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
+            (self.quantization in (None, "int8", "awq-int4"), "quantization must be int8|awq-int4"),
+            (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
+            (0.05 <= self.gpu_memory_utilization <= 0.99, "gpu_memory_utilization must be in [0.05, 0.99]"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
+            (self.swap_space >= 0, "swap_space must be >= 0"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.preemption_mode in ("auto", "recompute", "swap"), "preemption_mode must be auto|recompute|swap"),
+            (16 <= self.max_model_len <= 1 << 20, "max_model_len must be in [16, 2**20]"),
+            (self.target_step_latency_ms >= 0, "target_step_latency_ms must be >= 0"),
+            (1 <= self.first_chunk_frames <= self.max_chunk_frames, "need 1 <= first_chunk_frames <= max_chunk_frames"),
+            (self.max_queue_len >= 1, "max_queue_len must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit into one step's budget.
+            self.max_num_batched_tokens = self.max_model_len

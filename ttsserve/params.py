@@ -78,3 +78,59 @@ class SamplingParams:
         base = dict(temperature=0.7, top_p=0.7, top_k=20, repetition_penalty=1.0, max_new_tokens=384)
         base.update(overrides)
         return cls(**base)
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Who speaks. All fields optional; an empty Voice is ChatTTS's `[empty_spk]`.
+
+    spk_emb: the speaker vector, float16 numpy array [hidden_size] (decoded from a ChatTTS speaker string or
+        sampled from `spk_stat` with a seed).
+    spk_smp: an audio-code prompt, int32 numpy array [num_vq, P] (DVAE-encoded reference recording).
+    txt_smp: the transcript of that reference recording (goes before the text in the code prompt).
+    name: for logs only.
+    """
+
+    spk_emb: object | None = None
+    spk_smp: object | None = None
+    txt_smp: str | None = None
+    name: str = ""
+
+    @property
+    def key(self) -> str:
+        """A stable identity for prefix-cache hashing (equal voices share prompt KV blocks)."""
+        import hashlib
+
+        h = hashlib.sha1()
+        for part in (self.spk_emb, self.spk_smp):
+            h.update(b"-" if part is None else bytes(memoryview(part).cast("B")))
+        h.update((self.txt_smp or "").encode())
+        return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """One utterance (any length: long text is split into segments inside the engine front end).
+
+    refine_text: run ChatTTS's refine-text stage first (adds [uv_break] etc.); skipped by default like the
+        reference's OpenAI example, since it costs up to 384 sequential steps before any audio.
+    refine_prompt: sentence-level control tokens for the refine stage, e.g. "[oral_2][laugh_0][break_6]".
+    code_prompt: the code-stage prompt, e.g. "[speed_5]".
+    normalize: the extended text normalization (numbers, dates, units ...); False gives the reference rules.
+    split: split long text into sentence-sized segments synthesized in parallel.
+    """
+
+    text: str
+    voice: Voice = Voice()
+    code_params: SamplingParams = SamplingParams()
+    refine_text: bool = False
+    refine_params: SamplingParams = SamplingParams.refine_defaults()
+    refine_prompt: str = ""
+    code_prompt: str = "[speed_5]"
+    normalize: bool = True
+    split: bool = True
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ValueError("text must be a non-empty string")
