@@ -1,0 +1,140 @@
+"""The ChatTTS GPT: an HF LlamaModel body without `embed_tokens`, over a flat batch of tokens (spec 3.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ttsserve.attention.backend import AttentionContext
+from ttsserve.config import GPTConfig
+from ttsserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+
+# Keys of the HF checkpoint that the engine does not use.
+_IGNORED_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer; q/k/v and gate/up are fused at load time (a layout change only)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+                layer_idx: int) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        attn = ctx.attend(layer_idx, q, k, v)
+        x = x + self.o_proj(attn.reshape(t, nq))
+        return x + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))
+
+
+class GPT(nn.Module):
+    """Llama body over a flat batch: the new tokens of many sequences laid end to end (no batch dim)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x: [T, H] input embeddings (any float dtype; cast to the model dtype);
+        positions: [T] int64, per-sequence positions (< max_position_embeddings).
+        Returns the post-final-norm hidden states [T, H] in the model dtype.
+        """
+        h = x.to(self.dtype)
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, ctx, i)
+        return self.norm(h)
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], cfg: GPTConfig, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu",
+                        source: str = "gpt/model.safetensors") -> GPT:
+        """Build from an HF LlamaModel state dict (spec 1.4), keys with or without a `model.` prefix.
+
+        `embed_tokens.weight` and `rotary_emb.inv_freq` are ignored. Raises ValueError naming the tensor
+        for any missing, unexpected or mis-shaped tensor.
+        """
+        tensors = _strip_prefix(sd)
+        expected = _expected_shapes(cfg)
+        missing = [k for k in expected if k not in tensors]
+        if missing:
+            raise ValueError(f"{source}: missing tensor {missing[0]} ({len(missing)} missing in all)")
+        unexpected = [k for k in tensors if k not in expected]
+        if unexpected:
+            raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)")
+        for name, shape in expected.items():
+            got = tuple(tensors[name].shape)
+            if got != shape:
+                raise ValueError(f"{source}: {name} has shape {got} but config implies {shape}")
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(_fuse(tensors, cfg), assign=True, strict=True)
+        # The rotary tables are computed, not loaded: rebuild them on a real device.
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        return model.to(device=device, dtype=dtype)
+
+
+def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        name = k[len("model."):] if k.startswith("model.") else k
+        if not name.endswith(_IGNORED_SUFFIXES):
+            out[name] = v
+    return out
+
+
+def _expected_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["norm.weight"] = (h,)
+    return shapes
+
+
+def _fuse(t: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names, with q/k/v and gate/up concatenated along the output dim."""
+    out = {"norm.weight": t["norm.weight"]}
+    for n in range(cfg.num_layers):
+        p, a, m = f"layers.{n}.", f"layers.{n}.self_attn.", f"layers.{n}.mlp."
+        out[p + "qkv_proj.weight"] = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"],
+                                                t[a + "v_proj.weight"]])
+        out[p + "o_proj.weight"] = t[a + "o_proj.weight"]
+        out[p + "gate_up_proj.weight"] = torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
+        out[p + "down_proj.weight"] = t[m + "down_proj.weight"]
+        out[p + "input_layernorm.weight"] = t[p + "input_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = t[p + "post_attention_layernorm.weight"]
+    return out
