@@ -79,8 +79,10 @@ class StreamTimeStretcher:
         factor: tempo factor in [0.25, 4.0]; 1.0 passes samples through untouched.
         sample_rate: rate of the input (and output) samples.
     `process(chunk [n] float32) -> [m] float32` returns what the filter graph has ready (it holds back
-    about one 1024-sample frame per atempo stage); `flush() -> [k] float32` returns the rest. The
-    concatenated outputs have length ~ total_n / factor (within a few atempo windows).
+    about one 1024-sample frame per atempo stage); `flush() -> [k] float32` returns the rest. atempo's
+    own end-of-stream handling is off by up to a few tens of ms, so `flush` pads with silence or cuts
+    its tail so that the total output is round(total_n / factor) samples whenever the tail allows (it
+    can only cut what it has not yet returned).
     """
 
     def __init__(self, factor: float, sample_rate: int = 24000) -> None:
@@ -90,7 +92,8 @@ class StreamTimeStretcher:
         self.sample_rate = int(sample_rate)
         stages = atempo_stages(self.factor)
         self._graph = self._build_graph(stages) if stages else None
-        self._pts = 0
+        self._pts = 0  # samples pushed = total input
+        self._num_out = 0
         self._flushed = False
 
     def _build_graph(self, stages: list[float]) -> av.filter.Graph:
@@ -114,7 +117,9 @@ class StreamTimeStretcher:
         for start in range(0, x.size, _PUSH_FRAME):
             self._push(x[start:start + _PUSH_FRAME])
             self._pull_into(out)
-        return np.concatenate(out) if out else np.zeros(0, np.float32)
+        y = np.concatenate(out) if out else np.zeros(0, np.float32)
+        self._num_out += y.size
+        return y
 
     def flush(self) -> np.ndarray:
         if self._flushed or self._graph is None:
@@ -124,7 +129,13 @@ class StreamTimeStretcher:
         self._graph.push(None)
         out: list[np.ndarray] = []
         self._pull_into(out)
-        return np.concatenate(out) if out else np.zeros(0, np.float32)
+        tail = np.concatenate(out) if out else np.zeros(0, np.float32)
+        missing = round(self._pts / self.factor) - self._num_out - tail.size
+        if missing > 0:
+            tail = np.concatenate([tail, np.zeros(missing, np.float32)])
+        elif missing < 0:
+            tail = tail[: max(0, tail.size + missing)]
+        return tail
 
     def _push(self, x: np.ndarray) -> None:
         frame = av.AudioFrame.from_ndarray(x[None, :], format="flt", layout="mono")
