@@ -1,0 +1,102 @@
+"""`ttsserve serve | say | bench | quantize`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder (holding asset/) or hub id; default: search")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--verify-sha256", action="store_true")
+
+
+def _add_say_parser(sub) -> None:
+    p = sub.add_parser("say", help="synthesize text to an audio file")
+    p.add_argument("text", help="text to speak ('-' reads standard input)")
+    p.add_argument("-o", "--output", default="out.wav")
+    _add_model_args(p)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (also the speaker seed)")
+    p.add_argument("--speaker", default=None, help="a ChatTTS speaker string, or 'seed:N' for a random speaker")
+    p.add_argument("--temperature", type=float, default=0.3)
+    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--min-new-tokens", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--skip-refine", action="store_true", help="skip the refine-text stage")
+    p.add_argument("--no-normalize", action="store_true", help="reference normalization only")
+    p.add_argument("--format", default=None, help="wav|flac|mp3|opus|aac|pcm (default: from the file name)")
+
+
+def _say(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from ttsserve.audio.encode import encode_audio
+    from ttsserve.params import SamplingParams, Voice
+    from ttsserve.tts import TTS
+
+    text = sys.stdin.read() if a.text == "-" else a.text
+    tts = TTS(a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device, dtype=a.dtype,
+              verify_sha256=a.verify_sha256)
+    voice = Voice()
+    if a.speaker:
+        from ttsserve.text.speaker import decode_speaker
+
+        spk = tts.speaker(int(a.speaker[5:])) if a.speaker.startswith("seed:") else decode_speaker(a.speaker)
+        voice = Voice(spk_emb=spk)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                            min_new_tokens=a.min_new_tokens, max_new_tokens=a.max_new_tokens)
+    with tqdm(unit="frame", desc="synthesizing") as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        (wav,) = tts.generate(text, params, voice=voice, refine_text=not a.skip_refine,
+                              normalize=not a.no_normalize, progress=progress)
+    fmt = a.format or Path(a.output).suffix.lstrip(".") or "wav"
+    Path(a.output).write_bytes(encode_audio(wav, fmt, 24000))
+    res = next(iter(tts.last_results.values()))
+    print(f"wrote {a.output}: {wav.size / 24000:.2f} s of audio, {res.num_frames} frames, "
+          f"finish={res.finish_reason}" + (f", truncated segments {res.truncated_segments}"
+                                           if res.truncated_segments else ""))
+    if res.dropped_chars:
+        print(f"note: could not speak and dropped: {' '.join(res.dropped_chars)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_say_parser(sub)
+    try:
+        from ttsserve.server.cli_serve import add_serve_parser
+
+        add_serve_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from ttsserve.bench.cli_bench import add_bench_parser
+
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+    a = ap.parse_args(argv)
+    if a.command == "say":
+        try:
+            return _say(a)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""The synchronous engine: add_request / abort / step. One step = schedule -> run the GPT -> sample ->
+update the scheduler -> batched audio decode -> ordered audio outputs per synthesis request.
+
+Thread-compatible, not thread-safe: AsyncEngine calls it from its one engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ttsserve.config import EngineConfig
+from ttsserve.engine.batch_control import BatchSizeController
+from ttsserve.engine.block_manager import KVCacheManager
+from ttsserve.engine.frontend import FrontEnd, Segment
+from ttsserve.engine.request import Request
+from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
+from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
+from ttsserve.model.chattts import ChatTTSModel, load_model
+from ttsserve.params import SynthesisRequest
+from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
+from ttsserve.runner.model_runner import ModelRunner, SequenceInputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """One engine sequence: a segment's refine stage or its code stage."""
+
+    synthesis_id: str
+    segment: int
+    mode: str
+
+
+@dataclass
+class _Synthesis:
+    req: SynthesisRequest
+    tracker: SynthesisTracker
+    seed: int
+    segments: list[Segment]
+    seq_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    frames: int = 0
+    tokens_scheduled: int = 0
+    preemptions: int = 0
+    swaps: int = 0
+    step_time_ms_ema: float = 0.0
+    last_batch_size: int = 0
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, model: ChatTTSModel | None = None) -> None:
+        self.cfg = cfg
+        self.model = model or load_model(cfg)
+        tok = self.model.tokenizer
+        self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
+        self.kv_spec = self._plan_kv()
+        self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id)
+        self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, cfg.block_size, self.kv_spec.num_cpu_blocks,
+                                         enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_model_len=min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings),
+            preemption_mode=cfg.preemption_mode), self.kv_manager)
+        from ttsserve.audio.stage import AudioStage
+
+        self.audio = AudioStage(self.model.decoder, None, self.model.vocos, first_chunk_frames=cfg.first_chunk_frames,
+                                max_chunk_frames=cfg.max_chunk_frames, device=self.model.device)
+        self.controller = BatchSizeController(cfg.target_step_latency_ms, cfg.max_num_seqs)
+        self.requests: dict[str, Request] = {}  # live engine sequences (scheduler Requests)
+        self.sequences: dict[str, _Sequence] = {}
+        self.syntheses: dict[str, _Synthesis] = {}
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        logger.info(self.kv_spec.report())
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def _plan_kv(self) -> KVCacheSpec:
+        cfg, model = self.cfg, self.model
+        swap = int(cfg.swap_space * 2**30)
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif model.device.type == "cuda":
+            from ttsserve.runner.profile import kv_budget_after_profiling
+
+            budget = kv_budget_after_profiling(model, cfg)
+        else:
+            budget = 1 << 30
+        return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap)
+
+    def memory_report(self) -> str:
+        return self.kv_spec.report()
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_synthesis(self, req: SynthesisRequest) -> str:
+        """Admit one synthesis (ValueError for bad input, before anything is queued)."""
+        rid = req.request_id or f"syn-{next(self._ids)}"
+        if rid in self.syntheses:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        segments = self.frontend.segments(req)
+        seed = req.code_params.seed if req.code_params.seed is not None else random.getrandbits(62)
+        dropped = sorted({c for s in segments for c in s.dropped})
+        syn = _Synthesis(req, SynthesisTracker(rid, len(segments), dropped), seed, segments)
+        self.syntheses[rid] = syn
+        for seg in segments:
+            if req.refine_text:
+                ids, mask = self.frontend.refine_inputs(seg.text, req.refine_prompt)
+                self._add_sequence(rid, seg.index, "text", ids, mask)
+            else:
+                self._add_code_sequence(rid, seg.index, seg.text)
+        return rid
+
+    def _add_code_sequence(self, rid: str, seg: int, text: str) -> None:
+        voice = self.syntheses[rid].req.voice
+        ids, mask = self.frontend.code_inputs(text, self.syntheses[rid].req.code_prompt, voice)
+        self._add_sequence(rid, seg, "code", ids, mask)
+
+    def _add_sequence(self, rid: str, seg: int, mode: str, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        syn = self.syntheses[rid]
+        params = syn.req.code_params if mode == "code" else syn.req.refine_params
+        seq_id = f"{rid}/{seg}/{mode}"
+        spk = syn.req.voice.spk_emb
+        spk_t = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
+        # The seed schedule: segment k of a request uses seed + k, so a long text is reproducible.
+        seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
+        self.runner.add_sequence(seq_id, SequenceInputs(ids, mask, spk_t, mode, params, seed))
+        items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
+        req = Request(seq_id, items, mode=mode, max_new_tokens=params.max_new_tokens,
+                      prefix_key=syn.req.voice.key + syn.req.code_prompt,
+                      first_audio_frames=self.cfg.first_chunk_frames if mode == "code" else 0)
+        self.requests[seq_id] = req
+        self.sequences[seq_id] = _Sequence(rid, seg, mode)
+        syn.seq_ids.add(seq_id)
+        self.scheduler.add_request(req)
+        if mode == "code":
+            self.audio.add_request(seq_id)
+
+    def abort(self, rid: str) -> None:
+        """Abort a synthesis: its sequences leave the batch and free their blocks at the next step."""
+        syn = self.syntheses.get(rid)
+        if syn is None:
+            return
+        for seq_id in list(syn.seq_ids):
+            self.scheduler.abort_request(seq_id)
+            self._drop_sequence(seq_id)
+        self.syntheses.pop(rid, None)
+
+    def _drop_sequence(self, seq_id: str) -> None:
+        seq = self.sequences.pop(seq_id, None)
+        self.requests.pop(seq_id, None)
+        self.runner.remove_sequence(seq_id)
+        if seq is not None and seq.mode == "code":
+            self.audio.abort(seq_id)
+        if seq is not None and seq.synthesis_id in self.syntheses:
+            self.syntheses[seq.synthesis_id].seq_ids.discard(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.syntheses)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[AudioOutput]:
+        t0 = time.perf_counter()
+        self.scheduler.max_num_seqs_limit = self.controller.limit
+        sched = self.scheduler.schedule()
+        self._handle_scheduler_finished(sched.finished_ids)
+        for seq_id in sched.preempted_ids:
+            self.counters.preemptions += 1
+        self.counters.swaps += len(sched.swapped_out_ids)
+        out = self.runner.execute(sched, self.requests)
+        updates = self.scheduler.update_from_output(sched, out.sampled, out.stopped)
+        if out.hiddens is not None:
+            for i, seq_id in enumerate(out.hidden_ids):
+                self.audio.append(seq_id, out.hiddens[i:i + 1])
+                self.syntheses[self.sequences[seq_id].synthesis_id].tracker.add_frames(
+                    self.sequences[seq_id].segment, 1)
+            self.counters.frames += len(out.hidden_ids)
+        for u in updates:
+            if u.finished:
+                self._finish_sequence(u.request_id, u.finish_reason or "stop")
+        outputs = self._collect_audio()
+        self._account(t0, sched)
+        return outputs
+
+    def _account(self, t0: float, sched) -> None:
+        ms = (time.perf_counter() - t0) * 1e3
+        c = self.counters
+        c.steps += 1
+        c.tokens_scheduled += sched.num_scheduled_tokens
+        c.last_batch_size = len(sched.scheduled)
+        c.step_time_ms_ema = ms if c.steps == 1 else 0.9 * c.step_time_ms_ema + 0.1 * ms
+        if sched.scheduled:
+            self.controller.observe(len(sched.scheduled), ms)
+
+    def _handle_scheduler_finished(self, finished_ids: list[str]) -> None:
+        """Requests the scheduler ended on its own (impossible to serve) fail their synthesis."""
+        for seq_id in finished_ids:
+            req = self.requests.get(seq_id)
+            seq = self.sequences.get(seq_id)
+            if req is None or seq is None:
+                continue
+            syn = self.syntheses.get(seq.synthesis_id)
+            if syn is not None and req.error:
+                syn.tracker.fail(f"segment {seq.segment}: {req.error}")
+                self._finish_synthesis_on_error(seq.synthesis_id)
+
+    def _finish_synthesis_on_error(self, rid: str) -> None:
+        syn = self.syntheses[rid]
+        for seq_id in list(syn.seq_ids):
+            self.scheduler.abort_request(seq_id)
+            self._drop_sequence(seq_id)
+
+    def _finish_sequence(self, seq_id: str, reason: str) -> None:
+        seq, req = self.sequences[seq_id], self.requests[seq_id]
+        syn = self.syntheses[seq.synthesis_id]
+        if seq.mode == "text":
+            # Refine finished: hand the refined text to the code stage of the same segment.
+            text = self.frontend.decode_refined(list(req.output_token_ids))
+            self._drop_sequence(seq_id)
+            self._add_code_sequence(seq.synthesis_id, seq.segment, text or syn.segments[seq.segment].text)
+            return
+        self.audio.finish(seq_id)
+        syn.tracker.finish_segment(seq.segment, reason)
+        self.sequences.pop(seq_id)
+        self.requests.pop(seq_id)
+        self.runner.remove_sequence(seq_id)
+        syn.seq_ids.discard(seq_id)
+
+    def _collect_audio(self) -> list[AudioOutput]:
+        touched: set[str] = set()
+        for chunk in self.audio.step():
+            rid, seg = self._segment_of(chunk.req_id)
+            if rid in self.syntheses:
+                self.syntheses[rid].tracker.add_audio(seg, chunk.samples)
+                touched.add(rid)
+        touched.update(rid for rid, s in self.syntheses.items() if s.tracker.error)
+        outputs: list[AudioOutput] = []
+        for rid in touched:
+            syn = self.syntheses[rid]
+            outputs.extend(syn.tracker.drain())
+            if syn.tracker.done:
+                del self.syntheses[rid]
+        return outputs
+
+    @staticmethod
+    def _segment_of(seq_id: str) -> tuple[str, int]:
+        rid, seg, _ = seq_id.rsplit("/", 2)
+        return rid, int(seg)
+
+    def stats(self) -> dict:
+        s, c = self.scheduler, self.counters
+        return {
+            "num_running": s.num_running, "num_waiting": s.num_waiting, "num_swapped": s.num_swapped,
+            "num_syntheses": len(self.syntheses), "kv_cache_usage": self.kv_manager.usage,
+            "num_free_blocks": self.kv_manager.num_free_blocks, "num_blocks": self.kv_spec.num_blocks,
+            "num_preemptions_total": c.preemptions, "num_swaps_total": c.swaps, "steps_total": c.steps,
+            "frames_total": c.frames, "step_time_ms_ema": c.step_time_ms_ema,
+            "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
+        }

@@ -1,0 +1,121 @@
+"""Per-synthesis bookkeeping: segments run in parallel, audio leaves in order with a short crossfade."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CROSSFADE_SAMPLES = 480  # 20 ms at 24 kHz: long enough to hide a seam, short enough to keep words intact
+
+
+@dataclass
+class AudioOutput:
+    """What a synthesis request's stream yields.
+
+    samples: float32 [n] at 24 kHz (may be empty). The final output has finished=True and the usage fields.
+    finish_reason: "stop" | "length" | "abort" | "error" (the worst over all segments).
+    truncated_segments: indices of segments that hit max_new_tokens instead of ending naturally.
+    """
+
+    request_id: str
+    samples: np.ndarray
+    finished: bool
+    num_frames: int = 0
+    finish_reason: str | None = None
+    truncated_segments: list[int] = field(default_factory=list)
+    error: str | None = None
+    dropped_chars: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _SegmentAudio:
+    chunks: list[np.ndarray] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_frames: int = 0
+
+
+class SynthesisTracker:
+    """Collects per-segment chunks (any order) and releases audio in segment order.
+
+    The current segment streams live; later segments buffer until it finishes. Between segments the last
+    CROSSFADE_SAMPLES of one are mixed with the first of the next (linear fade).
+    """
+
+    def __init__(self, request_id: str, num_segments: int, dropped: list[str]) -> None:
+        self.request_id = request_id
+        self.segments = [_SegmentAudio() for _ in range(num_segments)]
+        self.current = 0
+        self.tail: np.ndarray | None = None  # held back end of the previous segment, for the crossfade
+        self.held = np.zeros(0, np.float32)  # start of the current segment, waiting to be faded in
+        self.error: str | None = None
+        self.dropped = dropped
+        self.done = False
+
+    def add_audio(self, seg: int, samples: np.ndarray) -> None:
+        if samples.size:
+            self.segments[seg].chunks.append(samples.astype(np.float32, copy=False))
+
+    def add_frames(self, seg: int, n: int) -> None:
+        self.segments[seg].num_frames += n
+
+    def finish_segment(self, seg: int, reason: str) -> None:
+        s = self.segments[seg]
+        s.finished, s.finish_reason = True, reason
+
+    def fail(self, message: str) -> None:
+        self.error = message
+
+    def drain(self) -> list[AudioOutput]:
+        """Audio that may leave now, and the final output once every segment finished."""
+        if self.done:
+            return []
+        out: list[np.ndarray] = []
+        while self.current < len(self.segments):
+            seg = self.segments[self.current]
+            out.extend(self._release(seg.chunks))
+            seg.chunks = []
+            if not seg.finished:
+                break
+            if self.held.size:  # a very short segment: its whole audio sat in the fade buffer
+                out.extend(self._release([], flush=True))
+            self.current += 1
+        finished = self.current == len(self.segments) or self.error is not None
+        if finished and self.tail is not None:
+            out.append(self.tail)
+            self.tail = None
+        samples = np.concatenate(out) if out else np.zeros(0, np.float32)
+        outputs = [AudioOutput(self.request_id, samples, False)] if samples.size else []
+        if finished:
+            self.done = True
+            outputs.append(self._final())
+        return outputs
+
+    def _release(self, chunks: list[np.ndarray], flush: bool = False) -> list[np.ndarray]:
+        """Apply the crossfade at segment starts and hold back each finished segment's end."""
+        seg = self.segments[self.current]
+        audio = np.concatenate([self.held, *chunks]) if chunks or flush else self.held
+        if self.tail is not None:
+            n = CROSSFADE_SAMPLES
+            if audio.size < n and not (seg.finished and flush or seg.finished and not seg.chunks):
+                self.held = audio  # wait until the new segment has enough samples to fade in
+                return []
+            n = min(n, audio.size, self.tail.size)
+            ramp = np.linspace(0.0, 1.0, n, dtype=np.float32)
+            head = self.tail[self.tail.size - n:] * (1 - ramp) + audio[:n] * ramp
+            audio = np.concatenate([self.tail[: self.tail.size - n], head, audio[n:]])
+            self.tail = None
+        self.held = np.zeros(0, np.float32)
+        if seg.finished and self.current + 1 < len(self.segments):
+            cut = max(0, audio.size - CROSSFADE_SAMPLES)
+            self.tail, audio = audio[cut:], audio[:cut]
+        return [audio] if audio.size else []
+
+    def _final(self) -> AudioOutput:
+        reasons = [s.finish_reason for s in self.segments if s.finish_reason]
+        worst = "error" if self.error else next((r for r in ("abort", "error", "length") if r in reasons), "stop")
+        truncated = [i for i, s in enumerate(self.segments) if s.finish_reason == "length"]
+        return AudioOutput(self.request_id, np.zeros(0, np.float32), True,
+                           num_frames=sum(s.num_frames for s in self.segments), finish_reason=worst,
+                           truncated_segments=truncated, error=self.error, dropped_chars=self.dropped)
