@@ -1,0 +1,66 @@
+"""Stage contracts between the scheduler and the rest of the engine: plain dataclasses, no tensors.
+
+Token items are opaque hashable values: an int text id or a 4-tuple of audio codes (one frame).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in this step: compute positions [num_computed_tokens, +num_new_tokens)."""
+
+    request_id: str
+    mode: str  # "code" | "text"; the scheduler only passes it on
+    num_computed_tokens: int  # start position of this chunk (KV for positions < this already exists)
+    num_new_tokens: int  # positions computed in this step (1 for decode, a chunk for prefill/recompute)
+    new_token_ids: list  # [num_new_tokens] items at positions [num_computed_tokens, +num_new_tokens)
+    block_table: list[int]  # [cdiv(num_computed_tokens + num_new_tokens, block_size)] GPU block ids
+    will_sample: bool  # this chunk reaches the last token: sample one token from its last position
+    num_prompt_tokens: int  # positions < this are prompt, the rest are earlier outputs
+    num_output_tokens: int  # outputs before this step (for min_new_tokens / penalty windows)
+    sampling_params: object | None = None  # Request.sampling_params, unread by the scheduler
+    payload: object | None = None  # Request.payload (e.g. speaker embedding), unread by the scheduler
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step.
+
+    Order of work for the runner: swap_out copies, then swap_in copies, then the forward. At most one of
+    swap_out / swap_in is non-empty in a step (swap-in only happens in steps without preemption).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # [num_scheduled_reqs]
+    num_scheduled_tokens: int = 0  # sum of num_new_tokens <= max_num_batched_tokens
+    preempted_ids: list[str] = field(default_factory=list)  # drop runner state of recomputed requests
+    swapped_out_ids: list[str] = field(default_factory=list)  # subset of preempted_ids that were swapped
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # [(gpu_block, cpu_block)]
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # [(cpu_block, gpu_block)]
+    finished_ids: list[str] = field(default_factory=list)  # aborted / errored since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    """Result of one step for one request (only requests that sampled, or finished, get one)."""
+
+    request_id: str
+    new_token: object | None  # the appended item (int or 4-tuple); None on stop (EOS is not appended)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float  # fraction of GPU blocks held by live requests
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens at admission
+    num_preemptions: int  # total since start

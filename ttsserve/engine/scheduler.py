@@ -1,0 +1,346 @@
+"""Continuous-batching scheduler: one token budget per step, one progress counter per request.
+
+Each step (schedule):
+  1. apply aborts;
+  2. running requests, in admission order: each advances by min(remaining tokens, chunk limits); a
+     chunk leaves one token of budget for every running request still to come, so a long prefill never
+     stalls the running streams. When blocks run out, preempt a victim (see _pick_victim);
+  3. if nothing was preempted: swap swapped requests back in, then admit waiting requests FCFS while the
+     token budget, max_num_seqs_limit and the block pool allow.
+Prefill, chunked prefill, decode and recompute are the same rule: compute tokens
+[num_computed_tokens, num_computed_tokens + num_new_tokens) of prompt + outputs. The scheduler never looks
+at `mode` or at token items; it only passes them on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ttsserve.engine.block_manager import KVCacheManager
+from ttsserve.engine.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from ttsserve.engine.request import Request, RequestStatus
+
+PreemptionMode = Literal["recompute", "swap", "auto"]
+
+
+@dataclass
+class SchedulerConfig:
+    """max_num_batched_tokens: tokens computed per step over the whole batch (>= max_num_seqs).
+    enable_chunked_prefill: split prompts (and recompute prefills) across steps; without it a prompt
+        larger than the remaining budget waits, so then max_num_batched_tokens must be >= max_model_len.
+    max_model_len: positions per request (prompt + outputs).
+    preemption_mode: "recompute" frees the blocks and re-prefills later; "swap" copies them to host
+        (needs host blocks) and falls back to recompute while the host pool is full; "auto" swaps when
+        host blocks are free, else recomputes.
+    long_prefill_token_threshold: with chunked prefill, max tokens one request computes per step (0: off).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 4096
+    preemption_mode: PreemptionMode = "auto"
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a recompute could never be scheduled"
+            )
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute|swap|auto, got {self.preemption_mode!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+
+@dataclass
+class _Step:
+    budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)  # insertion-ordered
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager) -> None:
+        if config.preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0 in the block manager")
+        self.config = config
+        self.block_manager = block_manager
+        pool_tokens = block_manager.num_gpu_blocks * block_manager.block_size
+        # A request alone must always be able to grow, so the pool caps the length like the model does.
+        self.token_limit = min(config.max_model_len, pool_tokens)
+        self.requests: dict[str, Request] = {}  # every unfinished request (waiting, running, swapped)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.swapped: deque[Request] = deque()
+        self._seq: dict[str, int] = {}  # arrival order, tie-break among equal arrival times
+        self._next_seq = 0
+        self._pending_aborts: dict[str, None] = {}
+        self._finished_ids: list[str] = []  # errored at add_request, reported by the next schedule()
+        self._max_num_seqs_limit = config.max_num_seqs
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a fresh request. One that can never fit is finished at once with FINISHED_ERROR and
+        reported in the next SchedulerOutput.finished_ids."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_table:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
+        reason = self._why_impossible(request)
+        if reason is not None:
+            request.status, request.error = RequestStatus.FINISHED_ERROR, reason
+            self._finished_ids.append(rid)
+            return
+        self.requests[rid] = request
+        self._seq[rid] = self._next_seq
+        self._next_seq += 1
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Takes effect at the next schedule(); unknown or already finished ids are ignored."""
+        self._pending_aborts[request_id] = None
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request is unfinished or a finish is still to be reported by schedule()."""
+        return bool(self.requests) or bool(self._finished_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def max_num_seqs_limit(self) -> int:
+        """Admission cap the latency controller moves in [1, max_num_seqs]; running requests above a
+        lowered cap keep running (no preemption), new ones wait."""
+        return self._max_num_seqs_limit
+
+    @max_num_seqs_limit.setter
+    def max_num_seqs_limit(self, value: int) -> None:
+        if not (1 <= value <= self.config.max_num_seqs):
+            raise ValueError(f"max_num_seqs_limit must be in [1, {self.config.max_num_seqs}], got {value}")
+        self._max_num_seqs_limit = value
+
+    def get_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            len(self.running), len(self.waiting), len(self.swapped), bm.usage, bm.prefix_cache_hit_rate,
+            self.num_preemptions,
+        )
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        self._apply_aborts(out)
+        st = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(st, out)
+        if not out.preempted_ids:  # admitting now would only take back the blocks just freed
+            self._schedule_swapped(st, out)
+            self._schedule_waiting(st, out)
+        out.scheduled = list(st.scheduled.values())
+        out.num_scheduled_tokens = self.config.max_num_batched_tokens - st.budget
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens req may compute now (0: not this step)."""
+        num_new = req.num_tokens - req.num_computed_tokens
+        assert num_new >= 1, f"{req.request_id}: nothing to compute"
+        if not self.config.enable_chunked_prefill:
+            return num_new if num_new <= budget else 0
+        if self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _schedule_running(self, st: _Step, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        to_visit = {r.request_id for r in self.running}
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            to_visit.discard(req.request_id)
+            # Keep one token for each running request still to visit (decode never starves).
+            num_new = self._chunk(req, max(1, st.budget - len(to_visit)))
+            if num_new == 0 or num_new > st.budget:
+                continue
+            while not bm.allocate_slots(req, num_new):
+                victim = self._pick_victim()
+                to_visit.discard(victim.request_id)
+                self._preempt(victim, st, out)
+                if victim is req:
+                    break
+            else:
+                self._schedule(req, num_new, st)
+
+    def _schedule_swapped(self, st: _Step, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        while self.swapped and len(self.running) < self._max_num_seqs_limit and st.budget > 0:
+            req = self.swapped[0]
+            num_new = self._chunk(req, st.budget)
+            if num_new == 0 or not bm.can_swap_in(req, num_new):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(bm.swap_in(req))
+            ok = bm.allocate_slots(req, num_new)
+            assert ok, "can_swap_in promised room for the next chunk"
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule(req, num_new, st)
+
+    def _schedule_waiting(self, st: _Step, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self._max_num_seqs_limit and st.budget > 0:
+            req = self.waiting[0]
+            reason = self._why_impossible(req)
+            if reason is not None:
+                self.waiting.popleft()
+                req.error = reason
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                out.finished_ids.append(req.request_id)
+                continue
+            req.num_computed_tokens = bm.get_computed_blocks(req)
+            num_new = self._chunk(req, st.budget)
+            if num_new == 0 or not bm.allocate_slots(req, num_new):
+                bm.free(req)  # give back the prefix hits; retry next step (FCFS: nobody overtakes)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule(req, num_new, st)
+
+    def _schedule(self, req: Request, num_new: int, st: _Step) -> None:
+        start = req.num_computed_tokens
+        end = start + num_new
+        st.scheduled[req.request_id] = ScheduledRequest(
+            request_id=req.request_id,
+            mode=req.mode,
+            num_computed_tokens=start,
+            num_new_tokens=num_new,
+            new_token_ids=req.token_slice(start, end),
+            block_table=list(req.block_table),
+            will_sample=end == req.num_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            sampling_params=req.sampling_params,
+            payload=req.payload,
+        )
+        st.budget -= num_new
+
+    # ---- preemption --------------------------------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        """Prefer requests whose listeners already hear audio, latest-arrived first; a request still
+        waiting for its first audio only when no other victim exists."""
+        return max(self.running, key=lambda r: (r.has_first_audio, r.arrival_time, self._seq[r.request_id]))
+
+    def _preempt(self, victim: Request, st: _Step, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        self.running.remove(victim)
+        undone = st.scheduled.pop(victim.request_id, None)
+        if undone is not None:  # scheduled earlier in this step: give its tokens back
+            st.budget += undone.num_new_tokens
+        if self.config.preemption_mode != "recompute" and bm.can_swap_out(victim):
+            out.swap_out.extend(bm.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            out.swapped_out_ids.append(victim.request_id)
+        else:
+            bm.free(victim)
+            victim.num_computed_tokens = 0  # re-prefill prompt + outputs (prefix cache may cover most)
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_ids.append(victim.request_id)
+
+    # ---- results -----------------------------------------------------------------------------------
+    def update_from_output(
+        self, sched_out: SchedulerOutput, sampled: dict[str, object], stop: dict[str, bool]
+    ) -> list[RequestUpdate]:
+        """Advance every scheduled request; append samples; finish on stop / length; free finished blocks.
+
+        sampled: {request_id: token item} for every scheduled request with will_sample.
+        stop: {request_id: True} when that sample is the end marker (EOS); it is not appended.
+        Returns one RequestUpdate per request that sampled.
+        """
+        updates: list[RequestUpdate] = []
+        any_finished = False
+        for s in sched_out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # defensive: nothing can change a scheduled request between the two calls
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.will_sample:
+                continue
+            if stop.get(s.request_id, False):
+                token, status = None, RequestStatus.FINISHED_STOPPED
+            else:
+                if s.request_id not in sampled:
+                    raise ValueError(f"runner output has no sample for request {s.request_id!r}")
+                token = sampled[s.request_id]
+                req.output_token_ids.append(token)
+                long = req.num_output_tokens >= req.max_new_tokens or req.num_tokens >= self.token_limit
+                status = RequestStatus.FINISHED_LENGTH if long else None
+            if status is not None:
+                self._finish(req, status)
+                any_finished = True
+            updates.append(RequestUpdate(s.request_id, token, status is not None, req.finish_reason))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return updates
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Caller removes req from its queue."""
+        req.status = status
+        self.block_manager.free(req)
+        del self.requests[req.request_id]
+        del self._seq[req.request_id]
+
+    def _apply_aborts(self, out: SchedulerOutput) -> None:
+        for rid in self._pending_aborts:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req.status is RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            out.finished_ids.append(rid)
+        self._pending_aborts.clear()
+
+    def _why_impossible(self, req: Request) -> str | None:
+        cfg, bm = self.config, self.block_manager
+        if req.num_prompt_tokens >= cfg.max_model_len:
+            return (
+                f"prompt of {req.num_prompt_tokens} positions leaves no room for output under "
+                f"max_model_len={cfg.max_model_len}"
+            )
+        if req.num_tokens >= self.token_limit:
+            return (
+                f"{req.num_tokens} positions need {bm.blocks_for(req.num_tokens + 1)} KV blocks; "
+                f"the pool has {bm.num_gpu_blocks} blocks of {bm.block_size}"
+            )
+        return None
