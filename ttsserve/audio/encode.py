@@ -63,7 +63,7 @@ _UNKNOWN_SIZE = 0xFFFFFFFF
 def _encoder_available(codec: str) -> bool:
     try:
         av.codec.Codec(codec, "w")
-    except Exception:  # PyAV raises different types across versions for an unknown codec
+    except ValueError:  # av.codec.codec.UnknownCodecError is a ValueError
         return False
     return True
 
@@ -184,6 +184,9 @@ class StreamingEncoder:
     `write(samples [n] float32) -> bytes` returns the encoded bytes ready now (often b"" while a codec
     fills a frame); `close() -> bytes` flushes resampler, encoder and muxer and returns the tail. The
     concatenation of all returned bytes is one valid stream in the format. Not thread-safe.
+    Closed without any samples: wav gives a bare header, flac a header-only stream, mp3/opus/aac b"".
+    Decoders see the codec's priming samples in streamed mp3 (1105) and in aac (1024, ADTS has no
+    field to trim them); Ogg Opus carries pre-skip and the whole-file mp3 a LAME tag, so those trim.
     """
 
     def __init__(self, fmt: str, sample_rate: int = 24000, input_rate: int = 24000) -> None:
