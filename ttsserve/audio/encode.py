@@ -2,10 +2,11 @@
 
 Formats (OpenAI `response_format` names):
     wav   RIFF PCM s16le mono. Streamed: the 44-byte header carries 0xFFFFFFFF RIFF and data sizes (the
-          "unknown length" convention; FFmpeg, libsndfile and browsers read to EOF). Non-streamed: real sizes.
+          "unknown length" convention; FFmpeg and libsndfile read it to EOF, tested). Non-streamed: real sizes.
     pcm   raw s16le mono, no header (as OpenAI's `pcm`).
     flac  native FLAC stream, s16. Streamed STREAMINFO has total_samples = 0 (unknown) and no MD5, which
-          the FLAC format allows; non-streamed output gets both.
+          the FLAC format allows (FFmpeg decodes it; python-soundfile cannot, it seeks by the length);
+          non-streamed output gets both.
     mp3   MPEG audio via libmp3lame. Non-streamed output also carries the LAME/Xing tag (gapless trim).
     opus  Ogg Opus via libopus. Opus only runs at 8/12/16/24/48 kHz: 22050 and 44100 are encoded at
           48000 (the Ogg header's input_sample_rate says 48000; decoders output 48 kHz for Opus anyway).
