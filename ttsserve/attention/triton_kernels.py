@@ -1,0 +1,205 @@
+"""Triton kernels of the paged-attention fast path (CUDA only; imported by attention/triton_paged.py).
+
+Cache layout (one layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, so
+the K of slot `s` (= block_id * block_size + offset) and head `h` starts at `s * stride_slot + h * stride_ch`
+and its V `v_offset` (= kv_cache.stride(0)) elements later.
+
+Every kernel gathers KV tiles of BLOCK_N tokens through the block table (token n lives in block
+`block_table[n // BLOCK_SIZE]` at offset `n % BLOCK_SIZE`), so one tile may span several pages and any
+block size works. Scores are kept in the log2 domain (q pre-scaled by scale * log2(e)) so the softmax
+uses exp2. Accumulation is fp32 whatever the input dtype.
+
+All loop bounds come from device tensors (seq_lens, cu_seqlens_q), never from host values baked into the
+launch, so a CUDA graph captured once stays correct for any context lengths that fit its block table.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    v_offset, stride_slot, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One program per new token: copy its k / v [Hkv, D] into the cache slot; slot < 0 means padding."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    # slot test broadcast to full shape first: Triton's CPU interpreter rejects a scalar term in a mask
+    keep = (tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.int64) + slot) >= 0
+    mask = (h[:, None] < NUM_KV_HEADS) & keep
+    src_k = k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
+    src_v = v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
+    dst = cache_ptr + slot * stride_slot + h[:, None] * stride_ch + d[None, :]
+    tl.store(dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(dst + v_offset, tl.load(src_v, mask=mask), mask=mask)
+
+
+@triton.jit
+def _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM] element offsets of the K rows of context tokens `n` (V is at + v_offset)."""
+    blk = tl.load(block_tables_ptr + row_off + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = blk * BLOCK_SIZE + (n % BLOCK_SIZE)
+    d = tl.arange(0, HEAD_DIM)
+    return slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :]
+
+
+@triton.jit
+def paged_decode_kernel(
+    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    v_offset, stride_slot, stride_ch,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads, num_splits): one query token of one sequence and head, over one split.
+
+    Split s covers context tokens [s * split_len, (s + 1) * split_len), split_len = ceil(L / num_splits)
+    rounded up to BLOCK_N, with L = seq_lens[b] read on the device. SPLIT=False: write the normalised
+    output directly. SPLIT=True: write the unnormalised accumulator, running max (log2 domain) and
+    denominator of this split to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce kernel.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    kv_h = h // GROUP
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = s * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + h * stride_qh + d).to(tl.float32) * qk_scale
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    row_off = b.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+                               BLOCK_SIZE, HEAD_DIM)
+        k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0).to(tl.float32)
+        qk = tl.where(valid, tl.sum(k * q[None, :], 1), -float("inf"))
+        # every tile holds at least one valid token (start < hi), so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+
+    if SPLIT:
+        part = (b.to(tl.int64) * NUM_HEADS + h) * num_splits + s
+        tl.store(part_o_ptr + part * HEAD_DIM + d, acc)
+        tl.store(part_m_ptr + part, m_i)
+        tl.store(part_l_ptr + part, l_i)
+    else:
+        # l_i == 0 only for an empty context (a padded graph slot): write zeros, not NaN
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads): merge the per-split partial softmaxes into the output row."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_POW2)
+    d = tl.arange(0, HEAD_DIM)
+    smask = s < num_splits
+    base = (b.to(tl.int64) * NUM_HEADS + h) * num_splits
+    m = tl.load(part_m_ptr + base + s, mask=smask, other=-float("inf"))
+    l = tl.load(part_l_ptr + base + s, mask=smask, other=0.0)
+    o = tl.load(part_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == -float("inf"), 0.0, m_max)  # all splits empty: weights exp2(-inf) = 0
+    w = tl.exp2(m - m_max)
+    den = tl.sum(l * w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    v_offset, stride_slot, stride_ch,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): BLOCK_M new queries of one sequence/head.
+
+    The q_len new queries of sequence b are the LAST q_len positions of its context of L = seq_lens[b]
+    tokens (their K/V already written to the cache), so query row r sits at position L - q_len + r and
+    attends to context tokens 0..that position. Handles any q_len >= 1, so one launch serves mixed
+    decode / chunked-prefill batches; programs past a sequence's q_len exit at once.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mt = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if mt * BLOCK_M >= q_len:
+        return
+    kv_h = h // GROUP
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_start = seq_len - q_len
+
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    d = tl.arange(0, HEAD_DIM)
+    tok = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_valid[:, None],
+                other=0.0)
+    q_pos = ctx_start + rows
+    # keys past the last valid query of this tile are masked for every row: stop there
+    hi = ctx_start + tl.minimum((mt + 1) * BLOCK_M, q_len)
+
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_off = b.to(tl.int64) * stride_bt
+    # the loop starts at key 0, which every row may see, so m_i is finite after the first tile
+    for start in range(0, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+                               BLOCK_SIZE, HEAD_DIM)
+        k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        causal = valid[None, :] & (n[None, :] <= q_pos[:, None])
+        qk = tl.where(causal, qk * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])

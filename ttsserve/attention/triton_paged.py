@@ -1,0 +1,187 @@
+"""The CUDA paged-attention backend: Triton kernels over the paged KV cache (imported only on CUDA).
+
+Per layer and step, `forward` launches:
+1. `reshape_and_cache_kernel`: k / v of each new token into its `slot_mapping` slot (slot < 0: skipped,
+   so a runner may pad a CUDA-graph batch with -1 slots);
+2. decode-only batches (`md.max_query_len == 1`): `paged_decode_kernel`, one program per
+   (sequence, head, split) with the context cut into `num_splits` pieces (flash-decoding), then
+   `paged_decode_reduce_kernel` to merge the splits when there is more than one;
+3. any other batch (prefill, chunked prefill, decode mixed with prefill): `paged_prefill_kernel`, which
+   takes a variable number of new queries per sequence.
+
+No device-to-host sync: launch shapes come from tensor shapes and the host ints of the metadata. The
+decode path is CUDA-graph capturable: its launch shapes depend only on the batch size and `num_splits`,
+and each program reads its sequence's length on the device, so a graph captured once is right for any
+context that fits the captured block table (the split count chosen at capture stays, which is only a
+question of speed). Pass `num_splits` to pin it, e.g. for captures.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ttsserve.attention.backend import AttentionMetadata
+from ttsserve.attention.triton_kernels import (
+    paged_decode_kernel,
+    paged_decode_reduce_kernel,
+    paged_prefill_kernel,
+    reshape_and_cache_kernel,
+)
+
+SUPPORTED_HEAD_DIMS = (64,)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int,
+                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
+    """Flash-decoding split count: enough (sequence, head, split) programs to fill the chip a few
+    programs per multiprocessor over, but no split shorter than `min_tokens_per_split` tokens (below
+    that the extra partial writes and the reduce launch cost more than the parallelism buys)."""
+    target_programs = 4 * num_sms
+    programs = max(num_seqs * num_heads, 1)
+    if programs >= target_programs:
+        return 1
+    by_occupancy = triton.cdiv(target_programs, programs)
+    by_length = max(max_seq_len // min_tokens_per_split, 1)
+    return max(1, min(by_occupancy, by_length, max_splits))
+
+
+class TritonPagedAttention:
+    """PagedAttentionBackend on CUDA. kv_cache: [2, num_blocks, block_size, num_kv_heads, 64], contiguous.
+
+    num_splits: pin the decode split count (None: `choose_num_splits` per call).
+    decode_block_n / prefill_block_n: KV tokens per tile (powers of two >= 16).
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None, decode_block_n: int = 64, prefill_block_n: int = 64,
+                 decode_num_warps: int = 4) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        self.num_splits = num_splits
+        self.decode_block_n = decode_block_n
+        self.prefill_block_n = prefill_block_n
+        self.decode_num_warps = decode_num_warps
+        self._num_sms: dict[torch.device, int] = {}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write k / v into `kv_cache` at `md.slot_mapping`, then attend causally within each sequence.
+
+        q: [T, Hq, 64]; k, v: [T, Hkv, 64] (last dim contiguous, any token / head strides);
+        kv_cache: [2, num_blocks, md.block_size, Hkv, 64] of q's dtype. Returns a new [T, Hq, 64].
+        """
+        _check_inputs(q, k, v, kv_cache, md)
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] == 0:
+            return out
+        if md.is_decode_only:
+            num_splits = self.num_splits or choose_num_splits(
+                md.seq_lens.shape[0], q.shape[1], md.max_seq_len, self._sm_count(q.device))
+            paged_decode(out, q, kv_cache, md, scale, num_splits, self.decode_block_n, self.decode_num_warps)
+        else:
+            paged_prefill(out, q, kv_cache, md, scale, self.prefill_block_n)
+        return out
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            self._num_sms[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                                     if device.type == "cuda" else 8)
+        return self._num_sms[device]
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  md: AttentionMetadata) -> None:
+    """Shape / dtype / layout checks on host metadata only (no device sync)."""
+    head_dim = q.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"TritonPagedAttention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"TritonPagedAttention supports dtypes {SUPPORTED_DTYPES}, got q of {q.dtype}")
+    if not (k.dtype == v.dtype == kv_cache.dtype == q.dtype):
+        raise ValueError(f"q, k, v and kv_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+                         f"{kv_cache.dtype}")
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != head_dim:
+        raise ValueError(f"expected q [T, Hq, D] and k, v [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    num_kv_heads = k.shape[1]
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[2] != md.block_size \
+            or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"kv_cache must be [2, num_blocks, {md.block_size}, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v must be contiguous in their last (head_dim) dimension")
+    if md.slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {md.slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
+    if md.block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache[0 / 1].view(-1, Hkv, D)[slot_mapping[t]] = k[t] / v[t] for every t with slot >= 0."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    reshape_and_cache_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        num_warps=4,
+    )
+
+
+def paged_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                 scale: float, num_splits: int, block_n: int = 64, num_warps: int = 4) -> None:
+    """out[b] = attention of q[b] ([Hq, D], one token per sequence) over its md.seq_lens[b] cached tokens."""
+    num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
+    group = num_heads // kv_cache.shape[3]
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_m, part_l = part_ml[0], part_ml[1]
+    else:
+        part_o = part_m = part_l = out  # unused by the SPLIT=False specialisation
+    paged_decode_kernel[(num_seqs, num_heads, num_splits)](
+        out, part_o, part_m, part_l,
+        q, kv_cache, md.block_tables, md.seq_lens,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
+        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps,
+    )
+    if split:
+        paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_o, part_m, part_l, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_POW2=max(triton.next_power_of_2(num_splits), 2),
+            num_warps=1,
+        )
+
+
+def paged_prefill(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                  scale: float, block_n: int = 64) -> None:
+    """Causal attention of each sequence's new queries (the last q_len of its context) over its context."""
+    num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
+    group = num_heads // kv_cache.shape[3]
+    # a small BLOCK_M wastes less on decode rows and short chunks in mixed batches
+    block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
+    grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
+    paged_prefill_kernel[grid](
+        out, q, kv_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
