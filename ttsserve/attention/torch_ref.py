@@ -76,3 +76,34 @@ class TorchPagedAttention:
         mask = (pos[None, :] < md.seq_lens.to(q.device).long()[:, None])[:, None, None, :]  # [B, 1, 1, L]
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale)
         return out[:, :, 0, :]
+
+
+def make_metadata(block_tables: list[list[int]], num_computed_tokens: list[int], num_new_tokens: list[int],
+                  block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """AttentionMetadata for one step from host lists (tests and simple callers).
+
+    block_tables[i]: physical block ids of sequence i (enough for num_computed + num_new tokens);
+    sequence i's new tokens sit at positions num_computed_tokens[i] .. + num_new_tokens[i] - 1.
+    """
+    seq_lens = [c + n for c, n in zip(num_computed_tokens, num_new_tokens)]
+    for i, (bt, n) in enumerate(zip(block_tables, seq_lens)):
+        if len(bt) * block_size < n:
+            raise ValueError(f"sequence {i}: {len(bt)} blocks of {block_size} cannot hold {n} tokens")
+    cu = [0]
+    slots: list[int] = []
+    for bt, c, n in zip(block_tables, num_computed_tokens, num_new_tokens):
+        cu.append(cu[-1] + n)
+        slots += [bt[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+    width = max((len(bt) for bt in block_tables), default=0)
+    table = [bt + [0] * (width - len(bt)) for bt in block_tables]
+    return AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device).reshape(len(table), width),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(num_new_tokens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=seq_lens,
+    )
