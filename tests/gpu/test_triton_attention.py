@@ -62,17 +62,19 @@ def make_case(ctx_lens: list[int], q_lens: list[int], block_size: int, dtype: to
         pos = torch.arange(start, stop)
         return block_tables[b, pos // block_size].long() * block_size + pos % block_size
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
+    # tensors are drawn on the device (a device generator seeded from `gen`): large cases stay fast
+    dgen = torch.Generator(device=DEVICE).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
 
-    kv_cache = torch.full(kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_DIM), float("nan"), dtype=dtype)
-    flat_k, flat_v = kv_cache[0].view(-1, num_kv_heads, HEAD_DIM), kv_cache[1].view(-1, num_kv_heads, HEAD_DIM)
-    ctx_k, ctx_v = [], []
-    for b, c in enumerate(ctx_lens):
-        ctx_k.append(randn(c, num_kv_heads, HEAD_DIM))
-        ctx_v.append(randn(c, num_kv_heads, HEAD_DIM))
-        flat_k[slots(b, 0, c)] = ctx_k[-1]
-        flat_v[slots(b, 0, c)] = ctx_v[-1]
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=dgen, device=DEVICE).to(dtype)
+
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    all_ctx = randn(2, sum(ctx_lens), num_kv_heads, HEAD_DIM)
+    ctx_slots = torch.cat([slots(b, 0, c) for b, c in enumerate(ctx_lens)]).to(DEVICE)
+    kv_cache.view(2, -1, num_kv_heads, HEAD_DIM)[:, ctx_slots] = all_ctx
+    ctx_k = list(all_ctx[0].split(ctx_lens))
+    ctx_v = list(all_ctx[1].split(ctx_lens))
 
     # q / k / v as views of one fused projection, as the GPT produces them (token stride != H * D)
     num_tokens = sum(q_lens)
@@ -87,11 +89,10 @@ def make_case(ctx_lens: list[int], q_lens: list[int], block_size: int, dtype: to
         block_tables=block_tables.to(DEVICE), slot_mapping=slot_mapping.to(DEVICE),
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=block_size,
         cu_seqlens_q_cpu=cu, seq_lens_cpu=seq_lens)
-    qkv = qkv.to(DEVICE)
     q = qkv[:, : num_heads * HEAD_DIM].view(num_tokens, num_heads, HEAD_DIM)
     k = qkv[:, num_heads * HEAD_DIM: (num_heads + num_kv_heads) * HEAD_DIM].view(num_tokens, num_kv_heads, HEAD_DIM)
     v = qkv[:, (num_heads + num_kv_heads) * HEAD_DIM:].view(num_tokens, num_kv_heads, HEAD_DIM)
-    return Case(q, k, v, kv_cache.to(DEVICE), md, ctx_k, ctx_v, 1.0 / math.sqrt(HEAD_DIM))
+    return Case(q, k, v, kv_cache, md, ctx_k, ctx_v, 1.0 / math.sqrt(HEAD_DIM))
 
 
 def reference(case: Case) -> torch.Tensor:
@@ -100,8 +101,8 @@ def reference(case: Case) -> torch.Tensor:
     out = torch.empty(case.q.shape, dtype=torch.float32, device=DEVICE)
     for b in range(case.md.num_seqs):
         lo, hi = cu[b], cu[b + 1]
-        keys = torch.cat([case.ctx_k[b].to(DEVICE), case.k[lo:hi]]).float().repeat_interleave(group, dim=1)
-        vals = torch.cat([case.ctx_v[b].to(DEVICE), case.v[lo:hi]]).float().repeat_interleave(group, dim=1)
+        keys = torch.cat([case.ctx_k[b], case.k[lo:hi]]).float().repeat_interleave(group, dim=1)
+        vals = torch.cat([case.ctx_v[b], case.v[lo:hi]]).float().repeat_interleave(group, dim=1)
         q = case.q[lo:hi].float()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * case.scale
         q_pos = torch.arange(keys.shape[0] - (hi - lo), keys.shape[0], device=DEVICE)
@@ -193,11 +194,12 @@ def test_kv_write_is_exact_and_touches_only_its_slots(dtype: torch.dtype) -> Non
     k, v = kv[:, :heads], kv[:, heads:]  # strided views
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[::7] = -1  # padding tokens: no write
+    slots = slots.to(DEVICE)
     expected = cache.clone()
     real = slots >= 0
-    expected[0].view(-1, heads, HEAD_DIM)[slots[real]] = k[real.to(DEVICE)]
-    expected[1].view(-1, heads, HEAD_DIM)[slots[real]] = v[real.to(DEVICE)]
-    write_kv_cache(k, v, cache, slots.to(DEVICE))
+    expected[0].view(-1, heads, HEAD_DIM)[slots[real]] = k[real]
+    expected[1].view(-1, heads, HEAD_DIM)[slots[real]] = v[real]
+    write_kv_cache(k, v, cache, slots)
     assert torch.equal(cache, expected)
 
 
