@@ -1,0 +1,70 @@
+"""A real uvicorn server on loopback (in a thread, on a socket bound to a free port) around a given app."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from tests.server.fake_engine import FakeEngine
+from ttsserve.server.app import ServerConfig, create_app
+
+
+class LiveServer:
+    def __init__(self, app, graceful_s: float = 10.0) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
+                                timeout_graceful_shutdown=graceful_s)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, wait: bool = True) -> None:
+        self.server.should_exit = True
+        if wait:
+            self.thread.join(30)
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kw)
+
+
+@pytest.fixture
+def serve():
+    """serve(engine=None, **ServerConfig fields) -> (LiveServer, engine); stopped after the test."""
+    servers: list[LiveServer] = []
+
+    def _serve(engine=None, **cfg):
+        engine = engine or FakeEngine()
+        srv = LiveServer(create_app(engine, ServerConfig(**cfg))).start()
+        servers.append(srv)
+        return srv, engine
+
+    yield _serve
+    for srv in servers:
+        srv.stop()
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -1,0 +1,349 @@
+"""The FastAPI app: OpenAI-compatible speech, the simple /synthesize API, voices, models and operations.
+
+`create_app(engine, cfg)` serves any object with the AsyncEngine contract (generate / stats / ready /
+random_speaker / parse_speaker / encode_reference_audio / memory_report / start / shutdown). The app starts
+the engine in its lifespan and drains it on shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from fastapi.security import HTTPBearer
+
+from ttsserve.audio.encode import content_type, validate_format
+from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
+from ttsserve.server.limits import AdmissionGate, ApiKeyAuth, BodyLimitMiddleware, RateLimiter
+from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ttsserve.server.metrics import ServerMetrics
+from ttsserve.server.protocol import (
+    ChatTTSOptions, ErrorResponse, ModelList, ModelObject, SpeechRequest, SynthesizeRequest,
+    build_synthesis_request,
+)
+from ttsserve.server.streaming import (
+    AudioPipeline, ClientGone, EngineStreamResponse, SynthesisJob, audio_body, collect_audio, prime, sse_body,
+    until_disconnect,
+)
+from ttsserve.server.voices import VoiceResolver, VoiceStore, register_voice_routes
+
+logger = logging.getLogger("ttsserve.server")
+access_logger = logging.getLogger("ttsserve.access")
+
+OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens", "seed")
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
+
+
+@dataclass
+class ServerConfig:
+    """HTTP-side settings (the engine's are EngineConfig).
+
+    max_in_flight: syntheses admitted at once (queued in the engine or streaming); more get 503.
+    max_new_tokens: server-wide cap on frames per text segment (None: the engine's default).
+    served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    requests_per_minute: int = 0
+    chars_per_minute: int = 0
+    max_input_chars: int = 4096
+    max_body_bytes: int = 1 << 20
+    max_upload_bytes: int = 25 << 20
+    max_in_flight: int = 1024
+    voices_db: str = ":memory:"
+    served_model_names: tuple[str, ...] = ()
+    max_new_tokens: int | None = None
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "chars_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+class ServerState:
+    """Everything the handlers share; one per app."""
+
+    def __init__(self, engine, cfg: ServerConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.auth = ApiKeyAuth(cfg.api_keys)
+        self.rate = RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
+        self.gate = AdmissionGate(cfg.max_in_flight)
+        self.metrics = ServerMetrics(engine.stats)
+        self.store = VoiceStore(cfg.voices_db)
+        self.voices = VoiceResolver(self.store, engine.random_speaker, engine.parse_speaker)
+        names = cfg.served_model_names or (getattr(engine, "model_name", "chattts"), *OPENAI_MODEL_NAMES)
+        self.model_names = tuple(dict.fromkeys(names))
+        self.created = int(time.time())
+
+    # ---- admission -------------------------------------------------------------------------------
+    def identity(self, request: Request) -> str:
+        """API key check (401); returns the rate-limit identity (key id, else the client address)."""
+        key_id = self.auth.check(request.headers.get("authorization"))
+        ident = key_id or f"ip-{request.client.host if request.client else 'unknown'}"
+        request.state.log["key"] = ident
+        return ident
+
+    def admit_text(self, text: str, ident: str, param: str) -> None:
+        if len(text) > self.cfg.max_input_chars:
+            raise ApiError(413, f"{param} has {len(text)} characters; the limit is {self.cfg.max_input_chars}",
+                           param=param, code="input_too_long")
+        self.rate.check(ident, len(text))
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise ApiError(404, f"model {model!r} not found; available: {', '.join(self.model_names)}",
+                           param="model", code="model_not_found")
+
+    def resolve_voice(self, spec, param: str = "voice"):
+        try:
+            voice = self.voices.resolve(spec)
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
+        if voice is None:
+            raise ApiError(404, f"voice {spec if isinstance(spec, str) else spec.id!r} not found",
+                           param=param, code="voice_not_found")
+        return voice
+
+    # ---- synthesis -------------------------------------------------------------------------------
+    async def synthesize(self, request: Request, *, endpoint: str, text: str, text_param: str, voice,
+                         opts: ChatTTSOptions, speed: float, instructions: str | None, fmt: str, mode: str):
+        """mode: "audio" (chunked stream), "sse", or "file" (whole file, real status on late failure)."""
+        try:
+            validate_format(fmt)
+            req, stretch = build_synthesis_request(
+                text, voice, opts, speed=speed, instructions=instructions,
+                max_new_tokens_cap=self.cfg.max_new_tokens, request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}")
+        except ValueError as e:
+            raise bad_request(str(e), param=_param_of(str(e), text_param, fmt_param=_fmt_param(endpoint))) from None
+        rate = opts.sample_rate or 24000
+        release = self.gate.acquire()
+        job = SynthesisJob(request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate,
+                           stretch=stretch)
+        request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
+        try:
+            gen = self.engine.generate(req)
+            first = await prime(gen, request, job)
+            if mode == "file":
+                data = await until_disconnect(collect_audio(first, gen, job, fmt, rate, stretch), request)
+        except BaseException as e:
+            release()
+            self._settle(job, request, error=e)
+            raise _as_api_error(e, text_param) from None
+        if mode == "file":
+            release()
+            self._settle(job, request)
+            headers = {"X-Finish-Reason": job.finish_reason or "stop", "X-Audio-Duration": f"{job.audio_seconds:.3f}",
+                       "X-Truncated-Segments": ",".join(map(str, job.truncated_segments))}
+            return Response(data, media_type=content_type(fmt), headers=headers)
+        pipe = AudioPipeline(fmt, rate, self.engine.sample_rate, stretch)
+        body = (sse_body if mode == "sse" else audio_body)(first, gen, pipe, job)
+
+        async def on_close(error: BaseException | None) -> None:
+            await gen.aclose()  # aborts the engine request if it has not finished (client gone, error)
+            release()
+            self._settle(job, request, error=error)
+
+        media = "text/event-stream" if mode == "sse" else content_type(fmt)
+        headers = {"Cache-Control": "no-cache", "X-Request-ID": request.state.request_id}
+        return EngineStreamResponse(body, on_close=on_close, media_type=media, headers=headers)
+
+    def _settle(self, job: SynthesisJob, request: Request, error: BaseException | None = None) -> None:
+        if job.finish_reason is None:
+            job.finish_reason = _unfinished_reason(error)
+        total = time.perf_counter() - job.started
+        self.metrics.observe_synthesis(job.endpoint, job.first_audio_s, total, job.audio_seconds, job.finish_reason)
+        request.state.log.update(
+            finish_reason=job.finish_reason, audio_s=round(job.audio_seconds, 3), frames=job.num_frames,
+            ttfa_ms=None if job.first_audio_s is None else round(job.first_audio_s * 1000, 1),
+            total_ms=round(total * 1000, 1))
+        # For streams the access line was written when the handler returned; log the synthesis outcome too.
+        if getattr(request.state, "logged", False):
+            access_logger.info(json.dumps({"event": "synthesis_done", "request_id": job.request_id,
+                                           **{k: request.state.log.get(k) for k in
+                                              ("finish_reason", "audio_s", "frames", "ttfa_ms", "total_ms")}}))
+
+
+def _unfinished_reason(error: BaseException | None) -> str:
+    """Why a synthesis ended without a final output: the client left, its input was refused, or a failure."""
+    if error is None or isinstance(error, (ClientGone, OSError)) or type(error).__name__ in (
+            "CancelledError", "ClientDisconnect"):
+        return "abort"
+    if isinstance(error, ValueError) or type(error).__name__ == "EngineOverloadedError" or (
+            isinstance(error, ApiError) and error.status < 500):
+        return "rejected"
+    return "error"
+
+
+def _fmt_param(endpoint: str) -> str:
+    return "format" if endpoint == "synthesize" else "response_format"
+
+
+def _param_of(message: str, text_param: str, fmt_param: str) -> str:
+    head = message.split(" ", 1)[0]
+    if head in _SAMPLING_FIELDS:
+        return head
+    if head == "speed":
+        return "speed"
+    if "audio format" in message:
+        return fmt_param
+    return text_param
+
+
+def _as_api_error(e: BaseException, text_param: str) -> BaseException:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ClientGone):
+        return ApiError(499, "client closed the request", code="client_closed_request")
+    if isinstance(e, ValueError):
+        return bad_request(str(e), param=text_param)
+    if type(e).__name__ == "EngineOverloadedError":  # ttsserve.engine.async_engine, matched by name
+        return ApiError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
+    return e
+
+
+# ---- middleware ----------------------------------------------------------------------------------
+def _endpoint_label(path: str) -> str:
+    if path in ("/v1/audio/speech", "/synthesize", "/v1/audio/voices", "/v1/models", "/health", "/ready", "/metrics"):
+        return path
+    for prefix in ("/v1/audio/voices/", "/v1/models/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
+    return "other"
+
+
+class RequestContextMiddleware:
+    """Pure ASGI (keeps streaming and disconnects intact): X-Request-ID in/out, one JSON access-log line per
+    request, and the requests-by-status metric."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state.update(request_id=rid, log={}, logged=False)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(msg) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+                hdrs = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"]
+                msg = {**msg, "headers": [*hdrs, (b"x-request-id", rid.encode())]}
+                self._log(scope, rid, status, started, state)
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if not state["logged"]:  # no response was sent (client gone before the first byte)
+                self._log(scope, rid, 499, started, state)
+
+    def _log(self, scope, rid: str, status: int, started: float, state: dict) -> None:
+        state["logged"] = True
+        self.metrics.observe_request(_endpoint_label(scope["path"]), status)
+        client = scope.get("client")
+        line = {"event": "access", "request_id": rid, "method": scope["method"], "path": scope["path"],
+                "status": status, "ms": round((time.perf_counter() - started) * 1000, 1),
+                "client": client[0] if client else None, **state["log"]}
+        access_logger.info(json.dumps(line, default=str))
+
+
+# ---- the app -------------------------------------------------------------------------------------
+def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app serving `engine` (an AsyncEngine or anything with its contract)."""
+    cfg = cfg or ServerConfig()
+    st = ServerState(engine, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        logger.info("ttsserve ready: %s", engine.memory_report())
+        try:
+            yield
+        finally:
+            st.gate.closed = True
+            await engine.shutdown(cfg.drain_timeout_s)
+            st.store.close()
+
+    app = FastAPI(title="ttsserve", version="0.1.0", lifespan=lifespan,
+                  description="ChatTTS serving: OpenAI-compatible speech API, voices, streaming audio.")
+    app.state.server = st
+    install_error_handlers(app)
+    bearer = HTTPBearer(auto_error=False, description="API key (only when the server has --api-key)")
+
+    def identity(request: Request, _=Depends(bearer)) -> str:
+        return st.identity(request)
+
+    @app.post("/v1/audio/speech", responses={200: {"content": {"audio/mpeg": {}, "text/event-stream": {}}}, **_ERRORS},
+              response_class=Response, tags=["speech"])
+    async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
+        """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
+        st.admit_text(body.input, ident, "input")
+        st.check_model(body.model)
+        voice = st.resolve_voice(body.voice)
+        return await st.synthesize(request, endpoint="speech", text=body.input, text_param="input", voice=voice,
+                                   opts=body, speed=body.speed, instructions=body.instructions,
+                                   fmt=body.response_format, mode=body.stream_format)
+
+    @app.post("/synthesize", responses={200: {"content": {"audio/wav": {}}}, **_ERRORS}, response_class=Response,
+              tags=["speech"])
+    async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
+        """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
+        st.admit_text(body.text, ident, "text")
+        voice = st.resolve_voice(body.voice)
+        return await st.synthesize(request, endpoint="synthesize", text=body.text, text_param="text", voice=voice,
+                                   opts=body, speed=body.speed, instructions=None, fmt=body.format,
+                                   mode="audio" if body.stream else "file")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
+    async def list_models(_: str = Depends(identity)):
+        return ModelList(data=[ModelObject(id=n, created=st.created) for n in st.model_names])
+
+    @app.get("/v1/models/{model}", response_model=ModelObject, responses=_ERRORS, tags=["models"])
+    async def get_model(model: str, _: str = Depends(identity)):
+        st.check_model(model)
+        return ModelObject(id=model, created=st.created)
+
+    register_voice_routes(app, st, identity, _ERRORS)
+
+    @app.get("/health", tags=["ops"])
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["ops"], responses={503: {"model": ErrorResponse}})
+    async def ready():
+        if not engine.ready or st.gate.closed:
+            raise ApiError(503, "engine not ready", code="not_ready", headers={"Retry-After": "1"})
+        return {"status": "ready", "model": st.model_names[0]}
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    async def metrics():
+        return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.max_body_bytes,
+                       max_upload_bytes=cfg.max_upload_bytes, upload_paths=("/v1/audio/voices",))
+    app.add_middleware(RequestContextMiddleware, metrics=st.metrics)
+    return app
+

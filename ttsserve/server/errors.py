@@ -1,0 +1,131 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a real HTTP status.
+
+Every failure the server reports goes through `ApiError` (raised anywhere in a handler) or one of the
+handlers installed by `install_error_handlers` (FastAPI validation errors become 400 naming the field,
+unknown routes 404, anything unexpected 500). A response never says 200 while carrying an error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("ttsserve.server")
+
+# status -> OpenAI error `type` (the API uses invalid_request_error for most 4xx).
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error in the OpenAI shape.
+
+    status: the HTTP status. param: the request field at fault (None when not a field).
+    code: a short machine-readable code (e.g. "voice_not_found"). headers: extra response headers
+    (Retry-After for 429/503, WWW-Authenticate for 401).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, request_id: str | None = None) -> JSONResponse:
+        headers = dict(self.headers)
+        if request_id:
+            headers["X-Request-ID"] = request_id
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _field_name(loc: tuple) -> str | None:
+    """('body', 'voice', 'id') -> 'voice.id'; the leading 'body'/'query' and union branch tags dropped."""
+    parts = [str(p) for p in loc[1:] if not isinstance(p, int)] if loc and loc[0] in ("body", "query", "path") else []
+    # pydantic names union branches ("str", "VoiceRef", "function-after[...]"): not fields.
+    parts = [p for p in parts if p.isidentifier() and p[0].islower()]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's 422 -> one 400 naming the first bad field (the others are listed in the message)."""
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request("request body is not valid JSON", code="invalid_json")
+    param = _field_name(tuple(first.get("loc", ())))
+    msgs = []
+    for err in errors[:5]:
+        name = _field_name(tuple(err.get("loc", ()))) or "body"
+        msgs.append(f"{name}: {err.get('msg', 'invalid value')}")
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    if first.get("type") == "extra_forbidden":
+        code = "unknown_parameter"
+    return bad_request("; ".join(msgs), param=param, code=code)
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error path of `app` into the OpenAI error shape."""
+
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(_request_id(request))
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(_request_id(request))
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        msg = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        return ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})).response(
+            _request_id(request)
+        )
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(500, "internal server error", code="internal_error").response(_request_id(request))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,183 @@
+"""Admission control at the HTTP edge: API keys (401), per-key rate limits (429), the in-flight bound (503),
+and request body size (413).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import time
+from collections.abc import Iterable
+
+from limits import RateLimitItemPerMinute
+from limits.storage import MemoryStorage
+from limits.strategies import SlidingWindowCounterRateLimiter
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ttsserve.server.errors import ApiError
+
+
+class ApiKeyAuth:
+    """Bearer-token check. With no keys configured every request passes (as "anonymous").
+
+    `check(authorization_header) -> key_id` returns a short, non-secret identity of the key (for rate
+    limits and logs) or raises ApiError(401).
+    """
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = [k.encode() for k in keys if k]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> str | None:
+        if not self._keys:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        tok = token.encode()
+        # Compare with every key (no early exit) so timing does not tell which prefix matched.
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(tok, key)
+        if not ok:
+            raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return "key-" + hashlib.sha256(tok).hexdigest()[:12]
+
+
+class RateLimiter:
+    """Per-identity limits on requests per minute and input characters per minute (0 disables a limit).
+
+    Sliding-window counters (O(1) memory per identity, unlike a moving window that stores one entry per
+    character). `check(identity, num_chars)` consumes quota or raises ApiError(429) with Retry-After.
+    A request whose text alone exceeds chars_per_minute can never pass and gets 429 with a message saying so.
+    """
+
+    def __init__(self, requests_per_minute: int = 0, chars_per_minute: int = 0) -> None:
+        self._storage = MemoryStorage()
+        self._limiter = SlidingWindowCounterRateLimiter(self._storage)
+        self._req = RateLimitItemPerMinute(requests_per_minute) if requests_per_minute > 0 else None
+        self._chars = RateLimitItemPerMinute(chars_per_minute) if chars_per_minute > 0 else None
+
+    def check(self, identity: str, num_chars: int) -> None:
+        if self._chars is not None and num_chars > self._chars.amount:
+            raise ApiError(429, f"input of {num_chars} characters exceeds the limit of {self._chars.amount} "
+                           "characters per minute", code="rate_limit_exceeded", headers={"Retry-After": "60"})
+        checks = [(item, cost) for item, cost in ((self._req, 1), (self._chars, num_chars)) if item is not None]
+        # Test all before hitting any, so a request refused on characters does not use up a request slot.
+        for item, cost in checks:
+            if cost > 0 and not self._limiter.test(item, identity, cost=cost):
+                stats = self._limiter.get_window_stats(item, identity)
+                retry = max(1, math.ceil(stats.reset_time - time.time()))
+                what = "requests" if item is self._req else "characters"
+                raise ApiError(429, f"rate limit exceeded: {item.amount} {what} per minute",
+                               code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+        for item, cost in checks:
+            if cost > 0:
+                self._limiter.hit(item, identity, cost=cost)
+
+
+class AdmissionGate:
+    """Bounds the requests in flight at the server (queued in the engine or streaming).
+
+    `acquire()` returns a release callable (idempotent) or raises ApiError(503) with Retry-After when full.
+    """
+
+    def __init__(self, limit: int, retry_after_s: int = 1) -> None:
+        if limit < 1:
+            raise ValueError(f"in-flight limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+        self.retry_after_s = retry_after_s
+        self.closed = False
+
+    def acquire(self):
+        if self.closed:
+            raise ApiError(503, "server is shutting down", code="shutting_down",
+                           headers={"Retry-After": str(self.retry_after_s)})
+        if self.in_flight >= self.limit:
+            raise ApiError(503, f"server is at capacity ({self.limit} requests in flight); retry later",
+                           code="server_overloaded", headers={"Retry-After": str(self.retry_after_s)})
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        return release
+
+
+def _error_bytes(err: ApiError) -> bytes:
+    import json
+
+    return json.dumps(err.body()).encode()
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: 413 (OpenAI shape) for bodies over the limit, by Content-Length up front or
+    by counting a chunked body as it is read. `upload_paths` get `max_upload_bytes` instead (voice audio).
+    """
+
+    def __init__(self, app, max_body_bytes: int, max_upload_bytes: int, upload_paths: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes
+        self.upload_paths = upload_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_upload_bytes if scope["path"] in self.upload_paths else self.max_body_bytes
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._reject(send, limit)
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge(limit)
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send, limit)
+
+    @staticmethod
+    async def _reject(send, limit: int) -> None:
+        err = ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        body = _error_bytes(err)
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(StarletteHTTPException):
+    """Raised from `receive` mid-body: an HTTPException so FastAPI passes it through body parsing to the
+    app's error handlers (which render the OpenAI shape); the middleware answers itself if it escapes."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds {limit} bytes")

@@ -1,0 +1,93 @@
+"""Prometheus metrics of one server: request outcomes and latencies recorded by the handlers, engine gauges
+read from engine.stats() at scrape time. Each app has its own registry (several apps can live in a process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
+disable_created_metrics()
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
+_RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+# engine.stats() key -> (metric name, help, kind)
+_ENGINE_GAUGES = {
+    "num_running": ("ttsserve_num_requests_running", "Requests in the engine's running batch", "gauge"),
+    "num_waiting": ("ttsserve_num_requests_waiting", "Requests waiting for admission", "gauge"),
+    "num_swapped": ("ttsserve_num_requests_swapped", "Requests swapped out to host memory", "gauge"),
+    "kv_cache_usage": ("ttsserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)", "gauge"),
+    "step_time_ms_ema": ("ttsserve_step_time_ms", "Engine step time, exponential moving average (ms)", "gauge"),
+    "num_preemptions_total": ("ttsserve_num_preemptions", "Preemptions since start", "counter"),
+    "num_swaps_total": ("ttsserve_num_swaps", "Swap-outs since start", "counter"),
+}
+
+
+class _EngineCollector:
+    """Reads engine.stats() on every scrape, so gauges are never stale."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        try:
+            stats = self._stats() or {}
+        except Exception:  # a scrape must not fail because the engine is starting or stopping
+            stats = {}
+        for key, (name, help_, kind) in _ENGINE_GAUGES.items():
+            value = stats.get(key)
+            if not isinstance(value, (int, float)):
+                continue
+            family = CounterMetricFamily(name, help_) if kind == "counter" else GaugeMetricFamily(name, help_)
+            family.add_metric([], float(value))
+            yield family
+
+    def describe(self):
+        return []
+
+
+class ServerMetrics:
+    """The metrics of one app.
+
+    requests_total{endpoint, status}; time_to_first_audio_seconds and request_latency_seconds histograms
+    {endpoint}; audio_seconds_total; real_time_factor histogram (wall seconds / audio seconds, < 1 is faster
+    than real time); plus the engine gauges/counters above.
+    """
+
+    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("ttsserve_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttfa = Histogram("ttsserve_time_to_first_audio_seconds", "Time from request to first audio bytes",
+                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("ttsserve_request_latency_seconds", "Time from request to the last audio byte",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.audio_seconds = Counter("ttsserve_audio_seconds", "Seconds of audio produced", registry=r)
+        self.rtf = Histogram("ttsserve_real_time_factor", "Wall time / audio duration of finished syntheses",
+                             buckets=_RTF_BUCKETS, registry=r)
+        self.aborted = Counter("ttsserve_requests_aborted", "Syntheses aborted because the client went away",
+                               registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_synthesis(self, endpoint: str, ttfa_s: float | None, total_s: float, audio_s: float,
+                          finish_reason: str | None) -> None:
+        if ttfa_s is not None:
+            self.ttfa.labels(endpoint=endpoint).observe(ttfa_s)
+        if finish_reason == "abort":
+            self.aborted.inc()
+        self.audio_seconds.inc(max(0.0, audio_s))
+        if finish_reason in ("stop", "length"):
+            self.latency.labels(endpoint=endpoint).observe(total_s)
+            if audio_s > 0:
+                self.rtf.observe(total_s / audio_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

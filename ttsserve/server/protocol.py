@@ -1,0 +1,215 @@
+"""HTTP schemas (pydantic) and their mapping onto the engine's SynthesisRequest.
+
+`POST /v1/audio/speech` follows OpenAI's speech API; ChatTTS extras (seed, temperature, top_p, top_k,
+repetition_penalty, max_new_tokens, refine_text, prompt, sample_rate, normalize) sit in the same body.
+Unknown fields are rejected with a 400 naming them (as OpenAI does), so a typo never silently falls back
+to a default.
+
+`instructions` (free text in OpenAI's API): ChatTTS has no instruction-following model, so only the ChatTTS
+sentence-level control tokens found in it are used, `[oral_0-9]`, `[laugh_0-2]`, `[break_0-7]`, as the
+refine prompt (which turns on the refine-text stage); all other text in it is ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ttsserve.audio.encode import SAMPLE_RATES
+from ttsserve.audio.speed import speed_to_prompt, speed_token
+from ttsserve.params import SamplingParams, SynthesisRequest, Voice
+
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+REFINE_TOKEN_RE = re.compile(r"\[(?:oral_[0-9]|laugh_[0-2]|break_[0-7])\]")
+REFINE_PROMPT_RE = re.compile(r"^(?:\[(?:oral_[0-9]|laugh_[0-2]|break_[0-7])\])*$")
+MAX_SEED = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class VoiceRef(_Strict):
+    """A voice given as an object: exactly one of `id` (a stored or built-in voice), `seed` (a random
+    ChatTTS speaker drawn with that seed) or `speaker` (a ChatTTS speaker string)."""
+
+    id: str | None = Field(None, min_length=1, max_length=128)
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    speaker: str | None = Field(None, min_length=1, max_length=16384)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> VoiceRef:
+        if sum(v is not None for v in (self.id, self.seed, self.speaker)) != 1:
+            raise ValueError("give exactly one of id, seed, speaker")
+        return self
+
+
+VoiceSpec = str | VoiceRef
+
+
+class ChatTTSOptions(_Strict):
+    """ChatTTS extras; None means the engine default (SamplingParams.code_defaults())."""
+
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed: same seed, same audio")
+    temperature: float | None = Field(None, gt=0, le=5)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1, le=1024)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20, description="frame cap per text segment")
+    refine_text: bool | None = Field(None, description="run the refine-text stage (default: on iff a prompt is given)")
+    prompt: str | None = Field(
+        None, max_length=256, description="refine prompt of [oral_0-9][laugh_0-2][break_0-7] tokens"
+    )
+    sample_rate: int | None = Field(None, description=f"output rate, one of {SAMPLE_RATES}; default 24000")
+    normalize: bool | None = Field(None, description="extended text normalization (numbers, units, ...)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_tokens(cls, v: str | None) -> str | None:
+        if v is not None and not REFINE_PROMPT_RE.match(v):
+            raise ValueError("prompt must be a sequence of [oral_0-9], [laugh_0-2], [break_0-7] tokens")
+        return v
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: int | None) -> int | None:
+        if v is not None and v not in SAMPLE_RATES:
+            raise ValueError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))}")
+        return v
+
+
+class SpeechRequest(ChatTTSOptions):
+    """OpenAI `POST /v1/audio/speech` body (plus ChatTTS extras)."""
+
+    model: str = Field(..., min_length=1, max_length=256)
+    input: str = Field(..., min_length=1, description="text to speak (at most --max-input-chars, else 413)")
+    voice: VoiceSpec = Field(..., description='a voice name or id, or {"id": ...} / {"seed": n} / {"speaker": s}')
+    instructions: str | None = Field(None, max_length=4096)
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+
+    @field_validator("voice")
+    @classmethod
+    def _voice_name(cls, v: VoiceSpec) -> VoiceSpec:
+        if isinstance(v, str) and not (1 <= len(v) <= 128):
+            raise ValueError("voice name must have 1 to 128 characters")
+        return v
+
+
+class SynthesizeRequest(ChatTTSOptions):
+    """`POST /synthesize` body: the simple API. Returns the whole file unless `stream` is true."""
+
+    text: str = Field(..., min_length=1)
+    voice: VoiceSpec | None = Field(None, description="default: the built-in voice 'alloy'")
+    format: ResponseFormat = "wav"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream: bool = False
+
+
+class VoiceCreateJSON(_Strict):
+    """`POST /v1/audio/voices` as JSON: a named voice from a speaker seed or a ChatTTS speaker string.
+    (A reference recording is uploaded as multipart/form-data instead: name, audio_sample, transcript.)"""
+
+    name: str = Field(..., min_length=1, max_length=64)
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    speaker: str | None = Field(None, min_length=1, max_length=16384)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VoiceCreateJSON:
+        if (self.seed is None) == (self.speaker is None):
+            raise ValueError("give exactly one of seed, speaker")
+        return self
+
+
+class VoiceObject(BaseModel):
+    id: str
+    object: Literal["audio.voice"] = "audio.voice"
+    name: str
+    type: Literal["builtin", "seed", "speaker", "audio_sample"]
+    created_at: int
+    seed: int | None = None
+
+
+class VoiceList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VoiceObject]
+
+
+class VoiceDeleted(BaseModel):
+    id: str
+    object: Literal["audio.voice.deleted"] = "audio.voice.deleted"
+    deleted: bool = True
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ttsserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def refine_prompt_of(opts: ChatTTSOptions, instructions: str | None) -> str:
+    """The refine prompt: `prompt` if given, else the control tokens found in `instructions`."""
+    if opts.prompt is not None:
+        return opts.prompt
+    return "".join(REFINE_TOKEN_RE.findall(instructions or ""))
+
+
+def build_synthesis_request(
+    text: str,
+    voice: Voice,
+    opts: ChatTTSOptions,
+    *,
+    speed: float,
+    instructions: str | None = None,
+    max_new_tokens_cap: int | None = None,
+    request_id: str | None = None,
+) -> tuple[SynthesisRequest, float]:
+    """HTTP options -> (SynthesisRequest, residual time-stretch factor for the decoded audio).
+
+    Raises ValueError (message names the field) for values the engine's dataclasses reject.
+    """
+    speed_index, residual = speed_to_prompt(speed)
+    overrides = {
+        k: getattr(opts, k)
+        for k in ("seed", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+        if getattr(opts, k) is not None
+    }
+    cap = max_new_tokens_cap
+    if cap is not None:
+        overrides["max_new_tokens"] = min(overrides.get("max_new_tokens", cap), cap)
+    code_params = SamplingParams.code_defaults(**overrides)
+    refine_prompt = refine_prompt_of(opts, instructions)
+    refine_text = opts.refine_text if opts.refine_text is not None else bool(refine_prompt)
+    refine_params = SamplingParams.refine_defaults(**({"seed": opts.seed} if opts.seed is not None else {}))
+    req = SynthesisRequest(
+        text=text,
+        voice=voice,
+        code_params=code_params,
+        refine_text=refine_text,
+        refine_params=refine_params,
+        refine_prompt=refine_prompt,
+        code_prompt=speed_token(speed_index),
+        normalize=True if opts.normalize is None else opts.normalize,
+        request_id=request_id,
+    )
+    return req, residual
