@@ -130,22 +130,24 @@ def test_text_teacher_forced(model, c_gold) -> None:
 class PagedRun:
     """Feeds sequences through the GPT on a paged cache in caller-chosen steps (block_size 4, shuffled blocks)."""
 
-    def __init__(self, gpt: GPT, lens: list[int], block_size: int = 4) -> None:
-        self.gpt, self.block_size = gpt, block_size
+    def __init__(self, gpt: GPT, lens: list[int], block_size: int = 4, device: str = "cpu") -> None:
+        self.gpt, self.block_size, self.device = gpt, block_size, device
         per_seq = [-(-n // block_size) for n in lens]
         perm = torch.randperm(sum(per_seq) + 2, generator=torch.Generator().manual_seed(0)).tolist()
         self.tables = [perm[sum(per_seq[:i]):sum(per_seq[:i + 1])] for i in range(len(lens))]
         cfg = gpt.cfg
         shape = kv_cache_shape(len(perm), block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.caches = [torch.zeros(shape) for _ in range(cfg.num_layers)]
+        self.caches = [torch.zeros(shape, device=device) for _ in range(cfg.num_layers)]
         self.done = [0] * len(lens)
 
     def step(self, feeds: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """feeds: {seq: embeddings [n, H]} (a flat batch, in dict order) -> {seq: hidden [n, H]}."""
         seqs = list(feeds)
         news = [feeds[s].shape[0] for s in seqs]
-        md = make_metadata([self.tables[s] for s in seqs], [self.done[s] for s in seqs], news, self.block_size)
-        positions = torch.cat([torch.arange(self.done[s], self.done[s] + n) for s, n in zip(seqs, news)])
+        md = make_metadata([self.tables[s] for s in seqs], [self.done[s] for s in seqs], news, self.block_size,
+                           self.device)
+        positions = torch.cat([torch.arange(self.done[s], self.done[s] + n, device=self.device)
+                               for s, n in zip(seqs, news)])
         ctx = PagedAttention(TorchPagedAttention(), self.caches, md, self.gpt.cfg.head_dim ** -0.5)
         with torch.no_grad():
             h = self.gpt(torch.cat([feeds[s] for s in seqs]), positions, ctx)
@@ -252,3 +254,33 @@ def test_oracle_stops_at_eos_and_excludes_it(model, prompts, spk) -> None:
     toks, hid = generate_dense(gpt, emb, x, "code", SamplingParams(greedy=True, max_new_tokens=4), eos_id=stop_id)
     assert toks.shape == (2, 4) and hid.shape == (2, 64)
     assert torch.equal(toks, first[:2])
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_parity_dense_and_paged(cfg, c_gold, prompts, spk, d_gold) -> None:
+    """The same modules on CUDA (fp32, TF32 off): goldens within the CPU tolerances, greedy ids exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    gpt = GPT.from_state_dict(load_file(ASSET / "gpt" / "model.safetensors"), cfg, device=dev)
+    emb = Embed.from_state_dict(load_file(ASSET / "Embed.safetensors")).to(dev)
+    ids, mask = t(c_gold["code_input_ids"]).to(dev), t(c_gold["code_text_mask"]).to(dev)
+    with torch.no_grad():
+        x = emb.embed_prompt(ids, mask, spk.to(dev), prompts["special_ids"]["[spk_emb]"])
+        h = gpt(x, torch.arange(len(ids), device=dev), DenseAttention(cfg.num_layers))
+    assert max_err(x.cpu(), c_gold["code_inputs_embeds"]) < 1e-6
+    assert max_err(emb.code_logits(h).cpu(), c_gold["code_logits"]) < 5e-5
+    run = PagedRun(gpt, [len(ids)], device="cuda")
+    bounds = [0, 6, 11, 16] + list(range(17, len(ids) + 1))
+    hp = torch.cat([run.step({0: x[s:e]})[0] for s, e in zip(bounds, bounds[1:])])
+    assert max_err(emb.code_logits(hp).cpu(), c_gold["code_logits"]) < 5e-5
+    meta, gold = d_gold
+    texts = {x["key"]: x for x in prompts["texts"]}
+    for key in D_KEYS:
+        cid = torch.tensor(texts[key]["code"]["ids"], device=dev)
+        xp = emb.embed_prompt(cid[:, None].repeat(1, 4), torch.ones(len(cid), dtype=torch.bool, device=dev),
+                              spk.to(dev), prompts["special_ids"]["[spk_emb]"])
+        codes, hiddens = generate_dense(gpt, emb, xp, "code", greedy_params(meta["code_settings"], True))
+        assert codes.cpu().tolist() == gold[f"{key}_code_ids"].tolist(), key
+        assert max_err(hiddens.cpu(), gold[f"{key}_code_hiddens"]) < 1e-5
