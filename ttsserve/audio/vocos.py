@@ -69,15 +69,16 @@ class ISTFTHead(nn.Module):
         self.register_buffer("window", torch.hann_window(n_fft))
 
     def forward(self, x: Tensor, frame_mask: Tensor | None = None) -> Tensor:
-        # the spectrum and the ISTFT run in fp32 whatever the backbone dtype
-        x = self.out(x).transpose(1, 2).float()
+        # the spectrum and the ISTFT run in fp32 (or fp64) whatever the backbone dtype
+        x = self.out(x).transpose(1, 2)
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         mag, phase = x.chunk(2, dim=1)
         mag = torch.exp(mag).clamp(max=100.0)
         spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
-        window = self.window.float()
+        window = self.window.to(x.dtype)
         if frame_mask is None:
             return torch.istft(spec, self.n_fft, self.hop_length, self.n_fft, window, center=True)
-        return istft_rows(spec, window, self.hop_length, frame_mask.float())
+        return istft_rows(spec, window, self.hop_length, frame_mask.to(x.dtype))
 
 
 class Vocos(nn.Module):

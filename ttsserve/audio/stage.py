@@ -1,0 +1,319 @@
+"""The batched streaming vocoder stage: the "detokenizer" of the engine.
+
+Each request streams frames (one GPT hidden state [H], or 4 codes for the DVAE path, per frame). `step()` decodes
+every ready window of every request in ONE zero-padded batch (Decoder/DVAE then Vocos, with per-row masks so
+padding never reaches a real row) and returns the new audio as `AudioChunk`s, with one device-to-host copy.
+
+Exactness. Frame f owns samples [spf*f, spf*(f+1)) (spf = 2*hop = 512); the utterance has spf*n - hop samples.
+A chunk emits frames [a, b) from a window [a - L, b + R] of frames. Every conv is zero padded, so a window
+differs from the one-shot decode only within the receptive field of its edges; with L and R from
+`context_frames()` (52 / 52 for the real model) the cropped samples are exactly the one-shot ones. A window that
+starts at frame 0 or ends at the last frame of a finished request has the same edges (conv zero padding, ISTFT
+center padding, the final -hop samples) as the one-shot decode, so no context is needed there.
+
+Work per frame is bounded: frames older than a - L are dropped, each window is at most L + max_chunk + R frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
+from ttsserve.audio.vocos import Vocos
+
+
+@dataclass
+class AudioChunk:
+    """New audio of one request. Concatenating a request's chunks in order gives its whole waveform."""
+
+    req_id: str
+    samples: np.ndarray  # float32 [num_samples] at 24 kHz
+    start_sample: int  # position of samples[0] in the request's waveform
+    is_final: bool  # the last chunk of the request (may be empty)
+
+
+def context_frames(mel_half_width: int, n_fft: int, hop: int) -> tuple[int, int]:
+    """(left, right) frames of context that make a cropped window exact.
+
+    mel_half_width: mel frames each side that one spectrum frame depends on (decoder + Vocos convs).
+    Frame f feeds mel frames 2f, 2f+1, hence spectrum frames [2f - W, 2f + 1 + W], hence samples
+    [hop*(2f - W) - n_fft/2, hop*(2f + 1 + W) + n_fft/2 - 1]. Left: frame a - L - 1 must not reach sample
+    2*hop*a; right: frame b + R must not reach sample 2*hop*b - 1.
+    """
+    w, half, spf = mel_half_width, n_fft // 2, 2 * hop
+    left = (hop * (w - 1) + half - 1) // spf + 1
+    right = (hop * w + half - 1) // spf + 1
+    return left, right
+
+
+class _FramePool:
+    """Frames of every request in one device tensor [num_slots, capacity, width], one slot per request.
+
+    Like a KV cache: appends of many requests are one indexed write, windows are one gather.
+    """
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device, capacity: int) -> None:
+        # zeros, not empty: positions past a row's length are read (then masked), and NaN * 0 is NaN
+        self.data = torch.zeros(4, capacity, width, dtype=dtype, device=device)
+        self.free = list(range(3, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[1]
+
+    def allocate(self) -> int:
+        if not self.free:
+            n = self.data.shape[0]
+            self.data = torch.cat([self.data, torch.zeros_like(self.data)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
+
+    def grow(self, capacity: int) -> None:
+        s, c, w = self.data.shape
+        extra = torch.zeros(s, capacity - c, w, dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data, extra], dim=1)
+
+    def shift(self, slot: int, src: int, count: int) -> None:
+        """Move positions [src, src + count) of a slot to [0, count)."""
+        self.data[slot, :count] = self.data[slot, src : src + count].clone()
+
+    def gather(self, slots: list[int], starts: list[int], lengths: list[int]) -> Tensor:
+        """-> [B, max(lengths), width]; row b holds positions starts[b].. of slot b, zero past lengths[b]."""
+        dev = self.data.device
+        n = max(lengths)
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        valid = torch.arange(n, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+        rows = self.data[torch.tensor(slots, device=dev)[:, None], pos.clamp(max=self.capacity - 1)]
+        return torch.where(valid[..., None], rows, torch.zeros_like(rows))
+
+
+@dataclass
+class _Stream:
+    use_codes: bool
+    slot: int
+    base: int = 0  # frame index stored at pool position 0
+    num_frames: int = 0  # frames appended
+    num_emitted_frames: int = 0  # frames [0, num_emitted_frames) have been emitted as audio
+    num_chunks: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Window:
+    req_id: str
+    stream: _Stream
+    start: int  # first frame decoded (a - L, or 0)
+    end: int  # one past the last frame decoded
+    emit_start: int  # a
+    emit_end: int  # b
+    is_final: bool
+
+
+class AudioStage:
+    """Batched streaming Decoder(or DVAE)+Vocos over many requests.
+
+    first_chunk_frames / max_chunk_frames: chunk k emits min(first * 2^k, max) frames.
+    lookahead_frames: right context; None = exact (from the receptive field). Smaller values lower the time to
+        first audio (a chunk waits for its frames plus the right context) at the cost of small seams.
+    device / dtype: where the frame buffers and networks run; default: those of `vocos`' parameters.
+    """
+
+    def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
+                 first_chunk_frames: int = 8, max_chunk_frames: int = 64, lookahead_frames: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if decoder is None and dvae is None:
+            raise ValueError("AudioStage needs a decoder or a dvae")
+        if not (1 <= first_chunk_frames <= max_chunk_frames):
+            raise ValueError(f"need 1 <= first_chunk_frames <= max_chunk_frames, got {first_chunk_frames}, "
+                             f"{max_chunk_frames}")
+        if lookahead_frames is not None and lookahead_frames < 1:
+            # a chunk's last sample needs the next frame's first mel frame, so at least one frame
+            raise ValueError(f"lookahead_frames must be None or >= 1, got {lookahead_frames}")
+        param = next(vocos.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype or param.dtype
+        self.decoder, self.dvae, self.vocos = decoder, dvae, vocos
+        self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
+        self.samples_per_frame = 2 * vocos.hop_length
+        half_width = max(net.receptive_field for net in (decoder, dvae) if net is not None) + vocos.receptive_field
+        self.left_context_frames, exact_right = context_frames(half_width, vocos.n_fft, vocos.hop_length)
+        self.right_context_frames = exact_right if lookahead_frames is None else lookahead_frames
+        capacity = 2 * (self.left_context_frames + max_chunk_frames + self.right_context_frames)
+        self._pools: dict[bool, _FramePool] = {}
+        if decoder is not None:
+            self._pools[False] = _FramePool(decoder.hidden_size, self.dtype, self.device, capacity)
+        if dvae is not None:
+            self._pools[True] = _FramePool(dvae.num_vq, torch.long, self.device, capacity)
+        self._streams: dict[str, _Stream] = {}
+        self.frames_decoded_total = 0  # real frames in decoded windows (context included)
+        self.frames_padded_total = 0  # B * max window length, summed over calls
+        self.calls_total = 0  # batched network calls (at most one per step)
+        self.chunks_total = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def add_request(self, req_id: str, use_codes: bool = False) -> None:
+        """Register a stream; use_codes=True feeds codes [n, 4] through the DVAE instead of hiddens."""
+        if req_id in self._streams:
+            raise ValueError(f"AudioStage: request {req_id!r} already exists")
+        if use_codes not in self._pools:
+            raise ValueError(f"AudioStage: no {'DVAE' if use_codes else 'decoder'} for request {req_id!r}")
+        self._streams[req_id] = _Stream(use_codes, self._pools[use_codes].allocate())
+
+    def append(self, req_id: str, frames: Tensor) -> None:
+        """frames: [n, H] hidden states (fp32, any device) or LongTensor codes [n, 4] for a use_codes request."""
+        st = self._get(req_id)
+        self._check_frames(req_id, st, frames)
+        n = frames.shape[0]
+        if n == 0:
+            return
+        pool = self._reserve(st, n)
+        pos = st.num_frames - st.base
+        pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
+        st.num_frames += n
+
+    def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
+        """One frame for each of many requests in one device write. frames: [len(req_ids), H] (or [.., 4])."""
+        if frames.dim() != 2 or frames.shape[0] != len(req_ids):
+            raise ValueError(f"AudioStage.append_batch: frames must be [{len(req_ids)}, C], got {tuple(frames.shape)}")
+        if not req_ids:
+            return
+        streams = [self._get(r) for r in req_ids]
+        kinds = {st.use_codes for st in streams}
+        if len(kinds) != 1 or len(set(req_ids)) != len(req_ids):
+            raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
+        for r, st in zip(req_ids, streams):
+            self._check_frames(r, st, frames[:1])
+            self._reserve(st, 1)
+        pool = self._pools[kinds.pop()]
+        slots = torch.tensor([st.slot for st in streams], device=self.device)
+        pos = torch.tensor([st.num_frames - st.base for st in streams], device=self.device)
+        pool.data[slots, pos] = frames.to(device=self.device, dtype=pool.data.dtype)
+        for st in streams:
+            st.num_frames += 1
+
+    def finish(self, req_id: str) -> None:
+        """No more frames will come: the next step() flushes the tail and emits the final chunk."""
+        self._get(req_id).finished = True
+
+    def abort(self, req_id: str) -> None:
+        """Drop a request and free its buffers (no-op for unknown or already completed requests)."""
+        st = self._streams.pop(req_id, None)
+        if st is not None:
+            self._pools[st.use_codes].free.append(st.slot)
+
+    def _get(self, req_id: str) -> _Stream:
+        st = self._streams.get(req_id)
+        if st is None:
+            raise ValueError(f"AudioStage: unknown request {req_id!r}")
+        return st
+
+    def _check_frames(self, req_id: str, st: _Stream, frames: Tensor) -> None:
+        if st.finished:
+            raise ValueError(f"AudioStage: request {req_id!r} is finished; no more frames")
+        width = self._pools[st.use_codes].data.shape[2]
+        if frames.dim() != 2 or frames.shape[1] != width:
+            raise ValueError(f"AudioStage: frames for {req_id!r} must be [n, {width}], got {tuple(frames.shape)}")
+        if st.use_codes == frames.dtype.is_floating_point:
+            kind = "integer codes" if st.use_codes else "float hidden states"
+            raise ValueError(f"AudioStage: request {req_id!r} takes {kind}, got {frames.dtype}")
+
+    def _reserve(self, st: _Stream, n: int) -> _FramePool:
+        """Make room for n more frames in the stream's slot: drop frames no window needs, grow if still short."""
+        pool = self._pools[st.use_codes]
+        if st.num_frames + n - st.base <= pool.capacity:
+            return pool
+        keep_from = max(st.base, st.num_emitted_frames - self.left_context_frames)
+        if keep_from > st.base:
+            pool.shift(st.slot, keep_from - st.base, st.num_frames - keep_from)
+            st.base = keep_from
+        need = st.num_frames + n - st.base
+        if need > pool.capacity:
+            pool.grow(max(2 * pool.capacity, need))
+        return pool
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def _chunk_frames(self, k: int) -> int:
+        return min(self.first_chunk_frames << min(k, 32), self.max_chunk_frames)
+
+    def _plan(self, req_id: str, st: _Stream) -> list[_Window]:
+        """Every window of this stream that can be emitted now, in order."""
+        windows = []
+        a, k, n = st.num_emitted_frames, st.num_chunks, st.num_frames
+        left, right = self.left_context_frames, self.right_context_frames
+        while a < n:
+            c = self._chunk_frames(k)
+            if st.finished:
+                b = n if n <= a + c + right else a + c  # a short tail joins this chunk: same window size
+            elif a + c + right <= n:
+                b = a + c
+            else:
+                break
+            windows.append(_Window(req_id, st, max(0, a - left), min(n, b + right), a, b, st.finished and b == n))
+            a, k = b, k + 1
+        return windows
+
+    def step(self) -> list[AudioChunk]:
+        """Decode every ready window of every request in one batched call; returns the new chunks, in order
+        per request. A finished request's last chunk has is_final=True (empty for a zero-frame request)."""
+        windows: list[_Window] = []
+        chunks: list[AudioChunk] = []
+        for req_id, st in self._streams.items():
+            planned = self._plan(req_id, st)
+            windows.extend(planned)
+            if st.finished and st.num_emitted_frames == st.num_frames and not planned:
+                start = max(0, self.samples_per_frame * st.num_frames - self.vocos.hop_length)
+                chunks.append(AudioChunk(req_id, np.zeros(0, np.float32), start, True))
+        if windows:
+            chunks.extend(self._decode(windows))
+        for w in windows:
+            w.stream.num_emitted_frames = w.emit_end
+            w.stream.num_chunks += 1
+        for ch in chunks:
+            if ch.is_final:
+                self.abort(ch.req_id)
+        self.chunks_total += len(chunks)
+        return chunks
+
+    @torch.no_grad()
+    def _decode(self, windows: list[_Window]) -> list[AudioChunk]:
+        """Decoder/DVAE on each kind's rows, one Vocos call on all rows, crop, one host copy."""
+        mels, lengths, order = [], [], []
+        for use_codes, pool in self._pools.items():
+            rows = [w for w in windows if w.stream.use_codes == use_codes]
+            if not rows:
+                continue
+            lens = [w.end - w.start for w in rows]
+            x = pool.gather([w.stream.slot for w in rows], [w.start - w.stream.base for w in rows], lens)
+            x = x.transpose(1, 2)  # [B, C, N]
+            lens_t = torch.tensor(lens, device=self.device)
+            mels.append(self.dvae.decode_codes(x, lens_t) if use_codes else self.decoder(x, lens_t))
+            lengths.extend(lens)
+            order.extend(rows)
+        t = max(m.shape[-1] for m in mels)
+        mel = torch.cat([F.pad(m, (0, t - m.shape[-1])) for m in mels])
+        wav = self.vocos(mel, 2 * torch.tensor(lengths, device=self.device))  # [B, hop * (t - 1)]
+        self.calls_total += 1
+        self.frames_decoded_total += sum(lengths)
+        self.frames_padded_total += len(lengths) * (t // 2)
+        return self._crop(order, wav)
+
+    def _crop(self, windows: list[_Window], wav: Tensor) -> list[AudioChunk]:
+        spf, hop = self.samples_per_frame, self.vocos.hop_length
+        starts = [spf * (w.emit_start - w.start) for w in windows]
+        # a final chunk runs to the utterance's end, spf * n - hop, which is also the window's end
+        ends = [spf * (w.emit_end - w.start) - (hop if w.is_final else 0) for w in windows]
+        cols = torch.arange(wav.shape[1], device=wav.device)[None, :]
+        keep = (cols >= torch.tensor(starts, device=wav.device)[:, None]) & (
+            cols < torch.tensor(ends, device=wav.device)[:, None])
+        flat = wav[keep].float().cpu().numpy()  # row-major: the rows' crops back to back
+        pieces = np.split(flat, np.cumsum([e - s for s, e in zip(starts, ends)])[:-1])
+        return [AudioChunk(w.req_id, p, spf * w.emit_start, w.is_final) for w, p in zip(windows, pieces)]
