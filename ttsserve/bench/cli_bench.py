@@ -1,0 +1,201 @@
+"""`ttsserve bench offline | serve`: argument parsing and the glue from flags to runs and reports.
+
+Mounted by ttsserve/cli.py through add_bench_parser(subparsers); each sub-command sets `func(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _words(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _bytes(s: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    s = s.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 2G or 512M, got {s!r}") from None
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="picks the texts and the per-request sampling seeds")
+    p.add_argument("--langs", type=_words, default=["en", "zh", "mixed"], help="corpus languages, e.g. en,zh")
+    p.add_argument("--text-lengths", type=_words, default=["short", "medium", "long"],
+                   help="corpus sentence lengths, e.g. short,medium")
+    p.add_argument("--out", default=None, help="report folder (default benchmarks/results/<timestamp>-<kind>/)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+
+
+def _add_offline(sub) -> None:
+    p = sub.add_parser("offline", help="drive the engine (and/or the HF baseline) directly, no HTTP")
+    p.add_argument("--backend", default="ttsserve", choices=["ttsserve", "hf", "both"])
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32], help="requests submitted at once, e.g. 1,8,32")
+    p.add_argument("--frames", type=int, default=128, help="frames per segment (the cap, for --lengths natural)")
+    p.add_argument("--lengths", default="fixed", choices=["fixed", "natural"],
+                   help="fixed: min_new_tokens = max_new_tokens = frames; natural: stop at EOS")
+    p.add_argument("--rounds", type=int, default=1, help="batches per batch size")
+    p.add_argument("--split", action="store_true", help="split long texts into segments (default: one each)")
+    p.add_argument("--warmup-frames", type=int, default=8, help="an untimed warm-up request (0: none)")
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, help="checkpoint folder (holding asset/) or hub id")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV pool size, e.g. 2G")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enforce-eager", action="store_true")
+    _add_common(p)
+    p.set_defaults(func=cmd_offline)
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="HTTP load test against a running `ttsserve serve`")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only by default)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
+    p.add_argument("--endpoint", default="speech", choices=["speech", "synthesize"],
+                   help="speech: POST /v1/audio/speech (OpenAI); synthesize: POST /synthesize")
+    p.add_argument("--model-name", default="chattts", help="the body's `model` field")
+    p.add_argument("--voice", default="alloy")
+    p.add_argument("--concurrency", type=_ints, default=[], help="closed-loop clients per point, e.g. 1,4,16")
+    p.add_argument("--qps", type=_floats, default=[], help="Poisson arrival rates per point, e.g. 0.5,2")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per point (at most)")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per point (at most; no new sends after)")
+    p.add_argument("--no-stream", action="store_true", help="time whole responses, not chunks")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="frame cap per segment sent with each request")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    _add_common(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `bench` with sub-commands `offline` and `serve` (each sets func(args) -> exit code)."""
+    p = subparsers.add_parser("bench", help="offline and serving benchmarks with JSON/Markdown/PNG reports")
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    _add_offline(sub)
+    _add_serve(sub)
+    q = sub.add_parser("quality", help="audio quality metrics (not implemented yet: a later issue)")
+    q.set_defaults(func=cmd_quality)
+    return p
+
+
+# ---- commands ---------------------------------------------------------------------------------------------
+def _engine_config(a: argparse.Namespace):
+    from ttsserve.config import EngineConfig
+
+    return EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device,
+                        dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                        kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
+                        enforce_eager=a.enforce_eager)
+
+
+def _make_backend(name: str, cfg):
+    if name == "hf":
+        from ttsserve.bench.baseline_hf import HFBaseline
+
+        return HFBaseline(cfg)
+    from ttsserve.bench.offline import TTSServeBackend
+
+    return TTSServeBackend(cfg)
+
+
+def cmd_offline(a: argparse.Namespace) -> int:
+    try:
+        return _offline(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _offline(a: argparse.Namespace) -> int:
+    import torch
+
+    from ttsserve.bench.offline import OfflineSpec, run_offline
+    from ttsserve.bench.report import build_report, default_out_dir, write_report
+    from ttsserve.bench.sysinfo import machine_info
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    spec = OfflineSpec(batch_sizes=a.batch_sizes, frames=a.frames, lengths=a.lengths, rounds=a.rounds,
+                       seed=a.seed, langs=a.langs, text_lengths=a.text_lengths, split=a.split,
+                       warmup_frames=a.warmup_frames, greedy=a.greedy)
+    cfg = _engine_config(a)
+    names = ["hf", "ttsserve"] if a.backend == "both" else [a.backend]
+    results, described, device = [], {}, None
+    for name in names:
+        backend = _make_backend(name, cfg)
+        described[name], device = backend.describe(), str(backend.device)
+        results += run_offline(spec, backend, progress=not a.no_progress)
+        del backend  # free one backend's weights and caches before the next one's peak is measured
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    config = {"spec": _plain(dataclasses.asdict(spec)), "engine": _plain(dataclasses.asdict(cfg)),
+              "backend": a.backend}
+    report = build_report("offline", results, config, machine_info(device), described)
+    out = write_report(report, results, a.out or default_out_dir("offline"), plots=not a.no_plots)
+    print((out / "report.md").read_text())
+    print(f"report written to {out}")
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from ttsserve.bench.report import build_report, default_out_dir, write_report
+    from ttsserve.bench.serving import ServeSpec, run_serving
+    from ttsserve.bench.sysinfo import machine_info
+
+    try:
+        spec = ServeSpec(url=a.url, endpoint=a.endpoint, model=a.model_name, voice=a.voice,
+                         concurrency=a.concurrency, qps=a.qps, num_requests=a.num_requests, duration=a.duration,
+                         stream=not a.no_stream, max_new_tokens=a.max_new_tokens, seed=a.seed, langs=a.langs,
+                         text_lengths=a.text_lengths, timeout=a.timeout, allow_remote=a.allow_remote)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = run_serving(spec, progress=not a.no_progress)
+    machine = machine_info(None) | {"device": f"server at {a.url}"}
+    report = build_report("serve", results, {"spec": _plain(dataclasses.asdict(spec))}, machine)
+    out = write_report(report, results, a.out or default_out_dir("serve"), plots=not a.no_plots)
+    print((out / "report.md").read_text())
+    print(f"report written to {out}")
+    return 0
+
+
+def cmd_quality(a: argparse.Namespace) -> int:
+    print("error: `ttsserve bench quality` is not implemented yet (planned for a later issue)", file=sys.stderr)
+    return 2
+
+
+def _plain(d: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}

@@ -1,0 +1,195 @@
+"""Benchmark reports: report.json (machine, versions, git commit, command line, config, every figure and every
+request), report.md (tables), and PNG plots (throughput vs load, latency percentiles vs load, TTFA CDF)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ttsserve.bench.results import RunResult
+
+REPORT_VERSION = 1
+
+
+def default_out_dir(kind: str) -> Path:
+    from ttsserve.bench.sysinfo import REPO_ROOT
+
+    return REPO_ROOT / "benchmarks" / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
+
+
+def ratios(results: Sequence[RunResult], base: str = "hf", other: str = "ttsserve") -> list[dict]:
+    """Per load point present for both backends: other / base for throughput, base / other for latency
+    (so > 1 always means `other` is better)."""
+    by = {(r.backend, r.load): r.summary() for r in results}
+    out = []
+    for (backend, load), s_base in sorted(by.items(), key=lambda kv: kv[0][1]):
+        s_other = by.get((other, load))
+        if backend != base or s_other is None:
+            continue
+
+        def div(a, b):
+            return a / b if a is not None and b else None
+
+        out.append({
+            "load": load, "throughput_ratio": div(s_other["audio_seconds_per_s"], s_base["audio_seconds_per_s"]),
+            "frames_per_s_ratio": div(s_other["frames_per_s"], s_base["frames_per_s"]),
+            "latency_p50_speedup": div(s_base["latency_s"]["p50"], s_other["latency_s"]["p50"]),
+            "ttfa_p50_speedup": div(s_base["ttfa_s"]["p50"], s_other["ttfa_s"]["p50"]),
+            "peak_memory_ratio": div(s_other["peak_memory_bytes"], s_base["peak_memory_bytes"]),
+        })
+    return out
+
+
+def build_report(kind: str, results: Sequence[RunResult], config: dict, machine: dict,
+                 backends: dict | None = None) -> dict:
+    return {"report_version": REPORT_VERSION, "kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine, "config": config, "backends": backends or {},
+            "ratios": ratios(results) if {r.backend for r in results} >= {"hf", "ttsserve"} else [],
+            "results": [r.to_json() for r in results]}
+
+
+def write_report(report: dict, results: Sequence[RunResult], out_dir: str | Path, plots: bool = True) -> Path:
+    """Write report.json, report.md and the plots into out_dir (created); returns out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(_sanitize(report), indent=2, default=_json_default, allow_nan=False))
+    (out / "report.md").write_text(markdown(report, results))
+    if plots:
+        write_plots(results, out)
+    return out
+
+
+def _json_default(o):
+    return str(o)
+
+
+def _sanitize(x):
+    """NaN/inf -> None so report.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _sanitize(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_sanitize(v) for v in x]
+    return x
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.0f}"
+
+
+def _pcts(d: dict, keys=("p50", "p90", "p99")) -> str:
+    return " / ".join(_f(d[k]) for k in keys)
+
+
+def markdown(report: dict, results: Sequence[RunResult]) -> str:
+    m = report["machine"]
+    lines = [f"# ttsserve bench {report['kind']}", "",
+             f"- command: `{m.get('command')}`",
+             f"- machine: {m.get('cpu_model')} ({m.get('cpu_cores')} cores), device {m.get('device')}"
+             + (f" ({m['gpu_name']})" if m.get("gpu_name") else ""),
+             f"- torch {m.get('torch')}, transformers {m.get('transformers', '-')}, git {m.get('git_commit')}",
+             f"- created {report['created']}", ""]
+    if report["kind"] == "offline":
+        lines += ["| backend | batch | requests | frames/s | audio-s/s | latency p50/p90/p99 (s) | "
+                  "TTFA p50/p90/p99 (s) | peak mem (MiB) | KV peak (MiB) | KV usage | preemptions |",
+                  "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+        for r in results:
+            s = r.summary()
+            lines.append(f"| {s['backend']} | {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
+                         f"{_f(s['frames_per_s'], 1)} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['latency_s'])} | "
+                         f"{_pcts(s['ttfa_s'])} | {_mib(s['peak_memory_bytes'])} | {_mib(s['kv_cache_bytes_peak'])} | "
+                         f"{_f(s['kv_cache_usage_peak'])} | {s['preemptions']} |")
+    else:
+        lines += ["| load | ok/total | req/s | audio-s/s | TTFA p50/p99 (s) | latency p50/p99 (s) | "
+                  "RTF p50/p99 | underrun streams | errors | server mem peak (MiB) |",
+                  "|---|---:|---:|---:|---|---|---|---:|---|---:|"]
+        for r in results:
+            s = r.summary()
+            p = ("p50", "p99")
+            lines.append(f"| {s['load_kind']} {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
+                         f"{_f(s['requests_per_s'])} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['ttfa_s'], p)} | "
+                         f"{_pcts(s['latency_s'], p)} | {_pcts(s['rtf'], p)} | {s['underrun_streams']} | "
+                         f"{s['errors'] or '-'} | {_mib(s['peak_memory_bytes'])} |")
+    if report["ratios"]:
+        lines += ["", "ttsserve vs hf (> 1: ttsserve better)", "",
+                  "| batch | throughput x | latency p50 x | TTFA p50 x | peak memory (ttsserve/hf) |",
+                  "|---:|---:|---:|---:|---:|"]
+        for q in report["ratios"]:
+            lines.append(f"| {q['load']:g} | {_f(q['throughput_ratio'])} | {_f(q['latency_p50_speedup'])} | "
+                         f"{_f(q['ttfa_p50_speedup'])} | {_f(q['peak_memory_ratio'])} |")
+    lines += ["", "Units: audio-s/s = seconds of returned 24-kHz audio per wall second (all requests); "
+              "frames/s = code frames per wall second (1 frame = 512 samples = 21.3 ms); latency = submission "
+              "to last audio; TTFA = submission to first audio; RTF = latency / audio duration.", ""]
+    return "\n".join(lines)
+
+
+def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:
+    """throughput.png, latency.png and ttfa_cdf.png (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[RunResult]] = {}
+    for r in results:
+        groups.setdefault(r.backend, []).append(r)
+    xlabel = {"batch_size": "batch size (requests submitted at once)", "concurrency": "concurrent clients",
+              "qps": "offered load (requests/s)"}
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rs in groups.items():
+        for kind in dict.fromkeys(r.load_kind for r in rs):
+            pts = sorted((r.load, r.summary()["audio_seconds_per_s"]) for r in rs if r.load_kind == kind)
+            ax.plot(*zip(*pts), marker="o", label=f"{name} ({kind})")
+    ax.set(xlabel=" / ".join(xlabel[k] for k in dict.fromkeys(r.load_kind for r in results)),
+           ylabel="audio seconds per second", title="Throughput")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rs in groups.items():
+        for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+            pts = sorted((r.load, r.summary()["latency_s"][q]) for r in rs)
+            pts = [p for p in pts if p[1] is not None]
+            if pts:
+                ax.plot(*zip(*pts), ls=style, marker="o", label=f"{name} latency {q}")
+        pts = [(r.load, r.summary()["ttfa_s"]["p50"]) for r in sorted(rs, key=lambda r: r.load)]
+        pts = [p for p in pts if p[1] is not None]
+        if pts:
+            ax.plot(*zip(*pts), ls="-.", marker="x", label=f"{name} TTFA p50")
+    ax.set(xlabel="load", ylabel="seconds", title="Latency percentiles vs load")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "latency.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        ttfa = sorted(x.ttfa_s for x in r.requests if x.status == "ok" and x.ttfa_s is not None)
+        if ttfa:
+            ax.step(ttfa, [(i + 1) / len(ttfa) for i in range(len(ttfa))], where="post",
+                    label=f"{r.backend} {r.load_kind} {r.load:g}")
+    ax.set(xlabel="time to first audio (s)", ylabel="fraction of requests", title="TTFA CDF", ylim=(0, 1.02))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "ttfa_cdf.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

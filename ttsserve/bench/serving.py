@@ -1,0 +1,265 @@
+"""`ttsserve bench serve`: an async HTTP load generator against a running server (httpx).
+
+Load: a fixed number of concurrent clients (each sends its next request when the last one ends), or Poisson
+arrivals at a target QPS (open loop). Each point is bounded by `num_requests` and by `duration` seconds.
+Streaming requests ask for raw PCM (`response_format=pcm`: 16-bit little-endian mono), so received bytes / 2
+is exactly the number of samples, and every chunk's arrival time is known:
+- ttfa_s: send -> first audio byte; latency_s: send -> last byte.
+- underruns: playback starts at the first byte and consumes 1 s of audio per second; a chunk that arrives
+  after the received audio ran out is an underrun, and playback waits for it (stall_s adds the wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from ttsserve.bench.corpus import LANGS, LENGTHS, Sentence, select_texts
+from ttsserve.bench.results import SAMPLE_RATE, RequestRecord, RunResult
+
+
+@dataclass
+class ServeSpec:
+    """url: the server's base URL. endpoint: "speech" (/v1/audio/speech, OpenAI body) or "synthesize"
+    (/synthesize). max_new_tokens: the frame cap per segment sent with every request (None: the server's).
+    sample_rate: the PCM rate the server sends (24 kHz unless the request asks for another)."""
+
+    url: str = "http://127.0.0.1:8000"
+    endpoint: str = "speech"
+    model: str = "chattts"
+    voice: str = "alloy"
+    concurrency: Sequence[int] = ()
+    qps: Sequence[float] = ()
+    num_requests: int = 32
+    duration: float = 120.0
+    stream: bool = True
+    max_new_tokens: int | None = 256
+    seed: int = 0
+    langs: Sequence[str] = LANGS
+    text_lengths: Sequence[str] = LENGTHS
+    timeout: float = 600.0
+    allow_remote: bool = False
+    sample_rate: int = SAMPLE_RATE
+    extra_body: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ("speech", "synthesize"):
+            raise ValueError(f"endpoint must be speech|synthesize, got {self.endpoint!r}")
+        if not self.concurrency and not self.qps:
+            raise ValueError("give --concurrency and/or --qps")
+        if any(c < 1 for c in self.concurrency) or any(not (q > 0) for q in self.qps):
+            raise ValueError("concurrency values must be >= 1 and qps values > 0")
+        if self.num_requests < 1 or not (self.duration > 0):
+            raise ValueError("num_requests must be >= 1 and duration > 0")
+        check_loopback(self.url, self.allow_remote)
+
+    @property
+    def path(self) -> str:
+        return "/v1/audio/speech" if self.endpoint == "speech" else "/synthesize"
+
+    def body(self, text: str, index: int) -> dict:
+        seed = self.seed * 1_000_003 + index
+        if self.endpoint == "speech":
+            body = {"model": self.model, "input": text, "voice": self.voice, "response_format": "pcm",
+                    "stream_format": "audio", "seed": seed}
+        else:
+            body = {"text": text, "voice": self.voice, "format": "pcm", "stream": self.stream, "seed": seed}
+        if self.max_new_tokens is not None:
+            body["max_new_tokens"] = self.max_new_tokens
+        return body | self.extra_body
+
+
+def check_loopback(url: str, allow_remote: bool) -> None:
+    """ValueError unless `url` points at this machine (localhost, 127.0.0.0/8, ::1) or allow_remote is set:
+    a load test must never hit someone else's server by accident."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url must be http(s)://host[:port], got {url!r}")
+    if allow_remote or parts.hostname == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(parts.hostname).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"refusing to load-test non-loopback host {parts.hostname!r} (pass --allow-remote)")
+
+
+class _Playback:
+    """The underrun model of one stream (see the module docstring)."""
+
+    def __init__(self, sample_rate: int) -> None:
+        self.rate = sample_rate
+        self.play_end: float | None = None  # when the audio received so far finishes playing
+        self.underruns, self.stall_s = 0, 0.0
+
+    def receive(self, t: float, samples: int) -> None:
+        if samples <= 0:
+            return
+        if self.play_end is None:
+            self.play_end = t
+        elif t > self.play_end:
+            self.underruns += 1
+            self.stall_s += t - self.play_end
+            self.play_end = t
+        self.play_end += samples / self.rate
+
+
+async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -> RequestRecord:
+    """Send one request and time its bytes; errors become a record with status set, never an exception."""
+    import httpx
+
+    rec = RequestRecord(f"serve-{index}", sentence.id)
+    play, pending = _Playback(spec.sample_rate), b""
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", spec.path, json=spec.body(sentence.text, index)) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                rec.status, rec.latency_s = str(resp.status_code), time.perf_counter() - t0
+                return rec
+            async for chunk in resp.aiter_bytes():
+                now = time.perf_counter() - t0
+                pending += chunk
+                n = len(pending) // 2
+                pending = pending[2 * n:]
+                if n and rec.ttfa_s is None:
+                    rec.ttfa_s = now
+                rec.num_samples += n
+                if spec.stream:
+                    play.receive(now, n)
+    except httpx.TimeoutException:
+        rec.status = "timeout"
+    except httpx.HTTPError as e:
+        rec.status = type(e).__name__
+    rec.latency_s = time.perf_counter() - t0
+    if not spec.stream and rec.status == "ok":
+        rec.ttfa_s = rec.latency_s  # a non-streaming client has nothing to play before the whole file
+    rec.underruns, rec.stall_s = play.underruns, play.stall_s
+    rec.finish_reason = "stop" if rec.status == "ok" else None
+    return rec
+
+
+async def _closed_loop(client, spec: ServeSpec, texts: list[Sentence], concurrency: int, on_done) -> list:
+    deadline = time.perf_counter() + spec.duration
+    next_index = iter(range(len(texts)))
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        for i in next_index:
+            if time.perf_counter() >= deadline:
+                return
+            records.append(await one_request(client, spec, texts[i], i))
+            on_done()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+async def _open_loop(client, spec: ServeSpec, texts: list[Sentence], qps: float, on_done) -> list:
+    rng = random.Random(spec.seed)
+    deadline = time.perf_counter() + spec.duration
+    tasks = []
+
+    async def timed(i: int) -> RequestRecord:
+        rec = await one_request(client, spec, texts[i], i)
+        on_done()
+        return rec
+
+    for i in range(len(texts)):
+        if time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(timed(i)))
+        await asyncio.sleep(rng.expovariate(qps))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _scrape(client) -> dict[str, float]:
+    """Unlabelled and labelled samples of the server's /metrics ({} when it has none)."""
+    try:
+        resp = await client.get("/metrics", timeout=10.0)
+    except Exception:  # a missing or failing /metrics must not fail the benchmark
+        return {}
+    return parse_prometheus(resp.text) if resp.status_code == 200 else {}
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text format -> {"name{labels}": value} (comments skipped; unparsable lines ignored)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _memory_figures(samples: list[dict[str, float]], before: dict, after: dict) -> dict:
+    """Server-side peaks from /metrics scrapes: every gauge named *memory* or *kv_cache_usage*, plus the
+    preemption counter's increase."""
+    peaks: dict[str, float] = {}
+    for s in samples:
+        for k, v in s.items():
+            if ("memory" in k or "kv_cache_usage" in k) and not k.endswith(("_created", "_total_created")):
+                peaks[k] = max(v, peaks.get(k, v))
+    pre = [k for k in after if k.startswith("ttsserve_num_preemptions") and not k.endswith("_created")]
+    preempt = int(sum(after[k] - before.get(k, 0.0) for k in pre))
+    return {"server_metrics_peak": peaks, "preemptions": preempt}
+
+
+async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool = True) -> RunResult:
+    """One load point: requests until num_requests or duration, with /metrics sampled twice a second."""
+    import httpx
+    from tqdm import tqdm
+
+    texts = select_texts(spec.num_requests, seed=spec.seed, langs=tuple(spec.langs),
+                         lengths=tuple(spec.text_lengths))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
+        before = await _scrape(client)
+        samples: list[dict] = []
+        stop = asyncio.Event()
+
+        async def sampler() -> None:
+            while not stop.is_set():
+                samples.append(await _scrape(client))
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                except TimeoutError:
+                    pass
+
+        bar = tqdm(total=len(texts), unit="req", disable=not progress, leave=False, desc=f"{load_kind} {load:g}")
+        sampler_task = asyncio.create_task(sampler())
+        t0 = time.perf_counter()
+        if load_kind == "concurrency":
+            records = await _closed_loop(client, spec, texts, int(load), lambda: bar.update(1))
+        else:
+            records = await _open_loop(client, spec, texts, float(load), lambda: bar.update(1))
+        wall = time.perf_counter() - t0
+        stop.set()
+        await sampler_task
+        bar.close()
+        after = await _scrape(client)
+    figures = _memory_figures(samples + [after], before, after)
+    mem = [v for k, v in figures["server_metrics_peak"].items() if "memory" in k and "bytes" in k]
+    kv = [v for k, v in figures["server_metrics_peak"].items() if "kv_cache_usage" in k]
+    return RunResult("server", "serve", load_kind, load, wall, sorted(records, key=lambda r: r.request_id),
+                     peak_memory_bytes=int(max(mem)) if mem else None,
+                     memory_kind="server_metrics" if mem else None,
+                     kv_cache_usage_peak=max(kv) if kv else None, preemptions=figures["preemptions"],
+                     extra={"stream": spec.stream, "endpoint": spec.path,
+                            "server_metrics_peak": figures["server_metrics_peak"]})
+
+
+def run_serving(spec: ServeSpec, progress: bool = True) -> list[RunResult]:
+    """Every concurrency point, then every QPS point, in order."""
+    points = [("concurrency", float(c)) for c in spec.concurrency] + [("qps", float(q)) for q in spec.qps]
+    return [asyncio.run(run_point(spec, kind, load, progress)) for kind, load in points]
