@@ -264,7 +264,7 @@ def test_cuda_fp32_parity_dense_and_paged(cfg, c_gold, prompts, spk, d_gold) -> 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     gpt = GPT.from_state_dict(load_file(ASSET / "gpt" / "model.safetensors"), cfg, device=dev)
-    emb = Embed.from_state_dict(load_file(ASSET / "Embed.safetensors")).to(dev)
+    emb = Embed.from_state_dict(load_file(ASSET / "Embed.safetensors"), device=dev)
     ids, mask = t(c_gold["code_input_ids"]).to(dev), t(c_gold["code_text_mask"]).to(dev)
     with torch.no_grad():
         x = emb.embed_prompt(ids, mask, spk.to(dev), prompts["special_ids"]["[spk_emb]"])

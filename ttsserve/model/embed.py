@@ -29,8 +29,10 @@ class Embed(nn.Module):
         self.head_code = nn.Parameter(torch.zeros(num_vq * num_audio_tokens, hidden_size), requires_grad=False)
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, torch.Tensor], source: str = "Embed.safetensors") -> Embed:
-        """Build from `asset/Embed.safetensors` tensors (spec 1.5); dims are inferred from the shapes.
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                        source: str = "Embed.safetensors") -> Embed:
+        """Build from `asset/Embed.safetensors` tensors (spec 1.5) on `device`, fp32 whatever the file dtype;
+        dims are inferred from the shapes. The heads are folded in fp32 on the host.
 
         Raises ValueError naming any missing, unexpected or mis-shaped tensor.
         """
@@ -60,7 +62,7 @@ class Embed(nn.Module):
             m.emb_code.copy_(torch.stack([f32[f"emb_code.{q}.weight"] for q in range(num_vq)]))
             m.head_text.copy_(_fold_weight_norm(f32, "head_text"))
             m.head_code.copy_(torch.cat([_fold_weight_norm(f32, f"head_code.{q}") for q in range(num_vq)]))
-        return m
+        return m.to(device)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [N] int64 text ids -> [N, H] fp32."""

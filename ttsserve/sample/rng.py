@@ -3,7 +3,7 @@
 Why: a seeded request must draw the same numbers whatever else is in the batch, at any batch position and
 after preemption/recompute, without per-request torch.Generator objects or a Python loop. Every value is a
 pure function of its key, so any batching gives the same draws. All integer math is int64 holding 32-bit
-values, and every product stays below 2**63 (no overflow), so CPU and CUDA give identical bits.
+values, and every product stays below 2**63 in magnitude (no overflow), so CPU and CUDA give identical bits.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ _STEP_SALT = 0xC2B2AE35
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), split into 16-bit halves of c so no int64 product overflows."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+    """(x * c) mod 2**32 for x in [0, 2**32). A constant >= 2**31 is used as c - 2**32 (the same residue),
+    so |x * c| < 2**63: no int64 overflow, and `& MASK32` of the two's-complement product is the residue."""
+    return (x * (c - (1 << 32) if c >= 1 << 31 else c)) & MASK32
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
