@@ -1,0 +1,111 @@
+"""The serve bench against a minimal OpenAI-speech stand-in whose timing and failures the test controls:
+checks byte -> sample accounting, underrun detection, error counts, /metrics scraping, QPS mode, reports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from tests.bench.live_server import LiveServer
+from ttsserve.bench.report import build_report, write_report
+from ttsserve.bench.serving import ServeSpec, check_loopback, parse_prometheus, run_serving
+
+CHUNK = 2400  # samples per chunk: 0.1 s at 24 kHz
+
+
+def standin_app() -> FastAPI:
+    """Request i (seed = i with --seed 0) streams 3 + i % 3 chunks of 0.1 s, 10 ms apart; seed 2 pauses
+    0.6 s before its last chunk (an underrun of ~0.2 s); seed 3 answers 429."""
+    app = FastAPI()
+    app.state.in_flight = 0
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request):
+        body = await request.json()
+        assert body["response_format"] == "pcm" and body["stream_format"] == "audio"
+        seed = body["seed"]
+        if seed == 3:
+            return JSONResponse({"error": {"message": "busy", "type": "rate_limit"}}, status_code=429)
+        n = 3 + seed % 3
+
+        async def gen():
+            app.state.in_flight += 1
+            try:
+                for k in range(n):
+                    await asyncio.sleep(0.6 if (seed == 2 and k == n - 1) else 0.01)
+                    # odd split of a chunk: byte accounting must not depend on sample alignment
+                    data = b"\x01\x00" * CHUNK
+                    yield data[:1001]
+                    yield data[1001:]
+            finally:
+                app.state.in_flight -= 1
+
+        return StreamingResponse(gen(), media_type="audio/pcm")
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse("# HELP x\nprocess_resident_memory_bytes 1.5e8\n"
+                                 f"ttsserve_kv_cache_usage_ratio {0.1 * app.state.in_flight}\n"
+                                 "ttsserve_num_preemptions_total 0\n")
+
+    return app
+
+
+def expected_samples(seed: int) -> int:
+    return (3 + seed % 3) * CHUNK
+
+
+def test_concurrency_point_accounting(tmp_path) -> None:
+    with LiveServer(standin_app()) as srv:
+        spec = ServeSpec(url=srv.url, concurrency=[2], num_requests=6, duration=30, max_new_tokens=None)
+        (res,) = run_serving(spec, progress=False)
+    s = res.summary()
+    assert s["num_requests"] == 6 and s["errors"] == {"429": 1} and s["num_ok"] == 5
+    by_seed = {int(r.request_id.split("-")[1]): r for r in res.requests}
+    for seed, r in by_seed.items():
+        if seed != 3:
+            assert r.num_samples == expected_samples(seed), seed
+            assert 0 < r.ttfa_s < r.latency_s
+    assert s["audio_seconds"] == pytest.approx(sum(expected_samples(i) for i in (0, 1, 2, 4, 5)) / 24000)
+    # only seed 2 stalls: its 5th chunk comes 0.6 s after the first 4 (0.4 s of audio)
+    assert [i for i, r in sorted(by_seed.items()) if r.underruns] == [2]
+    assert 0.1 < by_seed[2].stall_s < 0.5
+    assert s["underrun_streams"] == 1
+    assert s["peak_memory_bytes"] == 150_000_000 and s["memory_kind"] == "server_metrics"
+    assert s["kv_cache_usage_peak"] is not None and s["kv_cache_usage_peak"] <= 0.2 + 1e-9  # 2 clients at most
+    report = build_report("serve", [res], {"spec": {}}, {"command": "t"})
+    out = write_report(report, [res], tmp_path)
+    data = json.loads((out / "report.json").read_text())
+    assert data["results"][0]["summary"]["errors"] == {"429": 1}
+    assert "concurrency 2" in (out / "report.md").read_text()
+    assert (out / "ttfa_cdf.png").exists()
+
+
+def test_qps_point_is_bounded_by_duration() -> None:
+    with LiveServer(standin_app()) as srv:
+        spec = ServeSpec(url=srv.url, qps=[20.0], num_requests=1000, duration=1.0, max_new_tokens=None)
+        (res,) = run_serving(spec, progress=False)
+    assert res.load_kind == "qps" and 5 <= len(res.requests) <= 60
+    assert res.wall_s < 10
+
+
+def test_non_loopback_urls_are_refused() -> None:
+    for ok in ("http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:80", "http://127.3.4.5"):
+        check_loopback(ok, False)
+    for bad in ("http://10.0.0.1:8000", "https://example.com", "http://0.0.0.0:80"):
+        with pytest.raises(ValueError, match="--allow-remote"):
+            check_loopback(bad, False)
+        check_loopback(bad, True)
+    with pytest.raises(ValueError, match="url must be"):
+        ServeSpec(url="ftp://127.0.0.1", concurrency=[1])
+    with pytest.raises(ValueError, match="concurrency"):
+        ServeSpec(url="http://127.0.0.1")
+
+
+def test_parse_prometheus() -> None:
+    m = parse_prometheus('# TYPE a gauge\na 1\nb{x="1 2"} 2.5e3\nbroken line here\n')
+    assert m == {"a": 1.0, 'b{x="1 2"}': 2500.0}
