@@ -136,16 +136,18 @@ class ServerState:
         job = SynthesisJob(request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate,
                            stretch=stretch)
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
+        gen = self.engine.generate(req)
         try:
-            gen = self.engine.generate(req)
             first = await prime(gen, request, job)
             if mode == "file":
                 data = await until_disconnect(collect_audio(first, gen, job, fmt, rate, stretch), request)
         except BaseException as e:
+            await gen.aclose()  # aborts the engine request unless it finished
             release()
             self._settle(job, request, error=e)
             raise _as_api_error(e, text_param) from None
         if mode == "file":
+            await gen.aclose()
             release()
             self._settle(job, request)
             headers = {"X-Finish-Reason": job.finish_reason or "stop", "X-Audio-Duration": f"{job.audio_seconds:.3f}",

@@ -72,30 +72,40 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return ApiError(400, message, param=param, code=code)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
 def _field_name(loc: tuple) -> str | None:
-    """('body', 'voice', 'id') -> 'voice.id'; the leading 'body'/'query' and union branch tags dropped."""
-    parts = [str(p) for p in loc[1:] if not isinstance(p, int)] if loc and loc[0] in ("body", "query", "path") else []
+    """('body', 'voice', 'VoiceRef', 'id') -> 'voice.id': the leading 'body' and union branch tags dropped."""
+    if not loc or loc[0] not in ("body", "query", "path"):
+        return None
+    parts = [str(p) for p in loc[1:] if not isinstance(p, int)]
     # pydantic names union branches ("str", "VoiceRef", "function-after[...]"): not fields.
-    parts = [p for p in parts if p.isidentifier() and p[0].islower()]
+    parts = [p for p in parts if p.isidentifier() and p[0].islower() and p not in _TYPE_TAGS]
     return ".".join(parts) or None
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI's 422 -> one 400 naming the first bad field (the others are listed in the message)."""
+    """FastAPI's 422 -> one 400 naming the first bad field (the others are listed in the message).
+
+    For a union field (voice: str | object) the "wrong type for this branch" errors are dropped when
+    another branch has a more specific complaint.
+    """
     errors = list(exc.errors())
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    if errors[0].get("type") == "json_invalid":
         return bad_request("request body is not valid JSON", code="invalid_json")
+    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    errors = specific or errors
+    first = errors[0]
     param = _field_name(tuple(first.get("loc", ())))
     msgs = []
     for err in errors[:5]:
         name = _field_name(tuple(err.get("loc", ()))) or "body"
         msgs.append(f"{name}: {err.get('msg', 'invalid value')}")
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-    if first.get("type") == "extra_forbidden":
-        code = "unknown_parameter"
+    code = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}.get(
+        first.get("type"), "invalid_value")
     return bad_request("; ".join(msgs), param=param, code=code)
 
 

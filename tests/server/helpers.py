@@ -1,0 +1,88 @@
+"""Decoding and signal helpers for server tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import av
+import numpy as np
+import soundfile as sf
+
+from tests.server.fake_engine import SAMPLES_PER_FRAME, FakeEngine
+
+
+def decode(data: bytes, fmt: str, pcm_rate: int = 24000) -> tuple[np.ndarray, int]:
+    """Any response format -> (mono float32 [n], sample rate)."""
+    if fmt == "pcm":
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0, pcm_rate
+    if fmt == "wav":
+        return _sf_read(data, "float32")
+    with av.open(io.BytesIO(data)) as c:
+        stream = c.streams.audio[0]
+        frames = [f.to_ndarray().astype(np.float32) for f in c.decode(stream)]
+        rate = stream.codec_context.sample_rate
+    # planar float [channels, n] or packed; take channel 0
+    x = np.concatenate([f.reshape(f.shape[0], -1)[0] if f.ndim == 2 else f for f in frames])
+    return x, rate
+
+
+def decode_int16(data: bytes, fmt: str) -> np.ndarray:
+    """Lossless formats -> the exact int16 samples."""
+    if fmt == "pcm":
+        return np.frombuffer(data, dtype="<i2")
+    if fmt == "flac":  # libsndfile cannot read a streamed FLAC (total_samples = 0); FFmpeg can
+        with av.open(io.BytesIO(data)) as c:
+            out = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+        assert out.dtype == np.int16
+        return out
+    return _sf_read(data, "int16")[0]
+
+
+def _sf_read(data: bytes, dtype: str) -> tuple[np.ndarray, int]:
+    """libsndfile read in blocks: a streamed FLAC says total_samples = 0 (unknown), so read to EOF."""
+    out = []
+    with sf.SoundFile(io.BytesIO(data)) as f:
+        while True:
+            block = f.read(65536, dtype=dtype, always_2d=True)
+            out.append(block[:, 0])
+            if len(block) < 65536:
+                return np.concatenate(out), f.samplerate
+
+
+def expected_sine(engine: FakeEngine, index: int = -1) -> np.ndarray:
+    """The float32 samples the fake engine produced for its `index`-th request (uncapped length aside)."""
+    req = engine.requests[index]
+    frames = min(4 * len(req.text), req.code_params.max_new_tokens)
+    t = np.arange(frames * SAMPLES_PER_FRAME) / engine.sample_rate
+    return (0.3 * np.sin(2 * np.pi * engine._frequency(req) * t)).astype(np.float32)
+
+
+def to_int16(x: np.ndarray) -> np.ndarray:
+    return np.rint(np.clip(x, -1, 1) * 32767.0).astype(np.int16)
+
+
+def dominant_hz(x: np.ndarray, rate: int) -> float:
+    spec = np.abs(np.fft.rfft(x * np.hanning(x.size)))
+    return float(np.argmax(spec) * rate / x.size)
+
+
+def parse_sse(body: bytes) -> list[dict]:
+    events = []
+    for block in body.decode().split("\n\n"):
+        lines = [ln[len("data: "):] for ln in block.splitlines() if ln.startswith("data: ")]
+        if lines:
+            events.append(json.loads("\n".join(lines)))
+    return events
+
+
+def sse_audio(events: list[dict]) -> bytes:
+    return b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+
+
+def wav_bytes(seconds: float, rate: int = 16000, hz: float = 220.0) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    sf.write(buf, (0.2 * np.sin(2 * np.pi * hz * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()

@@ -1,0 +1,189 @@
+"""Operations and admission control over a real server: health/ready/metrics/models, request ids and access
+logs, API keys, rate limits, the in-flight bound, body limits, client disconnects and graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import wait_until
+from tests.server.fake_engine import FakeEngine
+
+SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm"}
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    assert m, f"{name}{labels} missing"
+    return float(m.group(1))
+
+
+def test_health_ready_models_metrics(serve):
+    srv, eng = serve()
+    with srv.client() as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/ready").status_code == 200
+        ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert ids == ["chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
+        assert c.get("/v1/models/tts-1").json()["object"] == "model"
+        assert c.get("/v1/models/whisper-1").status_code == 404
+        assert c.post("/v1/audio/speech", json=SPEECH).status_code == 200
+        c.post("/v1/audio/speech", json={**SPEECH, "voice": "nobody"})
+        text = c.get("/metrics").text
+        eng._accepting = False  # the engine stops being ready
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"]
+        eng._accepting = True
+    assert _metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}') == 1
+    assert _metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="404"}') == 1
+    assert _metric(text, "ttsserve_time_to_first_audio_seconds_count", '{endpoint="speech"}') == 1
+    audio_s = 4 * len(SPEECH["input"]) * 512 / 24000
+    assert _metric(text, "ttsserve_audio_seconds_total") == pytest.approx(audio_s)
+    assert _metric(text, "ttsserve_real_time_factor_count") == 1
+    for gauge in ("ttsserve_num_requests_running", "ttsserve_num_requests_waiting", "ttsserve_kv_cache_usage_ratio",
+                  "ttsserve_num_preemptions_total", "ttsserve_num_swaps_total", "ttsserve_step_time_ms"):
+        assert _metric(text, gauge) >= 0
+
+
+def test_request_id_in_and_out_and_access_log(serve, caplog):
+    srv, _ = serve()
+    caplog.set_level(logging.INFO, logger="ttsserve.access")
+    with srv.client() as c:
+        r = c.post("/v1/audio/speech", json=SPEECH, headers={"X-Request-ID": "client-abc.1"})
+        assert r.headers["x-request-id"] == "client-abc.1"
+        r = c.post("/v1/audio/speech", json={**SPEECH, "voice": "nobody"}, headers={"X-Request-ID": "bad id!"})
+        assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])  # unsafe ids are replaced
+        generated = r.headers["x-request-id"]
+    assert wait_until(lambda: sum('"synthesis_done"' in m for m in caplog.messages) >= 1)
+    lines = [json.loads(m) for m in caplog.messages if m.startswith("{")]
+    ok = next(x for x in lines if x["event"] == "access" and x["request_id"] == "client-abc.1")
+    assert ok["status"] == 200 and ok["path"] == "/v1/audio/speech" and ok["voice"] == "alloy"
+    assert any(x["event"] == "access" and x["request_id"] == generated and x["status"] == 404 for x in lines)
+    done = next(x for x in lines if x["event"] == "synthesis_done" and x["request_id"] == "client-abc.1")
+    assert done["finish_reason"] == "stop" and done["frames"] == 4 * len(SPEECH["input"])
+
+
+def test_api_keys(serve):
+    srv, _ = serve(api_keys=("k1", "k2"))
+    with srv.client() as c:
+        r = c.post("/v1/audio/speech", json=SPEECH)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert c.post("/v1/audio/speech", json=SPEECH, headers={"Authorization": "Bearer k3"}).status_code == 401
+        assert c.get("/v1/audio/voices", headers={"Authorization": "Basic k1"}).status_code == 401
+        assert c.post("/v1/audio/speech", json=SPEECH, headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # ops stay open
+
+
+def test_rate_limits_per_key(serve):
+    srv, _ = serve(api_keys=("a", "b"), requests_per_minute=2, chars_per_minute=1000)
+    a = openai.OpenAI(base_url=srv.url + "/v1", api_key="a", max_retries=0)
+    for _ in range(2):
+        a.audio.speech.create(model="tts-1", voice="alloy", input="hi")
+    with pytest.raises(openai.RateLimitError) as ei:
+        a.audio.speech.create(model="tts-1", voice="alloy", input="hi")
+    assert 1 <= int(ei.value.response.headers["retry-after"]) <= 60
+    b = openai.OpenAI(base_url=srv.url + "/v1", api_key="b", max_retries=0)
+    b.audio.speech.create(model="tts-1", voice="alloy", input="hi")  # another key has its own budget
+
+    srv2, _ = serve(chars_per_minute=30)
+    with srv2.client() as c:
+        assert c.post("/v1/audio/speech", json={**SPEECH, "input": "x" * 20}).status_code == 200
+        r = c.post("/v1/audio/speech", json={**SPEECH, "input": "x" * 20})
+        assert r.status_code == 429 and "characters" in r.json()["error"]["message"]
+        assert c.post("/v1/audio/speech", json={**SPEECH, "input": "x" * 10}).status_code == 200
+        r = c.post("/v1/audio/speech", json={**SPEECH, "input": "x" * 31})
+        assert r.status_code == 429 and r.headers["retry-after"] == "60"
+
+
+def test_queue_full_gives_503_with_retry_after(serve):
+    srv, eng = serve(FakeEngine(chunk_delay_s=0.02), max_in_flight=1)
+    got: dict = {}
+
+    def slow():
+        with srv.client() as c:
+            got["status"] = c.post("/v1/audio/speech", json={**SPEECH, "input": "x" * 40}).status_code
+
+    t = threading.Thread(target=slow)
+    t.start()
+    assert wait_until(lambda: len(eng.running) == 1)
+    with srv.client() as c:
+        r = c.post("/v1/audio/speech", json=SPEECH)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "server_overloaded"
+    t.join(10)
+    assert got["status"] == 200
+    with srv.client() as c:  # the slot is free again
+        assert c.post("/v1/audio/speech", json=SPEECH).status_code == 200
+
+
+def test_body_limits(serve):
+    srv, _ = serve(max_body_bytes=2048)
+    with srv.client() as c:
+        r = c.post("/v1/audio/speech", json={**SPEECH, "instructions": "z" * 3000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: counted while read
+            yield b'{"model": "tts-1", "voice": "alloy", "input": "'
+            for _ in range(10):
+                yield b"a" * 500
+            yield b'"}'
+
+        r = c.post("/v1/audio/speech", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(serve):
+    srv, eng = serve(FakeEngine(chunk_delay_s=0.01))
+    with srv.client() as c, c.stream("POST", "/v1/audio/speech", json={**SPEECH, "input": "long " * 40}) as r:
+        assert r.status_code == 200
+        chunks = r.iter_bytes()  # keep a reference: a dropped iterator closes the response at once
+        next(chunks)
+        assert eng.stats()["used_blocks"] > 0
+    # closing the response closed the connection
+    assert wait_until(lambda: eng.stats()["num_running"] == 0 and len(eng.aborted) == 1, timeout=3)
+    assert eng.stats()["used_blocks"] == 0 and eng.stats()["kv_cache_usage"] == 0
+    with srv.client() as c:
+        assert wait_until(lambda: _metric(c.get("/metrics").text, "ttsserve_requests_aborted_total") == 1)
+
+
+def test_disconnect_before_first_audio_aborts(serve):
+    srv, eng = serve(FakeEngine(chunk_delay_s=3.0))
+    with srv.client() as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/audio/speech", json=SPEECH, timeout=0.3)
+    # the client gave up while the request waited for its first audio: aborted long before the 3 s chunk
+    assert wait_until(lambda: len(eng.aborted) == 1, timeout=1.5)
+    assert eng.stats()["num_running"] == 0
+
+
+def test_graceful_shutdown_drains_in_flight_streams(serve):
+    srv, eng = serve(FakeEngine(chunk_delay_s=0.01))
+    got: dict = {}
+    first = threading.Event()
+
+    def stream():
+        with srv.client() as c, c.stream("POST", "/v1/audio/speech", json={**SPEECH, "input": "drain " * 10}) as r:
+            data = b""
+            for chunk in r.iter_bytes():
+                data += chunk
+                first.set()
+            got["bytes"] = len(data)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(5)
+    srv.stop(wait=False)  # what SIGTERM does
+    t.join(15)
+    srv.thread.join(15)
+    assert got["bytes"] == 4 * len("drain " * 10) * 512 * 2  # every sample arrived
+    assert eng.drained_cleanly and not eng.aborted
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/health", timeout=2)
