@@ -16,6 +16,11 @@ import numpy as np
 from ttsserve.text import base16384
 
 _LZMA_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
+# Decoding needs a dictionary only as large as the payload; the preset's 64 MiB would cost ~1 ms per
+# decode in allocation. 1 MiB covers the largest legal payload (spk_smp: 4 x 65535 uint16 = 512 KiB) and
+# doubles as the cap against decompression bombs.
+_MAX_PAYLOAD = 1 << 20
+_LZMA_DECODE_FILTERS = [{"id": lzma.FILTER_LZMA2, "dict_size": _MAX_PAYLOAD}]
 NUM_VQ = 4
 
 
@@ -24,10 +29,16 @@ def _compress(raw: bytes) -> bytes:
 
 
 def _decompress(blob: bytes, what: str) -> bytes:
+    dec = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=_LZMA_DECODE_FILTERS)
     try:
-        return lzma.decompress(blob, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+        out = dec.decompress(blob, max_length=_MAX_PAYLOAD + 1)
     except lzma.LZMAError as e:
         raise ValueError(f"{what}: the payload is not raw LZMA2 data ({e})") from None
+    if len(out) > _MAX_PAYLOAD:
+        raise ValueError(f"{what}: the payload decompresses to more than {_MAX_PAYLOAD} bytes")
+    if not dec.eof:
+        raise ValueError(f"{what}: the LZMA2 payload is truncated")
+    return out
 
 
 def _b16384_decode(s: str, what: str) -> bytes:
