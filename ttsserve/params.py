@@ -118,6 +118,8 @@ class SynthesisRequest:
     code_prompt: the code-stage prompt, e.g. "[speed_5]".
     normalize: the extended text normalization (numbers, dates, units ...); False gives the reference rules.
     split: split long text into sentence-sized segments synthesized in parallel.
+    raw_text: the text goes into the prompt exactly as given (already normalized or refined): no
+        normalization and no splitting.
     """
 
     text: str
@@ -129,6 +131,7 @@ class SynthesisRequest:
     code_prompt: str = "[speed_5]"
     normalize: bool = True
     split: bool = True
+    raw_text: bool = False
     request_id: str | None = None
 
     def __post_init__(self) -> None:

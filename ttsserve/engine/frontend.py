@@ -35,6 +35,8 @@ class FrontEnd:
         validate_control_prompt(req.code_prompt)
         if req.refine_text:
             validate_control_prompt(req.refine_prompt)
+        if req.raw_text:
+            return [Segment(0, req.text, [])]
         pieces = [s.text for s in split_text(req.text)] if req.split else [req.text]
         out: list[Segment] = []
         for piece in pieces:

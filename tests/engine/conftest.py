@@ -1,0 +1,22 @@
+import numpy as np
+import pytest
+
+from engine_testutil import GOLDEN, TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The golden tiny checkpoint, loaded once through the real loader (fp32, CPU)."""
+    import torch
+
+    from ttsserve.model.chattts import build_model
+    from ttsserve.model.loader import load_checkpoint
+
+    return build_model(load_checkpoint(TINY), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_speaker() -> np.ndarray:
+    return np.load(GOLDEN / "b_speaker.npz")["tiny_spk_emb_fp16"]
+
+

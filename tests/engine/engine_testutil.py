@@ -1,0 +1,67 @@
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ttsserve.config import EngineConfig
+from ttsserve.engine.engine import Engine
+from ttsserve.model.chattts import build_model
+from ttsserve.model.loader import load_checkpoint
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+TINY = GOLDEN / "assets-tiny"
+
+
+def make_engine(model, **overrides) -> Engine:
+    cfg = dict(model=str(TINY), device="cpu", kv_cache_memory=16 << 20, swap_space=0.01)
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg), model=model)
+
+
+def run_all(engine: Engine, request_ids=None, max_steps: int = 100000):
+    """Step until every synthesis finished; returns {rid: (audio, final_output)}."""
+    audio: dict[str, list] = {}
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            audio.setdefault(out.request_id, []).append(out.samples)
+            if out.finished:
+                finals[out.request_id] = out
+    assert not engine.has_unfinished(), "engine did not finish"
+    return {rid: (np.concatenate(audio.get(rid) or [np.zeros(0, np.float32)]), finals[rid]) for rid in finals}
+
+
+class FrameRecorder:
+    """Records every (hidden, frame) the engine hands to the audio stage, per sequence."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.hiddens: dict[str, list] = {}
+        self.frames: dict[str, list] = {}
+        orig_append, orig_update = engine.audio.append, engine.scheduler.update_from_output
+
+        def append(seq_id, h):
+            self.hiddens.setdefault(seq_id, []).append(h.detach().cpu().numpy())
+            return orig_append(seq_id, h)
+
+        def update(sched, sampled, stopped):
+            for rid, tok in sampled.items():
+                if isinstance(tok, tuple):
+                    self.frames.setdefault(rid, []).append((tok, stopped.get(rid, False)))
+                else:
+                    self.frames.setdefault(rid, []).append((tok, stopped.get(rid, False)))
+            return orig_update(sched, sampled, stopped)
+
+        engine.audio.append = append
+        engine.scheduler.update_from_output = update
+
+    def codes(self, seq_id: str) -> np.ndarray:
+        return np.array([t for t, stop in self.frames.get(seq_id, []) if not stop])
+
+    def hidden(self, seq_id: str) -> np.ndarray:
+        return np.concatenate(self.hiddens[seq_id])
+
+
+def golden_json(name: str) -> dict:
+    return json.loads((GOLDEN / name).read_text())
