@@ -322,6 +322,15 @@ def test_bad_inputs_raise_value_error(tiny) -> None:
         stage.append("r", torch.randn(1, 64))
 
 
+def test_bf16_frame_buffer_decodes_in_the_networks_dtype(tiny) -> None:
+    dec, _, vocos = tiny
+    frames = torch.randn(40, 64, generator=torch.Generator().manual_seed(14))
+    stage = AudioStage(dec, None, vocos, dtype=torch.bfloat16)
+    assert stage._pools[False].data.dtype == torch.bfloat16
+    wav = joined(stream(stage, "r", frames))
+    assert np.abs(wav - one_shot(dec, vocos, frames.bfloat16().float())).max() < 1e-5
+
+
 @pytest.mark.gpu
 def test_cuda_stage_matches_cpu(tiny) -> None:
     if not torch.cuda.is_available():

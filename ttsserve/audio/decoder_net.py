@@ -43,7 +43,8 @@ def halves_to_frames(x: Tensor) -> Tensor:
 class ConvNeXtBlock(nn.Module):
     """x [B, dim, T] -> x + scale * MLP(LN(dwconv(x))); `scale_name` is `weight` (DVAE files) or `gamma` (Vocos)."""
 
-    def __init__(self, dim: int, intermediate: int, kernel_size: int = 7, dilation: int = 2, scale_name: str = "weight"):
+    def __init__(self, dim: int, intermediate: int, kernel_size: int = 7, dilation: int = 2,
+                 scale_name: str = "weight"):
         super().__init__()
         self.dwconv = nn.Conv1d(dim, dim, kernel_size, padding=dilation * (kernel_size - 1) // 2, dilation=dilation,
                                 groups=dim)

@@ -120,7 +120,10 @@ class AudioStage:
     first_chunk_frames / max_chunk_frames: chunk k emits min(first * 2^k, max) frames.
     lookahead_frames: right context; None = exact (from the receptive field). Smaller values lower the time to
         first audio (a chunk waits for its frames plus the right context) at the cost of small seams.
-    device / dtype: where the frame buffers and networks run; default: those of `vocos`' parameters.
+    device: where the frame buffers live and the networks run (the networks must already be there); default:
+        the device of `vocos`' parameters.
+    dtype: storage dtype of the hidden-state buffer (e.g. bf16 to halve it); windows are cast to the networks'
+        own dtype before decoding. Default: the dtype of `vocos`' parameters.
     """
 
     def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
@@ -137,6 +140,10 @@ class AudioStage:
         param = next(vocos.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype
+        for net in (decoder, dvae, vocos):
+            if net is not None and next(net.parameters()).device.type != self.device.type:
+                raise ValueError(f"AudioStage: {type(net).__name__} is on {next(net.parameters()).device}, "
+                                 f"not on {self.device}")
         self.decoder, self.dvae, self.vocos = decoder, dvae, vocos
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.samples_per_frame = 2 * vocos.hop_length
@@ -295,11 +302,15 @@ class AudioStage:
             x = pool.gather([w.stream.slot for w in rows], [w.start - w.stream.base for w in rows], lens)
             x = x.transpose(1, 2)  # [B, C, N]
             lens_t = torch.tensor(lens, device=self.device)
-            mels.append(self.dvae.decode_codes(x, lens_t) if use_codes else self.decoder(x, lens_t))
+            if use_codes:
+                mels.append(self.dvae.decode_codes(x, lens_t))
+            else:
+                mels.append(self.decoder(x.to(self.decoder.coef.dtype), lens_t))
             lengths.extend(lens)
             order.extend(rows)
         t = max(m.shape[-1] for m in mels)
-        mel = torch.cat([F.pad(m, (0, t - m.shape[-1])) for m in mels])
+        dtype = next(self.vocos.parameters()).dtype
+        mel = torch.cat([F.pad(m.to(dtype), (0, t - m.shape[-1])) for m in mels])
         wav = self.vocos(mel, 2 * torch.tensor(lengths, device=self.device))  # [B, hop * (t - 1)]
         self.calls_total += 1
         self.frames_decoded_total += sum(lengths)
