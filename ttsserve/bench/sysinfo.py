@@ -43,6 +43,8 @@ def machine_info(device: str | None = None) -> dict:
         "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "device": device or "cpu", "git_commit": git_commit(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        # other processes competing for the CPU distort CPU figures: record how busy the host was
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     if device and device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(device)
