@@ -3,12 +3,13 @@
 For each batch size and context length, 20 layers' worth of decode attention (one new token per sequence,
 12 heads x 64, bf16, block_size 16; a separate KV cache per layer, as in the model, so the timing is not
 an L2-cache effect) is timed two ways: eager launches (triton.testing.do_bench, median) and one CUDA
-graph of the 20 layers (median replay time over CUDA events). Achieved bandwidth counts the bytes that
-must move: every cached K and V read once, plus q, the new k / v and the output.
+graph of the 20 layers (median replay time over CUDA events). The Triton forward includes the KV-cache
+write of the new token; SDPA does not write anything. Achieved bandwidth counts the bytes that must move:
+every cached K and V read once, plus q, the new k / v (read and written) and the output.
 
     python3 benchmarks/attention_micro.py [--sweep] [--json PATH]
 
---sweep also times decode tile sizes and warp counts of the Triton kernel at a few shapes.
+--sweep also times decode kernels / tile sizes / warps / split counts, and prefill tile shapes.
 """
 
 from __future__ import annotations
@@ -17,21 +18,28 @@ import argparse
 import json
 import math
 import statistics
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape  # noqa: E402
+
 HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 12, 64, 20, 16
 PEAK_TBPS = 4.3  # device-to-device copy measured on an H200 of this workplace (bytes read + written)
-SHAPES = [(1, 300), (1, 1500), (64, 300), (64, 1500), (256, 300), (256, 1500)]
+SHAPES = [(1, 300), (1, 1500), (8, 1500), (64, 300), (64, 1500), (256, 300), (256, 1500)]
 
 
-def graph_time_ms(fn, replays: int = 50) -> float:
+def graph_time_ms(fn, replays: int = 30) -> float:
     """Median time of one replay of a CUDA graph that runs `fn` once (fn warmed up first)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -54,41 +62,43 @@ def eager_time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def paged_setup(batch: int, ctx: int, gen: torch.Generator):
-    """Per-layer caches, one random block table shared by the layers (as in the engine), decode metadata."""
-    from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape
+def make_md(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> AttentionMetadata:
+    """Random pages for each sequence; slots for its last q_len positions."""
+    blocks = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    perm = torch.randperm(sum(blocks) + 1, generator=gen)
+    block_tables = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32)
+    slots, taken = [], 0
+    for b, (n, s) in enumerate(zip(q_lens, seq_lens)):
+        block_tables[b, : blocks[b]] = perm[taken: taken + blocks[b]]
+        taken += blocks[b]
+        pos = torch.arange(s - n, s)
+        slots.append(block_tables[b, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=block_tables.cuda(), slot_mapping=torch.cat(slots).cuda(), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_size=BLOCK_SIZE, cu_seqlens_q_cpu=cu, seq_lens_cpu=list(seq_lens))
 
-    blocks_per_seq = math.ceil(ctx / BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq + 1
-    perm = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
-    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32).cuda()
-    shape = kv_cache_shape(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
-    caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
-    slot_mapping = block_tables[:, -1].long() * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE  # the new token's slot
-    md = AttentionMetadata(
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
-        block_tables=block_tables, slot_mapping=slot_mapping, max_query_len=1, max_seq_len=ctx,
-        block_size=BLOCK_SIZE, cu_seqlens_q_cpu=list(range(batch + 1)), seq_lens_cpu=[ctx] * batch)
-    qkv = torch.randn(batch, 3, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    return caches, md, qkv[:, 0], qkv[:, 1], qkv[:, 2]
 
+class PagedSetup:
+    """20 layers' caches (random contents), one block table shared by the layers as in the engine."""
 
-def bench_triton(batch: int, ctx: int, gen: torch.Generator, **backend_kw) -> tuple[float, float]:
-    from ttsserve.attention.triton_paged import TritonPagedAttention
+    def __init__(self, q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> None:
+        self.md = make_md(q_lens, seq_lens, gen)
+        num_blocks = int(self.md.block_tables.max()) + 1
+        shape = kv_cache_shape(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
+        self.caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        qkv = torch.randn(sum(q_lens), 3, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        self.q, self.k, self.v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
 
-    caches, md, q, k, v = paged_setup(batch, ctx, gen)
-    backend = TritonPagedAttention(**backend_kw)
-    scale = HEAD_DIM ** -0.5
-
-    def step() -> None:
-        for cache in caches:
-            backend.forward(q, k, v, cache, md, scale)
-
-    result = eager_time_ms(step), graph_time_ms(step)
-    del caches
-    torch.cuda.empty_cache()
-    return result
+    def step_fn(self, backend):
+        def step() -> None:
+            for cache in self.caches:
+                backend.forward(self.q, self.k, self.v, cache, self.md, HEAD_DIM ** -0.5)
+        return step
 
 
 def bench_sdpa(batch: int, ctx: int) -> tuple[float, float]:
@@ -105,85 +115,113 @@ def bench_sdpa(batch: int, ctx: int) -> tuple[float, float]:
     return result
 
 
-def bench_prefill(num_seqs: int, q_len: int) -> tuple[float, float]:
-    """Fresh prompts of q_len tokens each, 20 layers, eager: Triton paged vs dense causal SDPA (ms)."""
-    from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape
-    from ttsserve.attention.triton_paged import TritonPagedAttention
-
-    blocks = math.ceil(q_len / BLOCK_SIZE)
-    block_tables = torch.randperm(num_seqs * blocks).view(num_seqs, blocks).to(torch.int32).cuda()
-    pos = torch.arange(q_len, device="cuda")
-    slot_mapping = (block_tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).flatten()
-    cu = [i * q_len for i in range(num_seqs + 1)]
-    md = AttentionMetadata(torch.tensor(cu, dtype=torch.int32, device="cuda"),
-                           torch.full((num_seqs,), q_len, dtype=torch.int32, device="cuda"), block_tables,
-                           slot_mapping, q_len, q_len, BLOCK_SIZE, cu, [q_len] * num_seqs)
-    shape = kv_cache_shape(num_seqs * blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
-    caches = [torch.empty(shape, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
-    qkv = torch.randn(num_seqs * q_len, 3, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    backend, scale = TritonPagedAttention(), HEAD_DIM ** -0.5
-    dense = qkv.view(num_seqs, q_len, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).contiguous()
-
-    def paged() -> None:
-        for cache in caches:
-            backend.forward(qkv[:, 0], qkv[:, 1], qkv[:, 2], cache, md, scale)
-
-    def sdpa() -> None:
-        for _ in range(LAYERS):
-            F.scaled_dot_product_attention(dense[0], dense[1], dense[2], is_causal=True)
-
-    return eager_time_ms(paged), eager_time_ms(sdpa)
-
-
 def layer_bytes(batch: int, ctx: int) -> int:
     kv_read = batch * ctx * HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-    return kv_read + 4 * batch * HEADS * HEAD_DIM * 2  # q, new k, new v, out
+    return kv_read + 6 * batch * HEADS * HEAD_DIM * 2  # q, new k / v read and written, out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time decode tile sizes / warp counts")
-    parser.add_argument("--json", help="write the rows here")
-    args = parser.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    rows = []
-    print(f"decode attention, {LAYERS} layers, bf16, {HEADS}x{HEAD_DIM} heads, block_size {BLOCK_SIZE}; "
-          f"bandwidth vs {PEAK_TBPS} TB/s")
-    print(f"{'batch':>5} {'ctx':>5} | {'triton eager':>12} {'graph':>8} {'TB/s':>5} {'%peak':>5} | "
-          f"{'sdpa eager':>10} {'graph':>8} {'TB/s':>5}   (ms per 20 layers)")
+def decode_table(gen: torch.Generator, rows: list[dict]) -> None:
+    from ttsserve.attention.triton_paged import TritonPagedAttention
+
+    print(f"{'batch':>5} {'ctx':>5} | {'triton eager':>12} {'graph':>7} {'TB/s':>5} {'%peak':>5} | "
+          f"{'sdpa eager':>10} {'graph':>7} {'TB/s':>5}   (ms per {LAYERS} layers)")
     for batch, ctx in SHAPES:
-        t_eager, t_graph = bench_triton(batch, ctx, gen)
+        setup = PagedSetup([1] * batch, [ctx] * batch, gen)
+        step = setup.step_fn(TritonPagedAttention())
+        t_eager, t_graph = eager_time_ms(step), graph_time_ms(step)
+        del setup
+        torch.cuda.empty_cache()
         s_eager, s_graph = bench_sdpa(batch, ctx)
         nbytes = layer_bytes(batch, ctx) * LAYERS
         tbps, sdpa_tbps = nbytes / t_graph / 1e9, nbytes / s_graph / 1e9
         rows.append(dict(batch=batch, ctx=ctx, triton_eager_ms=t_eager, triton_graph_ms=t_graph,
                          sdpa_eager_ms=s_eager, sdpa_graph_ms=s_graph, bytes=nbytes, triton_tbps=tbps))
-        print(f"{batch:>5} {ctx:>5} | {t_eager:>12.3f} {t_graph:>8.3f} {tbps:>5.2f} {100 * tbps / PEAK_TBPS:>5.1f} | "
-              f"{s_eager:>10.3f} {s_graph:>8.3f} {sdpa_tbps:>5.2f}")
-    for num_seqs, q_len in [(1, 300), (16, 300)]:
-        t, s = bench_prefill(num_seqs, q_len)
-        rows.append(dict(prefill_seqs=num_seqs, q_len=q_len, triton_eager_ms=t, sdpa_eager_ms=s))
-        print(f"prefill {num_seqs} x {q_len} tokens, {LAYERS} layers eager: triton {t:.3f} ms, "
-              f"dense causal sdpa {s:.3f} ms")
-    if args.sweep:
-        print("sweep (graph ms per 20 layers): block_n x num_warps")
-        for batch, ctx in [(1, 1500), (64, 1500), (256, 1500)]:
-            for block_n in (32, 64, 128):
+        print(f"{batch:>5} {ctx:>5} | {t_eager:>12.3f} {t_graph:>7.3f} {tbps:>5.2f} {100 * tbps / PEAK_TBPS:>5.1f} | "
+              f"{s_eager:>10.3f} {s_graph:>7.3f} {sdpa_tbps:>5.2f}")
+
+
+def prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
+    """Fresh prompts and a later chunk of long prompts, 20 layers: Triton (incl. KV write) vs dense SDPA."""
+    from ttsserve.attention.triton_paged import TritonPagedAttention
+
+    for num_seqs, q_len, ctx in [(1, 300, 0), (16, 300, 0), (4, 512, 1024)]:
+        setup = PagedSetup([q_len] * num_seqs, [ctx + q_len] * num_seqs, gen)
+        step = setup.step_fn(TritonPagedAttention())
+        t_eager, t_graph = eager_time_ms(step), graph_time_ms(step)
+        del setup
+        q = torch.randn(num_seqs, HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(2, num_seqs, HEADS, ctx + q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        # the chunk's queries are the last q_len positions: a bottom-right causal mask
+        mask = torch.ones(q_len, ctx + q_len, dtype=torch.bool, device="cuda").tril(ctx)
+
+        def sdpa() -> None:
+            for _ in range(LAYERS):
+                F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask if ctx else None, is_causal=not ctx)
+
+        s_graph = graph_time_ms(sdpa)
+        rows.append(dict(prefill_seqs=num_seqs, q_len=q_len, ctx=ctx, triton_eager_ms=t_eager,
+                         triton_graph_ms=t_graph, sdpa_graph_ms=s_graph))
+        print(f"prefill {num_seqs:>2} x {q_len} new after {ctx:>4} cached: triton eager {t_eager:.3f} "
+              f"graph {t_graph:.3f} ms | dense sdpa graph {s_graph:.3f} ms")
+
+
+def sweep(gen: torch.Generator, rows: list[dict]) -> None:
+    from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning
+
+    variants = [TritonTuning("dot", bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+    variants += [TritonTuning("elementwise", bn, w, 2) for bn in (64, 128) for w in (2, 4)]
+    print("sweep, decode (graph ms per 20 layers), default split heuristic:")
+    for batch, ctx in SHAPES:
+        setup = PagedSetup([1] * batch, [ctx] * batch, gen)
+        cells = []
+        for t in variants:
+            ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=t)))
+            rows.append(dict(batch=batch, ctx=ctx, graph_ms=ms, **asdict(t)))
+            cells.append(f"{t.decode_kernel[:4]}/{t.decode_block_n}/w{t.decode_num_warps}/s{t.decode_num_stages}"
+                         f"={ms:.3f}")
+        print(f"  B={batch:<4} ctx={ctx:<5} " + " ".join(cells))
+        if batch <= 64:
+            for kernel in ("dot", "elementwise"):
                 cells = []
-                for warps in (2, 4, 8):
-                    _, t = bench_triton(batch, ctx, gen, decode_block_n=block_n, decode_num_warps=warps)
-                    cells.append(f"w{warps}={t:.3f}")
-                    rows.append(dict(batch=batch, ctx=ctx, block_n=block_n, warps=warps, triton_graph_ms=t))
-                print(f"  B={batch:<4} ctx={ctx:<5} block_n={block_n:<4} " + " ".join(cells))
-        print("sweep (graph ms per 20 layers): num_splits")
-        for batch, ctx in [(1, 300), (1, 1500), (8, 1500), (64, 1500)]:
-            cells = []
-            for splits in (1, 2, 4, 8, 16, 32):
-                _, t = bench_triton(batch, ctx, gen, num_splits=splits)
-                cells.append(f"s{splits}={t:.3f}")
-                rows.append(dict(batch=batch, ctx=ctx, num_splits=splits, triton_graph_ms=t))
-            print(f"  B={batch:<4} ctx={ctx:<5} " + " ".join(cells))
+                for splits in (1, 2, 4, 8, 16, 32):
+                    ms = graph_time_ms(setup.step_fn(TritonPagedAttention(splits, TritonTuning(kernel))))
+                    rows.append(dict(batch=batch, ctx=ctx, graph_ms=ms, num_splits=splits, decode_kernel=kernel))
+                    cells.append(f"s{splits}={ms:.3f}")
+                print(f"  B={batch:<4} ctx={ctx:<5} {kernel:<11} splits: " + " ".join(cells))
+        del setup
+        torch.cuda.empty_cache()
+    print("sweep, prefill 16 x 300 fresh and 4 x 512 after 1024 cached (graph ms per 20 layers):")
+    base = TritonTuning()
+    for num_seqs, q_len, ctx in [(16, 300, 0), (4, 512, 1024)]:
+        setup = PagedSetup([q_len] * num_seqs, [ctx + q_len] * num_seqs, gen)
+        cells = []
+        for bm in (64, 128):
+            for bn in (32, 64):
+                for w in (4, 8):
+                    for st in (2, 3):
+                        t = replace(base, prefill_block_m=bm, prefill_block_n=bn, prefill_num_warps=w,
+                                    prefill_num_stages=st)
+                        ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=t)))
+                        rows.append(dict(prefill_seqs=num_seqs, q_len=q_len, ctx=ctx, graph_ms=ms, **asdict(t)))
+                        cells.append(f"m{bm}/n{bn}/w{w}/s{st}={ms:.3f}")
+        print(f"  {num_seqs}x{q_len}+{ctx}: " + " ".join(cells))
+        del setup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time kernel variants")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    print(f"decode attention, {LAYERS} layers, bf16, {HEADS}x{HEAD_DIM} heads, block_size {BLOCK_SIZE}, "
+          f"{torch.cuda.get_device_name()}; bandwidth vs {PEAK_TBPS} TB/s")
+    decode_table(gen, rows)
+    prefill_table(gen, rows)
+    if args.sweep:
+        sweep(gen, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

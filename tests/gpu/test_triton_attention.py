@@ -24,7 +24,7 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ttsserve.attention.triton_paged import TritonPagedAttention, write_kv_cache  # noqa: E402
+from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning, write_kv_cache  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -112,14 +112,28 @@ def reference(case: Case) -> torch.Tensor:
     return out
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern view, so that NaN poison compares equal to itself."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def check(case: Case, backend: TritonPagedAttention | None = None) -> None:
+    """Output close to the fp32 reference, and the cache changed exactly at the new tokens' slots."""
     backend = backend or TritonPagedAttention()
+    expected_cache = case.kv_cache.clone()
+    slots = case.md.slot_mapping
+    real = slots >= 0
+    expected_cache.view(2, -1, *case.k.shape[1:])[:, slots[real]] = torch.stack([case.k[real], case.v[real]])
     out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.md, case.scale)
+    assert torch.equal(bits(case.kv_cache), bits(expected_cache)), "KV cache write wrong"
     ref = reference(case)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert torch.isfinite(out).all(), "NaN/inf in output: read outside the context?"
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < REL_TOL[case.q.dtype], f"relative error {rel:.2e}"
+
+
+DECODE_KERNELS = ["dot", "elementwise"]
 
 
 def skip_bf16_dot_in_interpreter(dtype: torch.dtype) -> None:
@@ -136,22 +150,26 @@ MAX_CTX = 4096 if ON_GPU else 80
 DECODE_BATCHES = [1, 7, 64, 256] if ON_GPU else [1, 3]
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("batch", DECODE_BATCHES)
-def test_decode_matches_reference(dtype: torch.dtype, block_size: int, batch: int) -> None:
+def test_decode_matches_reference(kernel: str, dtype: torch.dtype, block_size: int, batch: int) -> None:
+    if kernel == "dot":
+        skip_bf16_dot_in_interpreter(dtype)
     gen = torch.Generator().manual_seed(1000 * batch + block_size)
     ctx = rand_lens(batch, 0, MAX_CTX - 1, gen)
-    check(make_case(ctx, [1] * batch, block_size, dtype, gen))
+    check(make_case(ctx, [1] * batch, block_size, dtype, gen), TritonPagedAttention(tuning=TritonTuning(kernel)))
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
-def test_decode_forced_splits_fp32(num_splits: int) -> None:
+def test_decode_forced_splits_fp32(kernel: str, num_splits: int) -> None:
     """Every split count gives the same answer, including splits left empty by short contexts."""
     gen = torch.Generator().manual_seed(num_splits)
-    ctx = [0, 3, 40, 77] + rand_lens(4, MAX_CTX // 2, MAX_CTX - 1, gen)
+    ctx = [0, 1, 3, 40, 77] + rand_lens(4, MAX_CTX // 2, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, torch.float32, gen, num_heads=4, num_kv_heads=4)
-    check(case, TritonPagedAttention(num_splits=num_splits))
+    check(case, TritonPagedAttention(num_splits=num_splits, tuning=TritonTuning(kernel)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -177,15 +195,17 @@ def test_mixed_decode_and_prefill(dtype: torch.dtype) -> None:
     check(make_case([ctx[i] for i in order], [q_lens[i] for i in order], 32, dtype, gen))
 
 
-def test_gqa_decode_and_prefill() -> None:
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_gqa_decode_and_prefill(kernel: str) -> None:
     dtype = torch.float16 if INTERPRET and not ON_GPU else torch.bfloat16
     gen = torch.Generator().manual_seed(11)
-    check(make_case(rand_lens(5, 0, MAX_CTX - 1, gen), [1] * 5, 16, dtype, gen, num_kv_heads=4))
-    check(make_case([0, 70], [20, 9], 16, dtype, gen, num_kv_heads=4))
+    backend = TritonPagedAttention(tuning=TritonTuning(kernel))
+    check(make_case(rand_lens(5, 0, MAX_CTX - 1, gen), [1] * 5, 16, dtype, gen, num_kv_heads=4), backend)
+    check(make_case([0, 70], [20, 9], 16, dtype, gen, num_kv_heads=4), backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kv_write_is_exact_and_touches_only_its_slots(dtype: torch.dtype) -> None:
+def test_standalone_kv_write_is_exact_and_touches_only_its_slots(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
     num_blocks, block_size, heads, tokens = 9, 16, 12, 40
     cache = torch.randn(kv_cache_shape(num_blocks, block_size, heads, HEAD_DIM), generator=gen).to(dtype)
@@ -203,7 +223,8 @@ def test_kv_write_is_exact_and_touches_only_its_slots(dtype: torch.dtype) -> Non
     assert torch.equal(cache, expected)
 
 
-def test_padded_decode_rows_give_zeros_not_nan() -> None:
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_padded_decode_rows_give_zeros_not_nan(kernel: str) -> None:
     """A CUDA-graph batch padded with empty sequences (seq_len 0, slot -1) leaves the real rows intact."""
     gen = torch.Generator().manual_seed(9)
     case = make_case([30, 50], [1, 1], 16, torch.float16, gen)
@@ -217,7 +238,7 @@ def test_padded_decode_rows_give_zeros_not_nan() -> None:
     q = torch.cat([case.q, torch.randn_like(case.q[:pad])])
     k, v = torch.cat([case.k, case.k[:pad]]), torch.cat([case.v, case.v[:pad]])
     for splits in (1, 4):
-        out = TritonPagedAttention(num_splits=splits).forward(q, k, v, case.kv_cache, md, case.scale)
+        out = TritonPagedAttention(num_splits=splits, tuning=TritonTuning(kernel)).forward(q, k, v, case.kv_cache, md, case.scale)
         assert torch.equal(out[2:], torch.zeros_like(out[2:]))
         assert ((out[:2].float() - ref).norm() / ref.norm()).item() < REL_TOL[torch.float16]
 

@@ -9,6 +9,11 @@ Every kernel gathers KV tiles of BLOCK_N tokens through the block table (token n
 block size works. Scores are kept in the log2 domain (q pre-scaled by scale * log2(e)) so the softmax
 uses exp2. Accumulation is fp32 whatever the input dtype.
 
+The attention kernels also store this step's k / v into the cache (one launch per layer instead of two):
+the new tokens' keys / values are read from the k / v inputs, never back from the cache, so no program
+depends on a store of another program of the same launch. `reshape_and_cache_kernel` is the stand-alone
+write, for callers that only fill the cache.
+
 All loop bounds come from device tensors (seq_lens, cu_seqlens_q), never from host values baked into the
 launch, so a CUDA graph captured once stays correct for any context lengths that fit its block table.
 """
@@ -52,21 +57,33 @@ def _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, str
 
 
 @triton.jit
+def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new, v_new, d, write):
+    """Store one token's k / v [HEAD_DIM] of head kv_h at `slot` when `write` (scalar) and slot >= 0."""
+    # conditions broadcast to full shape through d * 0: Triton's CPU interpreter rejects scalar mask terms
+    mask = ((d * 0 + slot) >= 0) & ((d * 0 + write.to(tl.int32)) != 0)
+    dst = cache_ptr + slot * stride_slot + kv_h * stride_ch + d
+    tl.store(dst, k_new, mask=mask)
+    tl.store(dst + v_offset, v_new, mask=mask)
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr,
     qk_scale, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
     v_offset, stride_slot, stride_ch,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Grid (num_seqs, num_heads, num_splits): one query token of one sequence and head, over one split.
+    """Grid (num_seqs, num_heads, num_splits): the one new query of sequence b, head h, over split s.
 
-    Split s covers context tokens [s * split_len, (s + 1) * split_len), split_len = ceil(L / num_splits)
-    rounded up to BLOCK_N, with L = seq_lens[b] read on the device. SPLIT=False: write the normalised
-    output directly. SPLIT=True: write the unnormalised accumulator, running max (log2 domain) and
-    denominator of this split to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce kernel.
+    Context tokens 0..L-2 (L = seq_lens[b], read on the device) are read from the cache; token L-1 is
+    this step's k / v, taken from the inputs and written to slot_mapping[b] by the program of its split
+    (first head of its group), so no program reads a slot written in the same launch. Split s covers
+    [s * split_len, (s + 1) * split_len), split_len = ceil(L / num_splits) rounded up to BLOCK_N.
+    SPLIT=False: write the normalised output. SPLIT=True: write the unnormalised accumulator, running
+    max (log2 domain) and denominator to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,6 +93,7 @@ def paged_decode_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = s * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    last = seq_len - 1
 
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + h * stride_qh + d).to(tl.float32) * qk_scale
@@ -83,21 +101,35 @@ def paged_decode_kernel(
     l_i = 0.0
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     row_off = b.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, tl.minimum(hi, last), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid = n < hi
+        valid = n < tl.minimum(hi, last)
         off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
                                BLOCK_SIZE, HEAD_DIM)
         k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0).to(tl.float32)
         qk = tl.where(valid, tl.sum(k * q[None, :], 1), -float("inf"))
-        # every tile holds at least one valid token (start < hi), so m_new is finite
+        # every tile holds at least one valid token, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(qk, 0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
+
+    if (lo <= last) & (last < hi):  # this split holds the new token
+        k_raw = tl.load(k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh + d)
+        v_raw = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh + d)
+        qk_new = tl.sum(k_raw.to(tl.float32) * q, 0)
+        m_new = tl.maximum(m_i, qk_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(qk_new - m_new)
+        acc = acc * alpha + p_new * v_raw.to(tl.float32)
+        l_i = l_i * alpha + p_new
+        m_i = m_new
+        slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d,
+                      h % GROUP == 0)
 
     if SPLIT:
         part = (b.to(tl.int64) * NUM_HEADS + h) * num_splits + s
@@ -109,6 +141,85 @@ def paged_decode_kernel(
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)
         tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def paged_decode_dot_kernel(
+    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+    v_offset, stride_slot, stride_ch,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """As paged_decode_kernel, on the tensor cores: grid (num_seqs, num_kv_heads, num_splits), the GROUP
+    query heads that share KV head kv_h as the rows of a BLOCK_M (>= 16) tile, padded with zero rows.
+    The score and PV products are tl.dot, which lets Triton pipeline the KV loads."""
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = s * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    last = seq_len - 1
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_h * GROUP + r
+    row_valid = r < GROUP
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_off = b.to(tl.int64) * stride_bt
+    for start in range(lo, tl.minimum(hi, last), BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < tl.minimum(hi, last)
+        off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+                               BLOCK_SIZE, HEAD_DIM)
+        k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if (lo <= last) & (last < hi):  # this split holds the new token
+        k_raw = tl.load(k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh + d)
+        v_raw = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh + d)
+        qk_new = tl.sum(q.to(tl.float32) * k_raw.to(tl.float32)[None, :], 1) * qk_scale
+        m_new = tl.maximum(m_i, qk_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(qk_new - m_new)
+        acc = acc * alpha[:, None] + p_new[:, None] * v_raw.to(tl.float32)[None, :]
+        l_i = l_i * alpha + p_new
+        m_i = m_new
+        slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d, s >= 0)
+
+    if SPLIT:
+        part = (b.to(tl.int64) * NUM_HEADS + head) * num_splits + s
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -136,9 +247,9 @@ def paged_decode_reduce_kernel(
 
 @triton.jit
 def paged_prefill_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    out_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, slot_mapping_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
     v_offset, stride_slot, stride_ch,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -146,9 +257,11 @@ def paged_prefill_kernel(
     """Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): BLOCK_M new queries of one sequence/head.
 
     The q_len new queries of sequence b are the LAST q_len positions of its context of L = seq_lens[b]
-    tokens (their K/V already written to the cache), so query row r sits at position L - q_len + r and
-    attends to context tokens 0..that position. Handles any q_len >= 1, so one launch serves mixed
-    decode / chunked-prefill batches; programs past a sequence's q_len exit at once.
+    tokens, so query row r sits at position ctx_start + r (ctx_start = L - q_len) and attends to context
+    tokens 0..that position. Keys before ctx_start come from the cache, the others from this step's k / v
+    inputs (never from the cache, which this launch is writing: the first head of each KV group stores
+    its tile's new k / v rows at their slot_mapping slots). Handles any q_len >= 1, so one launch serves
+    mixed decode / chunked-prefill batches; programs past a sequence's q_len exit at once.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -165,6 +278,15 @@ def paged_prefill_kernel(
     row_valid = rows < q_len
     d = tl.arange(0, HEAD_DIM)
     tok = (q_start + rows).to(tl.int64)
+    if h % GROUP == 0:
+        slot = tl.load(slot_mapping_ptr + tok, mask=row_valid, other=-1).to(tl.int64)
+        wmask = row_valid[:, None] & (slot[:, None] >= 0)
+        dst = cache_ptr + slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :]
+        tl.store(dst, tl.load(k_ptr + tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=wmask),
+                 mask=wmask)
+        tl.store(dst + v_offset,
+                 tl.load(v_ptr + tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :], mask=wmask), mask=wmask)
+
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_valid[:, None],
                 other=0.0)
     q_pos = ctx_start + rows
@@ -179,10 +301,17 @@ def paged_prefill_kernel(
     for start in range(0, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < hi
-        off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+        cached = n < ctx_start
+        new = valid & (n >= ctx_start)
+        off = _kv_tile_offsets(block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch,
                                BLOCK_SIZE, HEAD_DIM)
-        k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
-        v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
+        new_tok = (q_start + n - ctx_start).to(tl.int64)
+        k = tl.where(cached[:, None], tl.load(cache_ptr + off, mask=cached[:, None], other=0.0),
+                     tl.load(k_ptr + new_tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :],
+                             mask=new[:, None], other=0.0))
+        v = tl.where(cached[:, None], tl.load(cache_ptr + v_offset + off, mask=cached[:, None], other=0.0),
+                     tl.load(v_ptr + new_tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :],
+                             mask=new[:, None], other=0.0))
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

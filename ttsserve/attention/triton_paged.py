@@ -1,28 +1,31 @@
 """The CUDA paged-attention backend: Triton kernels over the paged KV cache (imported only on CUDA).
 
-Per layer and step, `forward` launches:
-1. `reshape_and_cache_kernel`: k / v of each new token into its `slot_mapping` slot (slot < 0: skipped,
-   so a runner may pad a CUDA-graph batch with -1 slots);
-2. decode-only batches (`md.max_query_len == 1`): `paged_decode_kernel`, one program per
-   (sequence, head, split) with the context cut into `num_splits` pieces (flash-decoding), then
-   `paged_decode_reduce_kernel` to merge the splits when there is more than one;
-3. any other batch (prefill, chunked prefill, decode mixed with prefill): `paged_prefill_kernel`, which
-   takes a variable number of new queries per sequence.
+One launch per layer and step (plus a small reduce when decode splits the context):
+- decode-only batches (`md.max_query_len == 1`): a decode kernel, one program per (sequence, head or KV
+  head, split) with the context cut into `num_splits` pieces (flash-decoding), then
+  `paged_decode_reduce_kernel` to merge the splits when there is more than one;
+- any other batch (prefill, chunked prefill, decode mixed with prefill): `paged_prefill_kernel`, which
+  takes a variable number of new queries per sequence.
+Both also store this step's k / v at `md.slot_mapping` (slot < 0: skipped, so a runner may pad a
+CUDA-graph batch with -1 slots and seq_len 0; such rows come out as zeros).
 
 No device-to-host sync: launch shapes come from tensor shapes and the host ints of the metadata. The
-decode path is CUDA-graph capturable: its launch shapes depend only on the batch size and `num_splits`,
-and each program reads its sequence's length on the device, so a graph captured once is right for any
-context that fits the captured block table (the split count chosen at capture stays, which is only a
-question of speed). Pass `num_splits` to pin it, e.g. for captures.
+decode path is CUDA-graph capturable: its launch shapes depend only on the batch size and the split
+count, and each program reads its sequence's length on the device, so a graph captured once is right for
+any context that fits the captured block table (the split count chosen at capture stays, which is only
+a question of speed). Pass `num_splits` to pin it, e.g. for captures.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from ttsserve.attention.backend import AttentionMetadata
 from ttsserve.attention.triton_kernels import (
+    paged_decode_dot_kernel,
     paged_decode_kernel,
     paged_decode_reduce_kernel,
     paged_prefill_kernel,
@@ -34,37 +37,51 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
 
 
-def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int,
-                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
-    """Flash-decoding split count: enough (sequence, head, split) programs to fill the chip a few
-    programs per multiprocessor over, but no split shorter than `min_tokens_per_split` tokens (below
-    that the extra partial writes and the reduce launch cost more than the parallelism buys)."""
-    target_programs = 4 * num_sms
-    programs = max(num_seqs * num_heads, 1)
-    if programs >= target_programs:
+@dataclass(frozen=True)
+class TritonTuning:
+    """Launch parameters. decode_kernel: "dot" (tensor cores, GQA group as tile rows) or "elementwise".
+    Tile sizes are KV tokens per loop step (powers of two >= 16); prefill_block_m None: by max_query_len."""
+
+    decode_kernel: str = "dot"
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    min_tokens_per_split: int = 64
+    max_splits: int = 32
+    prefill_block_m: int | None = None
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 2
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, tuning: TritonTuning) -> int:
+    """Flash-decoding split count: enough programs (num_programs per split) to put several on every
+    multiprocessor, but no split shorter than `tuning.min_tokens_per_split` tokens (below that the
+    partial writes and the reduce launch cost more than the parallelism buys)."""
+    target_programs = 8 * num_sms
+    num_programs = max(num_programs, 1)
+    if num_programs >= target_programs:
         return 1
-    by_occupancy = triton.cdiv(target_programs, programs)
-    by_length = max(max_seq_len // min_tokens_per_split, 1)
-    return max(1, min(by_occupancy, by_length, max_splits))
+    by_occupancy = triton.cdiv(target_programs, num_programs)
+    by_length = max(max_seq_len // tuning.min_tokens_per_split, 1)
+    return max(1, min(by_occupancy, by_length, tuning.max_splits))
 
 
 class TritonPagedAttention:
     """PagedAttentionBackend on CUDA. kv_cache: [2, num_blocks, block_size, num_kv_heads, 64], contiguous.
 
     num_splits: pin the decode split count (None: `choose_num_splits` per call).
-    decode_block_n / prefill_block_n: KV tokens per tile (powers of two >= 16).
     """
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, decode_block_n: int = 64, prefill_block_n: int = 64,
-                 decode_num_warps: int = 4) -> None:
+    def __init__(self, num_splits: int | None = None, tuning: TritonTuning | None = None) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self.num_splits = num_splits
-        self.decode_block_n = decode_block_n
-        self.prefill_block_n = prefill_block_n
-        self.decode_num_warps = decode_num_warps
+        self.tuning = tuning or TritonTuning()
+        if self.tuning.decode_kernel not in ("dot", "elementwise"):
+            raise ValueError(f"decode_kernel must be 'dot' or 'elementwise', got {self.tuning.decode_kernel!r}")
         self._num_sms: dict[torch.device, int] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -75,16 +92,18 @@ class TritonPagedAttention:
         kv_cache: [2, num_blocks, md.block_size, Hkv, 64] of q's dtype. Returns a new [T, Hq, 64].
         """
         _check_inputs(q, k, v, kv_cache, md)
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
         if md.is_decode_only:
-            num_splits = self.num_splits or choose_num_splits(
-                md.seq_lens.shape[0], q.shape[1], md.max_seq_len, self._sm_count(q.device))
-            paged_decode(out, q, kv_cache, md, scale, num_splits, self.decode_block_n, self.decode_num_warps)
+            assert q.shape[0] == md.seq_lens.shape[0], "decode batches have one token per sequence"
+            num_splits = self.num_splits
+            if num_splits is None:
+                per_split = md.seq_lens.shape[0] * (k.shape[1] if self.tuning.decode_kernel == "dot" else q.shape[1])
+                num_splits = choose_num_splits(per_split, md.max_seq_len, self._sm_count(q.device), self.tuning)
+            paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning)
         else:
-            paged_prefill(out, q, kv_cache, md, scale, self.prefill_block_n)
+            paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
         return out
 
     def _sm_count(self, device: torch.device) -> int:
@@ -139,11 +158,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     )
 
 
-def paged_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                 scale: float, num_splits: int, block_n: int = 64, num_warps: int = 4) -> None:
-    """out[b] = attention of q[b] ([Hq, D], one token per sequence) over its md.seq_lens[b] cached tokens."""
+def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 md: AttentionMetadata, scale: float, num_splits: int, tuning: TritonTuning) -> None:
+    """out[b] = attention of q[b] ([Hq, D], one new token per sequence) over its md.seq_lens[b] tokens,
+    the last being k[b] / v[b], which are also stored at md.slot_mapping[b]."""
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
-    group = num_heads // kv_cache.shape[3]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
     split = num_splits > 1
     if split:
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -151,15 +172,22 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md:
         part_m, part_l = part_ml[0], part_ml[1]
     else:
         part_o = part_m = part_l = out  # unused by the SPLIT=False specialisation
-    paged_decode_kernel[(num_seqs, num_heads, num_splits)](
+    args = (
         out, part_o, part_m, part_l,
-        q, kv_cache, md.block_tables, md.seq_lens,
+        q, k, v, kv_cache, md.block_tables, md.seq_lens, md.slot_mapping,
         scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), md.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
-        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps,
     )
+    common = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
+                  BLOCK_N=tuning.decode_block_n, SPLIT=split, num_warps=tuning.decode_num_warps,
+                  num_stages=tuning.decode_num_stages)
+    if tuning.decode_kernel == "dot":
+        paged_decode_dot_kernel[(num_seqs, num_kv_heads, num_splits)](
+            *args, BLOCK_M=max(16, triton.next_power_of_2(group)), IEEE=q.dtype == torch.float32, **common)
+    else:
+        paged_decode_kernel[(num_seqs, num_heads, num_splits)](*args, **common)
     if split:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_o, part_m, part_l, num_splits, out.stride(0), out.stride(1),
@@ -168,20 +196,23 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md:
         )
 
 
-def paged_prefill(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                  scale: float, block_n: int = 64) -> None:
-    """Causal attention of each sequence's new queries (the last q_len of its context) over its context."""
+def paged_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  md: AttentionMetadata, scale: float, tuning: TritonTuning) -> None:
+    """Causal attention of each sequence's new queries (the last q_len of its context) over its context;
+    also stores k / v at md.slot_mapping."""
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
-    group = num_heads // kv_cache.shape[3]
-    # a small BLOCK_M wastes less on decode rows and short chunks in mixed batches
-    block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
+    group = num_heads // k.shape[1]
+    block_m = tuning.prefill_block_m
+    if block_m is None:  # a small BLOCK_M wastes less on decode rows and short chunks in mixed batches
+        block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
     grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
     paged_prefill_kernel[grid](
-        out, q, kv_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q,
+        out, q, k, v, kv_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, md.slot_mapping,
         scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), md.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=tuning.prefill_block_n, IEEE=q.dtype == torch.float32,
+        num_warps=tuning.prefill_num_warps, num_stages=tuning.prefill_num_stages,
     )
