@@ -203,3 +203,18 @@ def test_sizing_and_report():
         size_kv_pool(1, 0, 16)
     with pytest.raises(ValueError):
         kv_pool_report(10, utterance_seconds=0)
+
+
+def test_freed_uncached_blocks_are_handed_out_before_cached_ones():
+    bm = KVCacheManager(num_gpu_blocks=3, block_size=2)
+    a = make_req("a", [1, 2, 3, 4])
+    admit(bm, a)
+    finish_prefill(a)
+    x = make_req("x", [9])
+    admit(bm, x)
+    bm.free(a)  # 2 cached blocks
+    bm.free(x)  # uncached: goes to the head of the queue although freed last
+    y = make_req("y", [8])
+    admit(bm, y)
+    assert len(bm.cached_blocks) == 2
+    check_consistent(bm, [y])

