@@ -175,10 +175,12 @@ class Supervisor:
                 logger.error("replica %d exited with a configuration error (code %d): stopping", spec.index, rc)
                 self.fatal.set()
                 return
-            backoff = 1.0 if loop.time() - started > 60 else min(backoff * 2, 30.0)
+            if loop.time() - started > 60:  # it was up for a while: a fresh failure, not a crash loop
+                backoff = 1.0
             self.restarts[spec.index] += 1
             logger.warning("replica %d exited (code %s); restarting in %.0f s", spec.index, rc, backoff)
             await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
 
     def start(self) -> list[asyncio.Task]:
         return [asyncio.create_task(self._watch(s)) for s in self.specs]

@@ -1,0 +1,179 @@
+"""Cold start: seconds from `ttsserve serve` process start to `/ready` 200, with the phases read from its log.
+
+    python -m ttsserve.deploy.coldstart --runs 3 -- --load-format dummy --dummy-size tiny --device cpu
+    python -m ttsserve.deploy.coldstart --cache-dummy real -- --device cpu --swap-space 0
+
+`--cache-dummy SIZE` writes the random checkpoint once (safetensors, under $TTSSERVE_CACHE or
+~/.cache/ttsserve) and serves it with `--model DIR --load-format safetensors`: later starts memory-map the file
+instead of drawing ~250 M random numbers. Every run is a fresh process (no warm page cache guarantees beyond
+what the OS keeps); the report gives each run and the median, in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+# Log line -> phase name: the first line matching marks when the phase ended (seconds since process start).
+PHASES = [
+    ("imports", re.compile(r"loading model")),
+    ("model_loaded", re.compile(r"loaded .* of weights")),
+    ("engine_built", re.compile(r"KV cache: ")),
+    ("app_started", re.compile(r"Application startup complete|ttsserve ready")),
+]
+_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+@dataclass
+class ColdStart:
+    """One start. total_s: process start -> first /ready 200. listen_s: -> the port accepted a connection.
+    phases: phase name -> seconds since process start, for the PHASES log lines that were seen."""
+
+    total_s: float
+    listen_s: float | None
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def parse_phases(log: str, t0: float) -> dict[str, float]:
+    """Seconds since `t0` (a time.time()) at which each PHASES line first appears in `log`."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        m = _TS.match(line)
+        if not m:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for name, pat in PHASES:
+            if name not in out and pat.search(line):
+                out[name] = round(t - t0, 3)
+    return out
+
+
+def measure_cold_start(serve_args: list[str], timeout_s: float = 600.0, env: dict[str, str] | None = None,
+                       poll_s: float = 0.05) -> ColdStart:
+    """Start `python -m ttsserve.server.cli_serve <serve_args> --port P`, wait for /ready 200, stop it.
+    RuntimeError (with the log tail) if it exits or is not ready within `timeout_s`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ttsserve.server.cli_serve", *serve_args, "--host", "127.0.0.1",
+           "--port", str(port)]
+    with tempfile.TemporaryFile("w+") as log:
+        t0 = time.time()
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        listen_s = None
+        try:
+            while True:
+                elapsed = time.perf_counter() - start
+                if proc.poll() is not None or elapsed > timeout_s:
+                    log.seek(0)
+                    raise RuntimeError(f"server {'exited' if proc.returncode is not None else 'not ready'} "
+                                       f"after {elapsed:.1f} s:\n{log.read()[-3000:]}")
+                if listen_s is None and _listening(port):
+                    listen_s = time.perf_counter() - start
+                if listen_s is not None and _ready(port):
+                    total = time.perf_counter() - start
+                    break
+                time.sleep(poll_s)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        return ColdStart(round(total, 3), round(listen_s, 3), parse_phases(log.read(), t0))
+
+
+def cached_dummy_checkpoint(size: str, seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A random checkpoint of `size` saved once in the published layout; returns the folder holding asset/.
+    Written to a temporary name and renamed, so concurrent first starts never see half a checkpoint."""
+    from ttsserve.model.dummy import make_dummy_checkpoint, save_checkpoint
+
+    root = Path(cache_dir or os.environ.get("TTSSERVE_CACHE") or Path.home() / ".cache" / "ttsserve")
+    path = root / f"dummy-{size}-seed{seed}"
+    if (path / "asset" / "gpt" / "model.safetensors").is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=root))
+    save_checkpoint(make_dummy_checkpoint(size, seed, tokenizer_dir=tmp / "asset" / "tokenizer"), tmp)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race: use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def import_floor_s() -> float:
+    """Seconds for a fresh interpreter to import torch: the floor no server change can go below."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ttsserve.deploy.coldstart", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--cache-dummy", choices=["tiny", "real"], default=None,
+                    help="serve a cached safetensors copy of the dummy checkpoint of this size")
+    ap.add_argument("--label", default="")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `ttsserve serve` flags")
+    a = ap.parse_args(argv)
+    serve_args = a.serve_args[1:] if a.serve_args[:1] == ["--"] else a.serve_args
+    if "--voices-db" not in serve_args:
+        serve_args += ["--voices-db", ":memory:"]
+    if a.cache_dummy:
+        t = time.perf_counter()
+        path = cached_dummy_checkpoint(a.cache_dummy)
+        print(f"cached dummy checkpoint: {path} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+        serve_args += ["--model", str(path), "--load-format", "safetensors"]
+    runs = [measure_cold_start(serve_args, a.timeout) for _ in range(a.runs)]
+    floor = import_floor_s()
+    for i, r in enumerate(runs):
+        print(f"run {i}: ready {r.total_s:.2f} s, listening {r.listen_s:.2f} s, phases {r.phases}")
+    med = statistics.median(r.total_s for r in runs)
+    print(f"{a.label or ' '.join(serve_args)}: median cold start {med:.2f} s to /ready "
+          f"(import torch alone: {floor:.2f} s)")
+    print(json.dumps({"label": a.label, "serve_args": serve_args, "median_s": med, "import_torch_s": floor,
+                      "runs": [asdict(r) for r in runs]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
