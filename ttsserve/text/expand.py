@@ -107,7 +107,12 @@ def _ampm(mark: str | None, lang: str, hour: int) -> tuple[int, str]:
     pm = mark.lower() == "p"
     if lang == "zh":
         return hour, "下午" if pm else "上午"
-    return hour, "p m" if pm else "a m"
+    return hour, "p m" if pm else "a m"  # letters, spoken "pee em"
+
+
+def _ends_sentence(m: re.Match) -> bool:
+    """A "p.m." whose final dot also ends the sentence."""
+    return m.group(0).endswith(".") and re.match(r"\s*(?:$|\n|[A-Z])", m.string[m.end() :]) is not None
 
 
 def _clock(m: re.Match, lang: str) -> str | None:
@@ -116,12 +121,14 @@ def _clock(m: re.Match, lang: str) -> str | None:
     hour, suffix = _ampm(m.group(4), lang, hour)
     if lang == "zh":
         return nb.zh_time(hour, minute, second, suffix)
-    return nb.en_time(hour, minute, second, suffix)
+    return nb.en_time(hour, minute, second, suffix) + ("." if _ends_sentence(m) else "")
 
 
 def _hour_ampm(m: re.Match, lang: str) -> str:
     hour, suffix = _ampm(m.group(2), lang, int(m.group(1)))
-    return nb.zh_time(hour, 0, None, suffix) if lang == "zh" else f"{nb.en_cardinal(str(hour))} {suffix}"
+    if lang == "zh":
+        return nb.zh_time(hour, 0, None, suffix)
+    return f"{nb.en_cardinal(str(hour))} {suffix}" + ("." if _ends_sentence(m) else "")
 
 
 def _ratio(m: re.Match, lang: str) -> str:
@@ -264,11 +271,16 @@ _ABBREVIATIONS = {
 }  # fmt: skip
 
 
+_CAN_END_SENTENCE = frozenset({"etc.", "a.m.", "p.m.", "Inc.", "Ltd."})
+
+
 def _abbreviation(m: re.Match, lang: str) -> str:
     words = _ABBREVIATIONS[m.group(1)]
-    # An abbreviation that ends a sentence keeps its full stop (the split and the pause rely on it).
-    ends_sentence = re.match(r"\s*(?:$|\n)", m.string[m.end() :]) is not None
-    return words + ("." if ends_sentence else "")
+    # An abbreviation that also ends the sentence keeps its full stop (the pause relies on it); titles
+    # such as "Dr." never end one.
+    rest = m.string[m.end() :]
+    ends = m.group(1) in _CAN_END_SENTENCE and re.match(r"\s*(?:$|\n)|\s+[A-Z]", rest) is not None
+    return words + ("." if ends else "")
 
 
 def _acronym(m: re.Match, lang: str) -> str:
@@ -285,7 +297,7 @@ _MONTH = _months_re()
 _ABBR = "|".join(re.escape(k) for k in sorted(_ABBREVIATIONS, key=len, reverse=True))
 _UNITS_SP = "|".join(re.escape(u) for u in sorted(UNITS_SPACED, key=len, reverse=True))
 _UNITS_AT = "|".join(re.escape(u) for u in sorted(UNITS_ATTACHED, key=len, reverse=True))
-_AMPM = r"(?:\s?([AaPp])\.?[Mm]\.?(?![A-Za-z]))"
+_AMPM = r"(?:\s?([AaPp])(?:\.[Mm]\.?|[Mm])(?![A-Za-z]))"  # "pm" / "p.m." (a dot after "pm" is left alone)
 
 
 def _r(name: str, pattern: str, handler: Handler, lang: str | None = None) -> Rule:
@@ -319,7 +331,7 @@ RULES: tuple[Rule, ...] = (
     _r("phone_dashed", r"(?<![A-Za-z0-9_.,-])(?:\d{3}-\d{3,4}-\d{4}|0\d{2,3}-\d{7,8})(?![\d-])", _phone),
     _r("digit_string", r"(?<![A-Za-z0-9_.,])(?:0\d{2,}|1\d{10}|\d{12,})(?!\d|[.,]\d)", _phone),
     _r("ordinal", r"(?<![\d.])(\d+)(?:st|nd|rd|th)(?![A-Za-z])", _ordinal, "en"),
-    _r("decade", r"(?<![\d.])(\d{2}|\d{4})'?s(?![A-Za-z])", _decade),
+    _r("decade", r"(?<![\d.])(\d0|\d{3}0)'?s(?![A-Za-z])", _decade),
     _r("unit_spaced", r"(" + SNUM + r")\s?(" + _UNITS_SP + r")(?![A-Za-z0-9²³])", _unit),
     _r("unit_attached", r"(" + SNUM + r")(" + _UNITS_AT + r")(?![A-Za-z0-9²³])", _unit),
     _r("fraction", r"(?<![\d/.])(\d+)/(\d+)(?!\d|/|\.\d)", _fraction),

@@ -39,6 +39,8 @@ _FULLWIDTH_ALNUM = str.maketrans(
      **{chr(0xFF41 + i): chr(0x61 + i) for i in range(26)}, "％": "%"}
 )  # fmt: skip
 _WHITESPACE_RE = re.compile(r"[\t\n\r\f\v\u3000\u00a0]")
+# A line break after a word (no punctuation) ends a sentence: it becomes a full stop, not a mere space.
+_BARE_NEWLINE_RE = re.compile(r"(?<=[^\s,.!?;:，。！？；：、\]])[ \t\u3000]*(?:\r?\n)+")
 # Expansion-mode punctuation the reference would delete but that marks a pause: question marks end a
 # sentence, dashes and ellipses are clause breaks.
 _PAUSES = {
@@ -122,8 +124,9 @@ def normalize_text(
         raise ValueError(f"lang must be 'zh', 'en' or None, got {lang!r}")
     if not expand_numbers:
         return _reference(text, lang, homophones)
-    text = _WHITESPACE_RE.sub(" ", text.translate(_FULLWIDTH_ALNUM))
+    text = text.translate(_FULLWIDTH_ALNUM)
     lang = lang or detect_language(text)
+    text = _WHITESPACE_RE.sub(" ", _BARE_NEWLINE_RE.sub(". " if lang == "en" else "。", text))
     expanded = "".join(
         p if is_tag else expand_segment(p, lang).translate(_PAUSES[lang]) for p, is_tag in split_tags(text)
     )

@@ -9,8 +9,10 @@ weigh 1 because they expand when spoken ("2024" -> "二零二四" / "twenty twen
 
 Boundaries, strongest first: sentence ends (。！？!?；; a `.` followed by whitespace, newlines), then
 clause punctuation (，,、：:…—) when a sentence is too long, then word boundaries (spaces, between CJK
-characters). Never inside a number (3.14, 1,000, 14:30), a Latin word or a [tag]. Consecutive pieces are
-packed greedily up to `max_chars`; a piece shorter than `min_chars` is merged into a neighbour.
+characters). Never inside a number (3.14, 1,000, 14:30), a Latin word or a [tag]. Whole sentences are
+packed greedily up to `max_chars`; an over-long sentence is cut into clause chunks (packed among
+themselves) that never share a segment with another sentence; finally a piece shorter than `min_chars`
+is merged into a neighbour.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def text_units(text: str) -> float:
 
 def _is_sentence_end(text: str, m: re.Match) -> bool:
     if m.group(0).startswith("."):
-        word = re.search(r"([A-Za-z.]+)$", text[: m.start()])
+        word = re.search(r"(?<![A-Za-z])((?:[A-Za-z]\.)*[A-Za-z]+)$", text[: m.start()])
         if word and (word.group(1) in _ABBREVIATIONS or re.fullmatch(r"[A-Z]", word.group(1))):
             return False  # "Dr. Smith", "J. K. Rowling"
     return True
@@ -135,17 +137,23 @@ def split_text(text: str, max_chars: float = MAX_CHARS, min_chars: float = MIN_C
     """
     if max_chars <= 0 or min_chars < 0 or min_chars > max_chars:
         raise ValueError(f"need 0 <= min_chars <= max_chars and max_chars > 0, got {min_chars}, {max_chars}")
-    pieces: list[tuple[int, int]] = []
+    spans: list[tuple[int, int]] = []
+    run: list[tuple[int, int]] = []  # consecutive whole sentences, packed together
     for s, e in _cut(text, 0, len(text), _SENTENCE_END, _is_sentence_end):
         if text_units(text[s:e]) <= max_chars:
-            pieces.append((s, e))
+            run.append((s, e))
             continue
+        # An over-long sentence becomes segments of its own, cut at clauses (then words).
+        spans += _pack(text, run, max_chars)
+        run = []
+        pieces: list[tuple[int, int]] = []
         for cs, ce in _cut(text, s, e, _CLAUSE_END, _is_clause_end):
             if text_units(text[cs:ce]) <= max_chars:
                 pieces.append((cs, ce))
             else:
                 pieces.extend(_hard_split(text, cs, ce, max_chars))
-    spans = _merge_tiny(text, _pack(text, pieces, max_chars), min_chars)
+        spans += _pack(text, pieces, max_chars)
+    spans = _merge_tiny(text, spans + _pack(text, run, max_chars), min_chars)
     return [TextSegment(text[s:e], s, e) for s, e in spans]
 
 
