@@ -185,16 +185,16 @@ def _configure_logging(level: str) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine (slow), log how many streams fit, serve until SIGINT/SIGTERM, drain, exit."""
-    import uvicorn
-
-    from ttsserve.engine.async_engine import AsyncEngine
-    from ttsserve.server.app import create_app
-
     try:
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
     except ValueError as e:
         print(f"ttsserve serve: error: {e}", file=sys.stderr)
         return 2
+    import uvicorn
+
+    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.server.app import create_app
+
     _configure_logging(log_level)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     engine = AsyncEngine.from_config(engine_cfg)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -124,7 +125,7 @@ class VoiceStore:
 
     def list(self) -> list[VoiceRecord]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM voices ORDER BY created_at, id").fetchall()
+            rows = self._db.execute("SELECT * FROM voices ORDER BY rowid").fetchall()
         return [_record(r) for r in rows]
 
     def delete(self, voice_id: str) -> bool:
@@ -318,7 +319,6 @@ async def _create_from_json(st, request) -> VoiceRecord:
 
 def register_voice_routes(app, st, identity, errors: dict) -> None:
     """GET/POST /v1/audio/voices, GET/DELETE /v1/audio/voices/{voice_id}. `st`: the app's ServerState."""
-    from fastapi import Depends, Request
 
     @app.get("/v1/audio/voices", response_model=VoiceList, responses=errors, tags=["voices"])
     async def list_voices(_: str = Depends(identity)):

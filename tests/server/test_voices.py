@@ -1,0 +1,122 @@
+"""Voices: built-in names, CRUD over HTTP and the OpenAI SDK, SQLite persistence across a restart."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+
+from tests.server.helpers import decode_int16, wav_bytes
+from ttsserve.server.voices import BUILTIN_VOICES, VoiceStore
+from ttsserve.text.speaker import encode_speaker
+
+SPEECH = {"model": "tts-1", "input": "Voice test.", "seed": 11, "response_format": "pcm"}
+
+
+def _pcm(c, voice) -> bytes:
+    r = c.post("/v1/audio/speech", json={**SPEECH, "voice": voice})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_builtin_voices_are_fixed_speakers(serve):
+    srv, eng = serve()
+    with srv.client() as c:
+        listed = c.get("/v1/audio/voices").json()["data"]
+        assert {v["name"] for v in listed if v["type"] == "builtin"} == set(BUILTIN_VOICES)
+        a1, e1 = _pcm(c, "alloy"), _pcm(c, "echo")
+        vec = eng.requests[-1].voice.spk_emb
+        np.testing.assert_array_equal(vec, eng.random_speaker(BUILTIN_VOICES["echo"]))
+        assert _pcm(c, "ALLOY") == a1 and _pcm(c, {"id": "alloy"}) == a1 and a1 != e1
+        # {"seed": n} is the same speaker as the built-in with that seed
+        assert _pcm(c, {"seed": BUILTIN_VOICES["echo"]}) == e1
+        r = c.delete("/v1/audio/voices/alloy")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "voice_id"
+
+
+def test_voice_crud_survives_restart(serve, tmp_path):
+    db = str(tmp_path / "voices.db")
+    srv, eng = serve(voices_db=db)
+    spk = encode_speaker(eng.random_speaker(4242))
+    with srv.client() as c:
+        r = c.post("/v1/audio/voices", json={"name": "narrator", "seed": 77})
+        assert r.status_code == 200, r.text
+        narrator = r.json()
+        assert narrator["id"].startswith("voice_") and narrator["type"] == "seed" and narrator["seed"] == 77
+        r = c.post("/v1/audio/voices", json={"name": "guest", "speaker": spk})
+        guest = r.json()
+        assert guest["type"] == "speaker"
+        assert c.post("/v1/audio/voices", json={"name": "narrator", "seed": 1}).status_code == 409
+        assert c.post("/v1/audio/voices", json={"name": "nova", "seed": 1}).status_code == 400
+        r = c.post("/v1/audio/voices", json={"name": "x", "speaker": "not a speaker"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speaker"
+        r = c.post("/v1/audio/voices", json={"name": "x", "seed": 1, "speaker": spk})
+        assert r.status_code == 400
+        by_id = _pcm(c, {"id": narrator["id"]})
+        assert _pcm(c, "narrator") == by_id == _pcm(c, {"seed": 77})
+        guest_audio = _pcm(c, {"id": guest["id"]})
+        np.testing.assert_array_equal(eng.requests[-1].voice.spk_emb, eng.random_speaker(4242))
+        assert c.get(f"/v1/audio/voices/{guest['id']}").json()["name"] == "guest"
+    srv.stop()
+
+    srv2, eng2 = serve(voices_db=db)  # a new process would see the same file
+    with srv2.client() as c:
+        names = [v["name"] for v in c.get("/v1/audio/voices").json()["data"] if v["type"] != "builtin"]
+        assert names == ["narrator", "guest"]
+        assert _pcm(c, {"id": narrator["id"]}) == by_id and _pcm(c, "guest") == guest_audio
+        r = c.delete(f"/v1/audio/voices/{narrator['id']}")
+        assert r.json() == {"id": narrator["id"], "object": "audio.voice.deleted", "deleted": True}
+        assert c.delete(f"/v1/audio/voices/{narrator['id']}").status_code == 404
+        r = c.post("/v1/audio/speech", json={**SPEECH, "voice": {"id": narrator["id"]}})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "voice_not_found"
+
+
+def test_reference_recording_voice_via_openai_sdk(serve):
+    srv, eng = serve()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0)
+    voice = client.audio.voices.create(name="me", audio_sample=("me.wav", wav_bytes(2.0), "audio/wav"),
+                                       consent="granted", extra_body={"transcript": "This is my voice."})
+    assert voice.id.startswith("voice_") and voice.name == "me" and voice.type == "audio_sample"
+    assert eng.references == [(32000, 16000)]
+    audio = client.audio.speech.create(model="tts-1", voice={"id": voice.id}, input="Say it.",
+                                       response_format="pcm").content
+    assert decode_int16(audio, "pcm").size > 0
+    v = eng.requests[-1].voice
+    assert v.spk_smp.shape == (4, round(2.0 * 46.875)) and v.spk_smp.dtype == np.int32
+    assert v.txt_smp == "This is my voice." and v.spk_emb is None
+    deleted = client.audio.voices.delete(voice.id)
+    assert deleted.deleted and deleted.id == voice.id
+
+
+def test_reference_upload_errors(serve):
+    srv, eng = serve(max_upload_bytes=200_000)
+    with srv.client() as c:
+        def post(files, data):
+            return c.post("/v1/audio/voices", files=files, data=data)
+
+        r = post({"audio_sample": ("a.wav", b"RIFF garbage", "audio/wav")}, {"name": "a", "transcript": "t"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "audio_sample"
+        r = post({"audio_sample": ("a.wav", wav_bytes(0.1), "audio/wav")}, {"name": "a", "transcript": "t"})
+        assert r.status_code == 400 and "0.5" in r.json()["error"]["message"]
+        r = post({"audio_sample": ("a.wav", wav_bytes(1.0), "audio/wav")}, {"name": "a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "transcript"
+        r = post({"audio_sample": ("a.wav", wav_bytes(10.0), "audio/wav")}, {"name": "a", "transcript": "t"})
+        assert r.status_code == 413
+        r = c.post("/v1/audio/voices", content=b"name=a", headers={"content-type": "text/plain"})
+        assert r.status_code == 415
+    assert eng.references == []
+
+
+def test_store_roundtrip(tmp_path):
+    store = VoiceStore(str(tmp_path / "v.db"))
+    smp = np.arange(12, dtype=np.int32).reshape(4, 3)
+    rec = store.create("ref", "audio_sample", spk_smp=smp, txt_smp="hi")
+    emb = np.linspace(-2, 2, 768).astype(np.float16)
+    store.create("emb", "speaker", spk_emb=emb)
+    store.close()
+    store = VoiceStore(str(tmp_path / "v.db"))
+    got = store.get(rec.id)
+    np.testing.assert_array_equal(got.spk_smp, smp)
+    assert got.txt_smp == "hi" and got.spk_emb is None
+    np.testing.assert_array_equal(store.get("emb").spk_emb, emb)
+    assert [r.name for r in store.list()] == ["ref", "emb"]
+    assert store.delete(rec.id) and not store.delete(rec.id) and store.get(rec.id) is None
