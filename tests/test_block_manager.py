@@ -218,3 +218,23 @@ def test_freed_uncached_blocks_are_handed_out_before_cached_ones():
     admit(bm, y)
     assert len(bm.cached_blocks) == 2
     check_consistent(bm, [y])
+
+
+def test_prefix_stats_count_admissions_not_failed_attempts():
+    bm = KVCacheManager(num_gpu_blocks=4, block_size=2)
+    a = make_req("a", [1, 2, 3, 4, 5])
+    admit(bm, a)
+    finish_prefill(a)
+    bm.allocate_slots(a, 1)  # publishes a's 2 full blocks
+    big = make_req("big", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    big.num_computed_tokens = bm.get_computed_blocks(big)
+    assert big.num_computed_tokens == 4
+    assert not bm.allocate_slots(big, 5)  # pool too full: the scheduler frees and retries later
+    bm.free(big)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (5, 0)  # only a's admission
+    check_consistent(bm, [a])
+
+
+def test_request_rejects_unhashable_prompt_items():
+    with pytest.raises(ValueError, match="hashable"):
+        Request("x", [[1, 2, 3, 4]])

@@ -429,6 +429,23 @@ def test_swap_preemption_round_trip():
     assert v.output_token_ids == [fake_sample(v, i) for i in range(12)]
 
 
+def test_swapped_requests_come_back_before_new_admissions():
+    sched = create_scheduler(num_gpu_blocks=10, block_size=2, num_cpu_blocks=16, preemption_mode="swap")
+    reqs = create_requests(2, prompt_len=8, max_new_tokens=12)
+    late = Request("late", [(5, 0, 0, 0)] * 2, max_new_tokens=2, arrival_time=5.0)
+    runner = FakeRunner(sched, {r.request_id: r for r in reqs + [late]})
+    for r in reqs:
+        sched.add_request(r)
+    while not sched.num_swapped:
+        step(sched, runner)
+    sched.add_request(late)  # would fit now, but the swapped request is first in line
+    while late.status is RequestStatus.WAITING:
+        out, _ = step(sched, runner)
+        assert "late" not in scheduled(out) or sched.num_swapped == 0
+    drain(sched, runner)
+    assert late.status is RequestStatus.FINISHED_LENGTH
+
+
 def test_auto_without_host_blocks_recomputes_and_swap_needs_host_blocks():
     preempt_auto = create_scheduler(num_gpu_blocks=10, block_size=2, preemption_mode="auto")
     reqs = create_requests(2, prompt_len=8, max_new_tokens=12)

@@ -65,6 +65,7 @@ class KVCacheManager:
         self._cpu_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of a request's full blocks
         self._num_registered: dict[str, int] = {}  # leading blocks of block_table already considered
+        self._pending_stats: dict[str, tuple[int, int]] = {}  # (queried, hit) tokens of an admission
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which found in the cache
 
@@ -102,8 +103,8 @@ class KVCacheManager:
         following allocate_slots fails it must free(request) and reset num_computed_tokens to 0.
         """
         assert not request.block_table, f"{request.request_id}: get_computed_blocks with blocks attached"
-        self.prefix_cache_queries += request.num_tokens
         if not self.enable_prefix_caching:
+            self._pending_stats[request.request_id] = (request.num_tokens, 0)
             return 0
         hashes = self._chain_hashes(request, (request.num_tokens - 1) // self.block_size)
         for h in hashes:
@@ -116,7 +117,8 @@ class KVCacheManager:
             request.block_table.append(bid)
         self._num_registered[request.request_id] = len(request.block_table)
         num_cached = len(request.block_table) * self.block_size
-        self.prefix_cache_hits += num_cached
+        # Counted when the admission succeeds (allocate_slots), not per failed attempt.
+        self._pending_stats[request.request_id] = (request.num_tokens, num_cached)
         return num_cached
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
@@ -127,11 +129,15 @@ class KVCacheManager:
         if num_new_tokens < 1:
             raise ValueError(f"{request.request_id}: num_new_tokens must be >= 1, got {num_new_tokens}")
         self._register_computed(request)
-        need = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_table)
         if need > len(self.free_queue):
             return False
         for _ in range(need):
             request.block_table.append(self._pop_free())
+        if self._pending_stats:
+            queries, hits = self._pending_stats.pop(request.request_id, (0, 0))
+            self.prefix_cache_queries += queries
+            self.prefix_cache_hits += hits
         return True
 
     def free(self, request: Request) -> None:
@@ -210,6 +216,7 @@ class KVCacheManager:
     def _forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._pending_stats.pop(request_id, None)
 
     def _register_computed(self, request: Request) -> None:
         """Publish the full blocks whose KV is written (positions < num_computed_tokens)."""
@@ -217,9 +224,10 @@ class KVCacheManager:
             return
         rid = request.request_id
         start = self._num_registered.get(rid, 0)
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
-        if num_full <= start:
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= start:  # the per-step common case: no block completed since the last call
             return
+        num_full = min(num_full, len(request.block_table))
         hashes = self._chain_hashes(request, num_full)
         for i in range(start, num_full):
             bid = request.block_table[i]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's work in this step: compute positions [num_computed_tokens, +num_new_tokens)."""
 
@@ -17,7 +17,9 @@ class ScheduledRequest:
     num_computed_tokens: int  # start position of this chunk (KV for positions < this already exists)
     num_new_tokens: int  # positions computed in this step (1 for decode, a chunk for prefill/recompute)
     new_token_ids: list  # [num_new_tokens] items at positions [num_computed_tokens, +num_new_tokens)
-    block_table: list[int]  # [cdiv(num_computed_tokens + num_new_tokens, block_size)] GPU block ids
+    # [cdiv(num_computed_tokens + num_new_tokens, block_size)] GPU block ids. The request's live,
+    # append-only list (no copy per step): read it before the next schedule(), never mutate it.
+    block_table: list[int]
     will_sample: bool  # this chunk reaches the last token: sample one token from its last position
     num_prompt_tokens: int  # positions < this are prompt, the rest are earlier outputs
     num_output_tokens: int  # outputs before this step (for min_new_tokens / penalty windows)
@@ -46,7 +48,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """Result of one step for one request (only requests that sampled, or finished, get one)."""
 

@@ -43,7 +43,7 @@ _FINISHED = frozenset(
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A refine-text ("text") or code ("code") generation request.
 
@@ -85,6 +85,12 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: prompt_token_ids is empty")
+        try:  # items key the prefix cache: an unhashable one would crash the step loop later
+            hash(tuple(self.prompt_token_ids))
+        except TypeError:
+            raise ValueError(
+                f"request {self.request_id}: prompt items must be hashable (int or tuple of codes)"
+            ) from None
         if self.mode not in ("code", "text"):
             raise ValueError(f"request {self.request_id}: mode must be 'code' or 'text', got {self.mode!r}")
         if self.max_new_tokens < 1:

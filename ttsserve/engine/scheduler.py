@@ -5,8 +5,8 @@ Each step (schedule):
   2. running requests, in admission order: each advances by min(remaining tokens, chunk limits), so a
      long prefill takes only what is left and never stalls the running streams. When blocks run out,
      preempt a victim (see _pick_victim);
-  3. if nothing was preempted: swap swapped requests back in, then admit waiting requests FCFS while the
-     token budget, max_num_seqs_limit and the block pool allow.
+  3. if nothing was preempted: swap swapped requests back in, then (once none is left swapped) admit
+     waiting requests FCFS while the token budget, max_num_seqs_limit and the block pool allow.
 Prefill, chunked prefill, decode and recompute are the same rule: compute tokens
 [num_computed_tokens, num_computed_tokens + num_new_tokens) of prompt + outputs. The scheduler never looks
 at `mode` or at token items; it only passes them on.
@@ -157,7 +157,8 @@ class Scheduler:
         self._schedule_running(st, out)
         if not out.preempted_ids:  # admitting now would only take back the blocks just freed
             self._schedule_swapped(st, out)
-            self._schedule_waiting(st, out)
+            if not self.swapped:  # swapped requests came first: new ones must not starve them
+                self._schedule_waiting(st, out)
         out.scheduled = list(st.scheduled.values())
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - st.budget
         return out
@@ -166,6 +167,8 @@ class Scheduler:
         """Tokens req may compute now (0: not this step)."""
         num_new = req.num_tokens - req.num_computed_tokens
         assert num_new >= 1, f"{req.request_id}: nothing to compute"
+        if num_new == 1:  # decode, and the last token of a prefill
+            return 1 if budget >= 1 else 0
         if not self.config.enable_chunked_prefill:
             return num_new if num_new <= budget else 0
         if self.config.long_prefill_token_threshold:
@@ -231,18 +234,19 @@ class Scheduler:
     def _schedule(self, req: Request, num_new: int, st: _Step) -> None:
         start = req.num_computed_tokens
         end = start + num_new
-        st.scheduled[req.request_id] = ScheduledRequest(
-            request_id=req.request_id,
-            mode=req.mode,
-            num_computed_tokens=start,
-            num_new_tokens=num_new,
-            new_token_ids=req.token_slice(start, end),
-            block_table=list(req.block_table),
-            will_sample=end == req.num_tokens,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            sampling_params=req.sampling_params,
-            payload=req.payload,
+        num_prompt, outputs = len(req.prompt_token_ids), req.output_token_ids
+        st.scheduled[req.request_id] = ScheduledRequest(  # positional: this runs per request per step
+            req.request_id,  # request_id
+            req.mode,  # mode
+            start,  # num_computed_tokens
+            num_new,  # num_new_tokens
+            req.token_slice(start, end),  # new_token_ids
+            req.block_table,  # block_table
+            end == num_prompt + len(outputs),  # will_sample
+            num_prompt,  # num_prompt_tokens
+            len(outputs),  # num_output_tokens
+            req.sampling_params,
+            req.payload,
         )
         st.budget -= num_new
 
@@ -300,10 +304,12 @@ class Scheduler:
                 req.output_token_ids.append(token)
                 long = req.num_output_tokens >= req.max_new_tokens or req.num_tokens >= self.token_limit
                 status = RequestStatus.FINISHED_LENGTH if long else None
-            if status is not None:
+            if status is None:
+                updates.append(RequestUpdate(s.request_id, token, False, None))
+            else:
                 self._finish(req, status)
                 any_finished = True
-            updates.append(RequestUpdate(s.request_id, token, status is not None, req.finish_reason))
+                updates.append(RequestUpdate(s.request_id, token, True, status.value))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return updates
