@@ -542,3 +542,12 @@ def test_config_and_request_validation():
     sched.add_request(Request("x", [1]))
     with pytest.raises(ValueError, match="already"):
         sched.add_request(Request("x", [1]))
+
+
+def test_engine_core_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, ttsserve.engine.scheduler, ttsserve.engine.block_manager, ttsserve.engine.outputs; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
