@@ -96,6 +96,7 @@ EN_CASES = [
     ("Fruits, e.g. apples, etc.", "Fruits, for example apples, et cetera."),
     ("The U.S. team won.", "The U S team won."),
     ("COVID-19 changed 2020.", "COVID nineteen changed twenty twenty."),
+    ("A text-to-speech model.", "A text to speech model."),
     ("Version 1.2.3 is out.", "Version one point two point three is out."),
     ("The IP is 192.168.0.1.", "The IP is one nine two dot one six eight dot zero dot one."),
     ("The score was 3:2.", "The score was three to two."),
@@ -205,7 +206,7 @@ def test_rejects_bad_arguments():
 _ALPHABET = st.sampled_from(list("0123456789.,:-/%$¥ abcXYZ你好年月日元，。！？!?()[]_°℃+@#&") + ["[uv_break]"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.lists(_ALPHABET, max_size=40).map("".join), st.sampled_from([None, "zh", "en"]))
 def test_output_is_clean_and_stable(text, lang):
     """Whatever the input: no digit survives, only characters the reference keeps remain (tags

@@ -15,6 +15,7 @@ from ttsserve.text.speaker import (
     decode_audio_prompt,
     decode_speaker,
     decode_spk_stat,
+    encode_spk_stat,
     encode_audio_prompt,
     encode_speaker,
     normalize_speaker,
@@ -41,7 +42,7 @@ def _bits(a: np.ndarray) -> np.ndarray:
 # ---- base16384 --------------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.binary(max_size=64))
 def test_base16384_roundtrip(data):
     s = base16384.encode(data)
@@ -85,6 +86,7 @@ def test_spk_stat_and_random_speaker_match_golden(spk_json, spk_npz):
     std, mean = decode_spk_stat(cfg["spk_stat"])
     np.testing.assert_array_equal(_bits(std), _bits(spk_npz["tiny_spk_stat_std_fp16"]))
     np.testing.assert_array_equal(_bits(mean), _bits(spk_npz["tiny_spk_stat_mean_fp16"]))
+    assert encode_spk_stat(std, mean) == cfg["spk_stat"]
     spk = sample_random_speaker(std, mean, seed=int(spk_json["tiny"]["torch_manual_seed"]))
     np.testing.assert_array_equal(_bits(spk), _bits(spk_npz["tiny_spk_emb_fp16"]))
     assert encode_speaker(spk) == spk_json["tiny"]["spk_emb"]
@@ -159,7 +161,7 @@ def test_audio_prompt_matches_e2e_golden():
     assert f["code_calls"][1]["spk_smp"] == f["spk_smp"]
 
 
-@settings(max_examples=8, deadline=None)  # LZMA preset 9|extreme costs ~0.1 s per encode
+@settings(max_examples=8, deadline=None, derandomize=True)  # LZMA preset 9|extreme costs ~0.1 s per encode
 @given(st.integers(1, 50), st.integers(0, 2**31 - 1))
 def test_audio_prompt_roundtrip(t, seed):
     codes = np.random.default_rng(seed).integers(0, 625, (4, t)).astype(np.int32)

@@ -122,7 +122,7 @@ def test_units_weigh_cjk_and_digits_as_one_and_latin_as_point_four():
     assert text_units("hello") == pytest.approx(2.0)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.lists(st.sampled_from(list("ab 你好。，,.!?;:\n12") + ["3.14", "1,000", "Dr. ", "[uv_break]"]),
                 max_size=120).map("".join),
        st.integers(3, 60))  # fmt: skip

@@ -308,7 +308,9 @@ RULES: tuple[Rule, ...] = (
     _r("abbreviation", r"(?<![A-Za-z.])(" + _ABBR + r")(?![A-Za-z])", _abbreviation, "en"),
     _r("number_sign", r"(?<![A-Za-z])No\.\s?(\d+)", _number_sign, "en"),
     _r("acronym", r"(?<![A-Za-z.])(?:[A-Z]\.){2,}(?![A-Za-z])", _acronym, "en"),
-    _r("letter_hyphen_digit", r"(?<=[A-Za-z])-(?=\d)", lambda m, lang: " "),  # COVID-19
+    # "COVID-19", "text-to-speech": a hyphen after a letter joins words; the reference would turn it into
+    # a comma (a pause).
+    _r("word_hyphen", r"(?<=[A-Za-z])-(?=[A-Za-z\d])", lambda m, lang: " "),
     _r("iso_date", r"(?<![\d.])(\d{4})([-/.])(\d{1,2})\2(\d{1,2})(?!\d|\.\d)", _iso_date),
     _r("zh_year_range", r"(?<![\d.])(\d{4})\s?[-~～–—至到]\s?(\d{4})(?=年)",
        lambda m, lang: nb.zh_digits(m.group(1)) + "到" + nb.zh_digits(m.group(2)), "zh"),  # fmt: skip

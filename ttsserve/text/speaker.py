@@ -84,6 +84,14 @@ def decode_spk_stat(s: str) -> tuple[np.ndarray, np.ndarray]:
     return stat[:dim].copy(), stat[dim:].copy()
 
 
+def encode_spk_stat(std: np.ndarray, mean: np.ndarray) -> str:
+    """(std fp16 [dim], mean fp16 [dim]) -> `spk_stat` string (uncompressed); inverse of `decode_spk_stat`."""
+    std, mean = np.asarray(std), np.asarray(mean)
+    if std.ndim != 1 or std.shape != mean.shape or std.shape[0] == 0:
+        raise ValueError(f"std and mean must be 1-D of equal non-zero length, got {std.shape} and {mean.shape}")
+    return base16384.encode(np.concatenate([std, mean]).astype("<f2").tobytes())
+
+
 def normalize_speaker(vec: np.ndarray) -> np.ndarray:
     """What replaces the [spk_emb] embedding: `F.normalize(vec, dim=0, eps=1e-12)` computed in fp16."""
     import torch  # lazy: keeps this module importable without torch
