@@ -65,6 +65,10 @@ class EngineConfig:
         gpu_memory_utilization after profiling).
     swap_space: GiB of host memory for swapped-out KV blocks.
     target_step_latency_ms: the dynamic-batching goal; 0 disables the controller.
+    first_chunk_frames / max_chunk_frames: streaming chunk sizes (the first is small for a low time to first
+        audio; later ones double up to the max).
+    lookahead_frames: right context of each streamed window; None = exact (the stitched stream equals the
+        one-shot decode); smaller values start audio sooner at the cost of small seams (see BENCHMARKS.md).
     """
 
     model: str | None = None
@@ -88,6 +92,7 @@ class EngineConfig:
     target_step_latency_ms: float = 0.0
     first_chunk_frames: int = 8
     max_chunk_frames: int = 64
+    lookahead_frames: int | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
 
@@ -109,6 +114,7 @@ class EngineConfig:
             (self.target_step_latency_ms >= 0, "target_step_latency_ms must be >= 0"),
             (1 <= self.first_chunk_frames <= self.max_chunk_frames, "need 1 <= first_chunk_frames <= max_chunk_frames"),
             (self.max_queue_len >= 1, "max_queue_len must be >= 1"),
+            (self.lookahead_frames is None or self.lookahead_frames >= 1, "lookahead_frames must be >= 1"),
         ]
         for ok, msg in checks:
             if not ok:

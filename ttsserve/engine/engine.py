@@ -69,16 +69,19 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id)
         self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, cfg.block_size, self.kv_spec.num_cpu_blocks,
                                          enable_prefix_caching=cfg.enable_prefix_caching)
+        self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_model_len=min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings),
-            preemption_mode=cfg.preemption_mode), self.kv_manager)
+            max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+            max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode), self.kv_manager)
         from ttsserve.audio.stage import AudioStage
 
         self.audio = AudioStage(self.model.decoder, None, self.model.vocos, first_chunk_frames=cfg.first_chunk_frames,
-                                max_chunk_frames=cfg.max_chunk_frames, device=self.model.device)
-        self.controller = BatchSizeController(cfg.target_step_latency_ms, cfg.max_num_seqs)
+                                max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
+                                device=self.model.device)
+        # A stream hears its first audio once its first chunk plus the right context exist.
+        self.first_audio_frames = cfg.first_chunk_frames + self.audio.right_context_frames
+        self.controller = BatchSizeController(cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)
         self.requests: dict[str, Request] = {}  # live engine sequences (scheduler Requests)
         self.sequences: dict[str, _Sequence] = {}
         self.syntheses: dict[str, _Synthesis] = {}
@@ -135,11 +138,15 @@ class Engine:
         spk_t = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         # The seed schedule: segment k of a request uses seed + k, so a long text is reproducible.
         seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
+        room = self.max_model_len - ids.shape[0]
+        if room < 1:
+            raise ValueError(f"segment {seg}: the prompt has {ids.shape[0]} positions, more than the model's "
+                             f"{self.max_model_len}; shorten the text or enable splitting")
         self.runner.add_sequence(seq_id, SequenceInputs(ids, mask, spk_t, mode, params, seed))
         items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
-        req = Request(seq_id, items, mode=mode, max_new_tokens=params.max_new_tokens,
+        req = Request(seq_id, items, mode=mode, max_new_tokens=min(params.max_new_tokens, room),
                       prefix_key=syn.req.voice.key + syn.req.code_prompt,
-                      first_audio_frames=self.cfg.first_chunk_frames if mode == "code" else 0)
+                      first_audio_frames=self.first_audio_frames if mode == "code" else 0)
         self.requests[seq_id] = req
         self.sequences[seq_id] = _Sequence(rid, seg, mode)
         syn.seq_ids.add(seq_id)
@@ -181,10 +188,10 @@ class Engine:
         out = self.runner.execute(sched, self.requests)
         updates = self.scheduler.update_from_output(sched, out.sampled, out.stopped)
         if out.hiddens is not None:
-            for i, seq_id in enumerate(out.hidden_ids):
-                self.audio.append(seq_id, out.hiddens[i:i + 1])
-                self.syntheses[self.sequences[seq_id].synthesis_id].tracker.add_frames(
-                    self.sequences[seq_id].segment, 1)
+            self.audio.append_batch(out.hidden_ids, out.hiddens)
+            for seq_id in out.hidden_ids:
+                seq = self.sequences[seq_id]
+                self.syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, 1)
             self.counters.frames += len(out.hidden_ids)
         for u in updates:
             if u.finished:
