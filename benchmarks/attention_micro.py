@@ -168,8 +168,7 @@ def prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
 def sweep(gen: torch.Generator, rows: list[dict]) -> None:
     from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning
 
-    variants = [TritonTuning("dot", bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
-    variants += [TritonTuning("elementwise", bn, w, 2) for bn in (64, 128) for w in (2, 4)]
+    variants = [TritonTuning(bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
     print("sweep, decode (graph ms per 20 layers), default split heuristic:")
     for batch, ctx in SHAPES:
         setup = PagedSetup([1] * batch, [ctx] * batch, gen)
@@ -177,17 +176,15 @@ def sweep(gen: torch.Generator, rows: list[dict]) -> None:
         for t in variants:
             ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=t)))
             rows.append(dict(batch=batch, ctx=ctx, graph_ms=ms, **asdict(t)))
-            cells.append(f"{t.decode_kernel[:4]}/{t.decode_block_n}/w{t.decode_num_warps}/s{t.decode_num_stages}"
-                         f"={ms:.3f}")
+            cells.append(f"n{t.decode_block_n}/w{t.decode_num_warps}/s{t.decode_num_stages}={ms:.3f}")
         print(f"  B={batch:<4} ctx={ctx:<5} " + " ".join(cells))
         if batch <= 64:
-            for kernel in ("dot", "elementwise"):
-                cells = []
-                for splits in (1, 2, 4, 8, 16, 32):
-                    ms = graph_time_ms(setup.step_fn(TritonPagedAttention(splits, TritonTuning(kernel))))
-                    rows.append(dict(batch=batch, ctx=ctx, graph_ms=ms, num_splits=splits, decode_kernel=kernel))
-                    cells.append(f"s{splits}={ms:.3f}")
-                print(f"  B={batch:<4} ctx={ctx:<5} {kernel:<11} splits: " + " ".join(cells))
+            cells = []
+            for splits in (1, 2, 4, 8, 16, 32):
+                ms = graph_time_ms(setup.step_fn(TritonPagedAttention(splits)))
+                rows.append(dict(batch=batch, ctx=ctx, graph_ms=ms, num_splits=splits))
+                cells.append(f"s{splits}={ms:.3f}")
+            print(f"  B={batch:<4} ctx={ctx:<5} splits: " + " ".join(cells))
         del setup
         torch.cuda.empty_cache()
     print("sweep, prefill 16 x 300 fresh and 4 x 512 after 1024 cached (graph ms per 20 layers):")

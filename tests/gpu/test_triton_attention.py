@@ -24,7 +24,12 @@ if not torch.cuda.is_available() and not INTERPRET:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning, write_kv_cache  # noqa: E402
+from ttsserve.attention.triton_paged import (  # noqa: E402
+    TritonPagedAttention,
+    TritonTuning,
+    choose_num_splits,
+    write_kv_cache,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -133,9 +138,6 @@ def check(case: Case, backend: TritonPagedAttention | None = None) -> None:
     assert rel < REL_TOL[case.q.dtype], f"relative error {rel:.2e}"
 
 
-DECODE_KERNELS = ["dot", "elementwise"]
-
-
 def skip_bf16_dot_in_interpreter(dtype: torch.dtype) -> None:
     """The prefill kernel uses tl.dot, which Triton 3.9's CPU interpreter gets wrong for bf16."""
     if INTERPRET and not ON_GPU and dtype == torch.bfloat16:
@@ -150,26 +152,35 @@ MAX_CTX = 4096 if ON_GPU else 80
 DECODE_BATCHES = [1, 7, 64, 256] if ON_GPU else [1, 3]
 
 
-@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("batch", DECODE_BATCHES)
-def test_decode_matches_reference(kernel: str, dtype: torch.dtype, block_size: int, batch: int) -> None:
-    if kernel == "dot":
-        skip_bf16_dot_in_interpreter(dtype)
+def test_decode_matches_reference(dtype: torch.dtype, block_size: int, batch: int) -> None:
+    skip_bf16_dot_in_interpreter(dtype)
     gen = torch.Generator().manual_seed(1000 * batch + block_size)
     ctx = rand_lens(batch, 0, MAX_CTX - 1, gen)
-    check(make_case(ctx, [1] * batch, block_size, dtype, gen), TritonPagedAttention(tuning=TritonTuning(kernel)))
+    check(make_case(ctx, [1] * batch, block_size, dtype, gen))
 
 
-@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize("block_n", [16, 64, 128])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
-def test_decode_forced_splits_fp32(kernel: str, num_splits: int) -> None:
+def test_decode_forced_splits_fp32(block_n: int, num_splits: int) -> None:
     """Every split count gives the same answer, including splits left empty by short contexts."""
     gen = torch.Generator().manual_seed(num_splits)
     ctx = [0, 1, 3, 40, 77] + rand_lens(4, MAX_CTX // 2, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, torch.float32, gen, num_heads=4, num_kv_heads=4)
-    check(case, TritonPagedAttention(num_splits=num_splits, tuning=TritonTuning(kernel)))
+    check(case, TritonPagedAttention(num_splits=num_splits, tuning=TritonTuning(decode_block_n=block_n)))
+
+
+def test_split_heuristic() -> None:
+    tuning, sms = TritonTuning(), 132
+    assert choose_num_splits(44 * 12, 4096, sms, tuning) == 1  # enough (sequence, head) programs already
+    assert choose_num_splits(12, 1500, sms, tuning) == 32  # one long sequence: as many splits as allowed
+    assert choose_num_splits(12, 40, sms, tuning) == 1  # short context: splits would be too short
+    for programs in (1, 12, 96, 300):
+        for max_len in (1, 100, 1000, 8000):
+            n = choose_num_splits(programs, max_len, sms, tuning)
+            assert 1 <= n <= tuning.max_splits and (n == 1 or max_len // n >= tuning.min_tokens_per_split)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -195,11 +206,10 @@ def test_mixed_decode_and_prefill(dtype: torch.dtype) -> None:
     check(make_case([ctx[i] for i in order], [q_lens[i] for i in order], 32, dtype, gen))
 
 
-@pytest.mark.parametrize("kernel", DECODE_KERNELS)
-def test_gqa_decode_and_prefill(kernel: str) -> None:
+def test_gqa_decode_and_prefill() -> None:
     dtype = torch.float16 if INTERPRET and not ON_GPU else torch.bfloat16
     gen = torch.Generator().manual_seed(11)
-    backend = TritonPagedAttention(tuning=TritonTuning(kernel))
+    backend = TritonPagedAttention()
     check(make_case(rand_lens(5, 0, MAX_CTX - 1, gen), [1] * 5, 16, dtype, gen, num_kv_heads=4), backend)
     check(make_case([0, 70], [20, 9], 16, dtype, gen, num_kv_heads=4), backend)
 
@@ -223,8 +233,7 @@ def test_standalone_kv_write_is_exact_and_touches_only_its_slots(dtype: torch.dt
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("kernel", DECODE_KERNELS)
-def test_padded_decode_rows_give_zeros_not_nan(kernel: str) -> None:
+def test_padded_decode_rows_give_zeros_not_nan() -> None:
     """A CUDA-graph batch padded with empty sequences (seq_len 0, slot -1) leaves the real rows intact."""
     gen = torch.Generator().manual_seed(9)
     case = make_case([30, 50], [1, 1], 16, torch.float16, gen)
@@ -238,7 +247,7 @@ def test_padded_decode_rows_give_zeros_not_nan(kernel: str) -> None:
     q = torch.cat([case.q, torch.randn_like(case.q[:pad])])
     k, v = torch.cat([case.k, case.k[:pad]]), torch.cat([case.v, case.v[:pad]])
     for splits in (1, 4):
-        out = TritonPagedAttention(num_splits=splits, tuning=TritonTuning(kernel)).forward(q, k, v, case.kv_cache, md, case.scale)
+        out = TritonPagedAttention(num_splits=splits).forward(q, k, v, case.kv_cache, md, case.scale)
         assert torch.equal(out[2:], torch.zeros_like(out[2:]))
         assert ((out[:2].float() - ref).norm() / ref.norm()).item() < REL_TOL[torch.float16]
 

@@ -74,88 +74,19 @@ def paged_decode_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
     v_offset, stride_slot, stride_ch,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Grid (num_seqs, num_heads, num_splits): the one new query of sequence b, head h, over split s.
+    """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
+    that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows), over split s.
 
-    Context tokens 0..L-2 (L = seq_lens[b], read on the device) are read from the cache; token L-1 is
-    this step's k / v, taken from the inputs and written to slot_mapping[b] by the program of its split
-    (first head of its group), so no program reads a slot written in the same launch. Split s covers
-    [s * split_len, (s + 1) * split_len), split_len = ceil(L / num_splits) rounded up to BLOCK_N.
+    Context tokens 0..L-2 (L = seq_lens[b], read on the device) come from the cache; token L-1 is this
+    step's k / v, taken from the inputs and stored at slot_mapping[b] by the program of its split, so no
+    program reads a slot written in the same launch. Split s covers [s * split_len, (s + 1) * split_len),
+    split_len = ceil(L / num_splits) rounded up to BLOCK_N. The products are tl.dot on the tensor cores
+    (the padding rows cost no memory traffic, and dot operands let Triton pipeline the KV loads).
     SPLIT=False: write the normalised output. SPLIT=True: write the unnormalised accumulator, running
     max (log2 domain) and denominator to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce.
     """
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    kv_h = h // GROUP
-    seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = s * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-    last = seq_len - 1
-
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + h * stride_qh + d).to(tl.float32) * qk_scale
-    m_i = -float("inf")
-    l_i = 0.0
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    row_off = b.to(tl.int64) * stride_bt
-    for start in range(lo, tl.minimum(hi, last), BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < tl.minimum(hi, last)
-        off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
-                               BLOCK_SIZE, HEAD_DIM)
-        k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        qk = tl.where(valid, tl.sum(k * q[None, :], 1), -float("inf"))
-        # every tile holds at least one valid token, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
-
-    if (lo <= last) & (last < hi):  # this split holds the new token
-        k_raw = tl.load(k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh + d)
-        v_raw = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh + d)
-        qk_new = tl.sum(k_raw.to(tl.float32) * q, 0)
-        m_new = tl.maximum(m_i, qk_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(qk_new - m_new)
-        acc = acc * alpha + p_new * v_raw.to(tl.float32)
-        l_i = l_i * alpha + p_new
-        m_i = m_new
-        slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
-        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d,
-                      h % GROUP == 0)
-
-    if SPLIT:
-        part = (b.to(tl.int64) * NUM_HEADS + h) * num_splits + s
-        tl.store(part_o_ptr + part * HEAD_DIM + d, acc)
-        tl.store(part_m_ptr + part, m_i)
-        tl.store(part_l_ptr + part, l_i)
-    else:
-        # l_i == 0 only for an empty context (a padded graph slot): write zeros, not NaN
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d,
-                 out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def paged_decode_dot_kernel(
-    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr,
-    qk_scale, num_splits,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-):
-    """As paged_decode_kernel, on the tensor cores: grid (num_seqs, num_kv_heads, num_splits), the GROUP
-    query heads that share KV head kv_h as the rows of a BLOCK_M (>= 16) tile, padded with zero rows.
-    The score and PV products are tl.dot, which lets Triton pipeline the KV loads."""
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     s = tl.program_id(2)

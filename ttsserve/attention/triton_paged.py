@@ -1,7 +1,7 @@
 """The CUDA paged-attention backend: Triton kernels over the paged KV cache (imported only on CUDA).
 
 One launch per layer and step (plus a small reduce when decode splits the context):
-- decode-only batches (`md.max_query_len == 1`): a decode kernel, one program per (sequence, head or KV
+- decode-only batches (`md.max_query_len == 1`): `paged_decode_kernel`, one program per (sequence, KV
   head, split) with the context cut into `num_splits` pieces (flash-decoding), then
   `paged_decode_reduce_kernel` to merge the splits when there is more than one;
 - any other batch (prefill, chunked prefill, decode mixed with prefill): `paged_prefill_kernel`, which
@@ -25,7 +25,6 @@ import triton
 
 from ttsserve.attention.backend import AttentionMetadata
 from ttsserve.attention.triton_kernels import (
-    paged_decode_dot_kernel,
     paged_decode_kernel,
     paged_decode_reduce_kernel,
     paged_prefill_kernel,
@@ -39,14 +38,13 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class TritonTuning:
-    """Launch parameters. decode_kernel: "dot" (tensor cores, GQA group as tile rows) or "elementwise".
+    """Launch parameters (defaults: the best or near-best of a sweep on an H200, benchmarks/attention_micro.py).
     Tile sizes are KV tokens per loop step (powers of two >= 16); prefill_block_m None: by max_query_len."""
 
-    decode_kernel: str = "dot"
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
-    min_tokens_per_split: int = 64
+    min_tokens_per_split: int = 32
     max_splits: int = 32
     prefill_block_m: int | None = None
     prefill_block_n: int = 64
@@ -55,14 +53,15 @@ class TritonTuning:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, tuning: TritonTuning) -> int:
-    """Flash-decoding split count: enough programs (num_programs per split) to put several on every
+    """Flash-decoding split count: enough programs (num_programs per split) to put about four on every
     multiprocessor, but no split shorter than `tuning.min_tokens_per_split` tokens (below that the
-    partial writes and the reduce launch cost more than the parallelism buys)."""
-    target_programs = 8 * num_sms
+    partial writes and the reduce launch cost more than the parallelism buys). On an H200 (132 SMs,
+    12 KV heads) this picks 1 split from batch 44 up, and e.g. 8 at batch 8, 32 at batch 1 / context 1500."""
+    target_programs = 4 * num_sms
     num_programs = max(num_programs, 1)
     if num_programs >= target_programs:
         return 1
-    by_occupancy = triton.cdiv(target_programs, num_programs)
+    by_occupancy = triton.next_power_of_2(triton.cdiv(target_programs, num_programs))
     by_length = max(max_seq_len // tuning.min_tokens_per_split, 1)
     return max(1, min(by_occupancy, by_length, tuning.max_splits))
 
@@ -80,8 +79,6 @@ class TritonPagedAttention:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self.num_splits = num_splits
         self.tuning = tuning or TritonTuning()
-        if self.tuning.decode_kernel not in ("dot", "elementwise"):
-            raise ValueError(f"decode_kernel must be 'dot' or 'elementwise', got {self.tuning.decode_kernel!r}")
         self._num_sms: dict[torch.device, int] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -99,8 +96,8 @@ class TritonPagedAttention:
             assert q.shape[0] == md.seq_lens.shape[0], "decode batches have one token per sequence"
             num_splits = self.num_splits
             if num_splits is None:
-                per_split = md.seq_lens.shape[0] * (k.shape[1] if self.tuning.decode_kernel == "dot" else q.shape[1])
-                num_splits = choose_num_splits(per_split, md.max_seq_len, self._sm_count(q.device), self.tuning)
+                num_splits = choose_num_splits(md.seq_lens.shape[0] * k.shape[1], md.max_seq_len,
+                                               self._sm_count(q.device), self.tuning)
             paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning)
         else:
             paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
@@ -180,14 +177,12 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         out.stride(0), out.stride(1), md.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
     )
-    common = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
-                  BLOCK_N=tuning.decode_block_n, SPLIT=split, num_warps=tuning.decode_num_warps,
-                  num_stages=tuning.decode_num_stages)
-    if tuning.decode_kernel == "dot":
-        paged_decode_dot_kernel[(num_seqs, num_kv_heads, num_splits)](
-            *args, BLOCK_M=max(16, triton.next_power_of_2(group)), IEEE=q.dtype == torch.float32, **common)
-    else:
-        paged_decode_kernel[(num_seqs, num_heads, num_splits)](*args, **common)
+    paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        *args,
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=tuning.decode_block_n, SPLIT=split,
+        IEEE=q.dtype == torch.float32, num_warps=tuning.decode_num_warps, num_stages=tuning.decode_num_stages,
+    )
     if split:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_o, part_m, part_l, num_splits, out.stride(0), out.stride(1),
