@@ -104,9 +104,10 @@ def plan_replicas(n: int, base_port: int, device: str, gpus: list[str], argv: li
     for i in range(n):
         port = base_port + i
         dev = "cpu" if use_cpu else "cuda"
-        env = {ENV_SIZE: "1", "OMP_NUM_THREADS": threads} if use_cpu else {ENV_SIZE: "1", "CUDA_VISIBLE_DEVICES": gpus[i]}
-        specs.append(ReplicaSpec(i, port, dev, base + ["--host", REPLICA_HOST, "--port", str(port), "--device", dev],
-                                 env))
+        # ENV_SIZE=1: a replica that inherited TTSSERVE_DATA_PARALLEL_SIZE must not launch replicas itself.
+        env = {ENV_SIZE: "1", **({"OMP_NUM_THREADS": threads} if use_cpu else {"CUDA_VISIBLE_DEVICES": gpus[i]})}
+        argv_i = base + ["--host", REPLICA_HOST, "--port", str(port), "--device", dev]
+        specs.append(ReplicaSpec(i, port, dev, argv_i, env))
     return specs
 
 
