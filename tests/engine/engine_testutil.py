@@ -39,21 +39,19 @@ class FrameRecorder:
     def __init__(self, engine: Engine) -> None:
         self.hiddens: dict[str, list] = {}
         self.frames: dict[str, list] = {}
-        orig_append, orig_update = engine.audio.append, engine.scheduler.update_from_output
+        orig_append, orig_update = engine.audio.append_batch, engine.scheduler.update_from_output
 
-        def append(seq_id, h):
-            self.hiddens.setdefault(seq_id, []).append(h.detach().cpu().numpy())
-            return orig_append(seq_id, h)
+        def append_batch(seq_ids, h):
+            for i, seq_id in enumerate(seq_ids):
+                self.hiddens.setdefault(seq_id, []).append(h[i:i + 1].detach().cpu().numpy())
+            return orig_append(seq_ids, h)
 
         def update(sched, sampled, stopped):
             for rid, tok in sampled.items():
-                if isinstance(tok, tuple):
-                    self.frames.setdefault(rid, []).append((tok, stopped.get(rid, False)))
-                else:
-                    self.frames.setdefault(rid, []).append((tok, stopped.get(rid, False)))
+                self.frames.setdefault(rid, []).append((tok, stopped.get(rid, False)))
             return orig_update(sched, sampled, stopped)
 
-        engine.audio.append = append
+        engine.audio.append_batch = append_batch
         engine.scheduler.update_from_output = update
 
     def codes(self, seq_id: str) -> np.ndarray:

@@ -82,8 +82,7 @@ def test_paged_equals_dense_oracle(tiny_model, tiny_speaker):
     with torch.inference_mode():
         embeds = tiny_model.embed.embed_prompt(ids, mask, torch.as_tensor(tiny_speaker),
                                                tiny_model.tokenizer.spk_emb_id)
-        tokens, hiddens = generate_dense(tiny_model.gpt, tiny_model.embed, embeds, "code", params,
-                                         seed=e.runner.states.get("o/0/code", None) and 0)
+        tokens, hiddens = generate_dense(tiny_model.gpt, tiny_model.embed, embeds, "code", params)
     assert rec.codes("o/0/code").tolist() == tokens.tolist()
     np.testing.assert_allclose(rec.hidden("o/0/code"), hiddens.numpy(), atol=1e-5, rtol=0)
 
