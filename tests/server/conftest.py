@@ -11,7 +11,19 @@ import pytest
 import uvicorn
 
 from tests.server.fake_engine import FakeEngine
+from ttsserve.config import EngineConfig
 from ttsserve.server.app import ServerConfig, create_app
+
+# The real engine on random tiny weights, CPU, a small KV pool and no swap space (fast to build).
+REAL_ENGINE = dict(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=64 << 20, swap_space=0.0)
+# Random weights rarely say EOS: cap every segment so each synthesis is a few hundred ms of CPU.
+REAL_MAX_NEW_TOKENS = 24
+
+
+def make_real_engine(**overrides):
+    from ttsserve.engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_config(EngineConfig(**{**REAL_ENGINE, **overrides}))
 
 
 class LiveServer:
@@ -59,6 +71,17 @@ def serve():
     yield _serve
     for srv in servers:
         srv.stop()
+
+
+@pytest.fixture
+def serve_real(serve):
+    """serve_real(engine_overrides=None, **ServerConfig fields) -> (LiveServer, AsyncEngine) on tiny weights."""
+
+    def _serve(engine_overrides: dict | None = None, **cfg):
+        cfg.setdefault("max_new_tokens", REAL_MAX_NEW_TOKENS)
+        return serve(make_real_engine(**(engine_overrides or {})), **cfg)
+
+    return _serve
 
 
 def wait_until(pred, timeout: float = 5.0, interval: float = 0.01) -> bool:

@@ -117,11 +117,7 @@ class AsyncEngine:
     def parse_speaker(self, s: str) -> np.ndarray:
         from ttsserve.text.speaker import decode_speaker
 
-        vec = decode_speaker(s)
-        if vec.shape != (self.engine.model.hidden_size,):
-            raise ValueError(f"speaker string decodes to {vec.shape[0]} values; this model needs "
-                             f"{self.engine.model.hidden_size}")
-        return vec
+        return decode_speaker(s, dim=self.engine.model.hidden_size)
 
     def encode_reference_audio(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
         """A reference recording -> int32 [num_vq, P] audio-code prompt (DVAE encoder, spec 5.4)."""

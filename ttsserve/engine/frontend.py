@@ -32,9 +32,9 @@ class FrontEnd:
         from ttsserve.text.prompt import validate_control_prompt
         from ttsserve.text.split import split_text
 
-        validate_control_prompt(req.code_prompt)
+        validate_control_prompt(req.code_prompt, allowed=("speed",))
         if req.refine_text:
-            validate_control_prompt(req.refine_prompt)
+            validate_control_prompt(req.refine_prompt, allowed=("oral", "laugh", "break"))
         if req.raw_text:
             return [Segment(0, req.text, [])]
         pieces = [s.text for s in split_text(req.text)] if req.split else [req.text]

@@ -204,21 +204,14 @@ def make_dummy_checkpoint(size: str = "real", seed: int = 0, tokenizer_dir: Path
     write_tokenizer(tok_dir, s.num_wordpiece, SPECIAL_TOKENS)
     std = _uniform(g, s.hidden, lo=1.64, hi=15.7).half()
     mean = _normal(g, s.hidden, std=4.0).clamp(-8.8, 8.9).half()
+    from ttsserve.text.speaker import encode_spk_stat
+
     return Checkpoint(
         gpt_config=gpt_config_json(s), gpt=_gpt(g, s), embed=_embed(g, s), decoder=_decoder(g, s),
         dvae=_dvae(g, s), vocos=_vocos(g, s), tokenizer_dir=tok_dir,
         extra_config={"size": size, "seed": seed, "spk_stat": encode_spk_stat(std.numpy(), mean.numpy())},
         source=f"dummy ({size}, seed {seed})",
     )
-
-
-def encode_spk_stat(std, mean) -> str:
-    """The `spk_stat` string format: base16384 of the fp16 bytes of [std, mean] (no compression)."""
-    import numpy as np
-
-    from ttsserve.text import base16384
-
-    return base16384.encode(np.concatenate([std, mean]).astype("<f2").tobytes())
 
 
 def save_checkpoint(ckpt: Checkpoint, root: str | Path) -> Path:
