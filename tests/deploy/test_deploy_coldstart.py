@@ -1,0 +1,55 @@
+"""Cold-start harness (ttsserve/deploy/coldstart.py): phase parsing, the cached dummy checkpoint, and one real
+measurement of a tiny CPU server from process start to /ready 200."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+
+import torch
+from deploy_helpers import ROOT, TINY_SERVE_ARGS
+
+from ttsserve.deploy.coldstart import cached_dummy_checkpoint, measure_cold_start, parse_phases
+
+
+def test_parse_phases_reads_the_first_matching_line_of_each_phase() -> None:
+    t0 = datetime(2026, 1, 2, 3, 4, 5).timestamp()
+    log = "\n".join([
+        "2026-01-02 03:04:07,500 INFO ttsserve.server: loading model (dummy)",
+        "noise without a timestamp: loaded 1 MB of weights",
+        "2026-01-02 03:04:09,000 INFO ttsserve.model.chattts: loaded dummy (tiny) on cpu: 3.8 MB of weights",
+        "2026-01-02 03:04:09,250 INFO ttsserve.engine.engine: KV cache: 4 blocks",
+        "2026-01-02 03:04:10,000 INFO ttsserve.server: memory: KV cache: 4 blocks",  # not the first: ignored
+        "2026-01-02 03:04:10,125 INFO ttsserve.server: ttsserve ready: KV cache: 4 blocks",
+    ])
+    assert parse_phases(log, t0) == {"imports": 2.5, "model_loaded": 4.0, "engine_built": 4.25,
+                                     "app_started": 5.125}
+
+
+def test_cached_dummy_checkpoint_is_written_once_and_loads(tmp_path) -> None:
+    from ttsserve.model.dummy import make_dummy_checkpoint
+    from ttsserve.model.loader import load_checkpoint
+
+    path = cached_dummy_checkpoint("tiny", seed=3, cache_dir=tmp_path)
+    weights = path / "asset" / "gpt" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert cached_dummy_checkpoint("tiny", seed=3, cache_dir=tmp_path) == path
+    assert weights.stat().st_mtime_ns == stamp, "the second call must reuse the saved checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temporary folder is left behind"
+    loaded, fresh = load_checkpoint(path), make_dummy_checkpoint("tiny", seed=3)
+    for name, sd in fresh.state_dicts().items():
+        got = loaded.state_dicts()[name]
+        assert got.keys() == sd.keys(), name
+        assert all(torch.equal(got[k], sd[k]) for k in sd), name
+
+
+def test_measure_cold_start_of_a_tiny_server() -> None:
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.perf_counter()
+    r = measure_cold_start(TINY_SERVE_ARGS + ["--log-level", "info"], timeout_s=120, env=env)
+    wall = time.perf_counter() - start
+    assert 0 < r.listen_s <= r.total_s < wall
+    # The phases come in order and all before /ready answered.
+    phases = [r.phases[k] for k in ("imports", "model_loaded", "engine_built", "app_started")]
+    assert phases == sorted(phases) and phases[-1] <= r.total_s + 0.5, r
