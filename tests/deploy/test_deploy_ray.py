@@ -43,6 +43,14 @@ def test_fixed_replicas_on_cpu_and_bad_values() -> None:
         ray_deploy.build_app({"dummy_size": "huge"})
 
 
+def test_serve_run_strings_become_serve_flags() -> None:
+    args = {"load_format": "dummy", "enforce_eager": "true", "enable_prefix_caching": "False", "block_size": 32}
+    assert ray_deploy._serve_args(args) == ["--load-format", "dummy", "--enforce-eager",
+                                            "--no-enable-prefix-caching", "--block-size", "32"]
+    with pytest.raises(ValueError, match="enforce_eager"):
+        ray_deploy._serve_args({"enforce_eager": "maybe"})
+
+
 def test_check_health_fails_when_the_engine_loop_is_dead() -> None:
     check = ray_deploy.TTSServeReplica.check_health
     check(types.SimpleNamespace(_engine=types.SimpleNamespace(ready=True)))

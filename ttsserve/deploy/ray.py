@@ -21,6 +21,7 @@ proxy, and the engine's own queue bound (503) stays the last line. Health: Ray c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
@@ -63,14 +64,22 @@ class TTSServeReplica:
             raise RuntimeError("ttsserve engine loop is not running")
 
 
+_BOOL_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if str(f.type) == "bool"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _serve_args(args: dict[str, Any]) -> list[str]:
-    """{"load_format": "dummy", "no_enable_prefix_caching": True} -> ["--load-format", "dummy", ...]."""
+    """{"load_format": "dummy", "enforce_eager": "true"} -> ["--load-format", "dummy", "--enforce-eager"].
+    Boolean engine settings take true/false (as `serve run` passes strings) and become --x / --no-x."""
     out: list[str] = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is not False and value is not None:
+        text = str(value).strip().lower()
+        if key in _BOOL_FIELDS:
+            if text not in _TRUE + _FALSE:
+                raise ValueError(f"{key}={value!r}: expected true or false")
+            out.append(flag if text in _TRUE else "--no-" + flag[2:])
+        elif value is not None:
             out += [flag, str(value)]
     return out
 
