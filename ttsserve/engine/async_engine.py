@@ -129,7 +129,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._drain_inbox()
-            if not self.engine.has_unfinished():
+            # Aborted requests are released by the scheduler's next step, so step while any remain.
+            if not (self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()):
                 self._stats = self.engine.stats()
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,14 @@ class Segment:
     index: int
     text: str  # normalized text fed to the code stage (or to the refine stage first)
     dropped: list[str]  # characters normalization had to delete
+
+
+_TAG_RE = re.compile(r"\[[\w_]+\]")
+
+
+def _speakable(text: str) -> bool:
+    """True when something besides tags, punctuation and spaces is left (letters, digits or CJK)."""
+    return any(ch.isalnum() for ch in _TAG_RE.sub("", text))
 
 
 class FrontEnd:
@@ -41,7 +50,7 @@ class FrontEnd:
         out: list[Segment] = []
         for piece in pieces:
             norm = normalize_text(piece, expand_numbers=req.normalize)
-            if norm.text.strip():
+            if _speakable(norm.text):
                 out.append(Segment(len(out), norm.text.strip(), list(norm.dropped)))
         if not out:
             raise ValueError("text: nothing speakable is left after normalization")

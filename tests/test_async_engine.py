@@ -1,0 +1,104 @@
+"""AsyncEngine: concurrent streams, bad input raised before streaming, cancellation frees blocks, the loop
+survives an internal failure."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ttsserve.config import EngineConfig
+from ttsserve.engine.async_engine import AsyncEngine
+from ttsserve.params import SamplingParams, SynthesisRequest
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
+                                               kv_cache_memory=8 << 20, swap_space=0.01))
+    return eng
+
+
+def _req(i: int, frames: int = 12) -> SynthesisRequest:
+    return SynthesisRequest(f"hello world number {i}", code_params=SamplingParams(
+        seed=i, min_new_tokens=frames, max_new_tokens=frames), request_id=f"a{i}")
+
+
+async def _collect(eng: AsyncEngine, req: SynthesisRequest):
+    chunks, final = [], None
+    async for out in eng.generate(req):
+        chunks.append(out.samples)
+        if out.finished:
+            final = out
+    return np.concatenate(chunks), final
+
+
+def test_concurrent_streams_equal_solo_runs(engine):
+    async def main():
+        await engine.start()
+        solo = [await _collect(engine, _req(i)) for i in range(3)]
+        together = await asyncio.gather(*[_collect(engine, _req(i)) for i in range(12)])
+        return solo, together
+
+    solo, together = asyncio.run(main())
+    for i in range(3):
+        # same codes; the batched vocoder may differ in the last float bits
+        np.testing.assert_allclose(solo[i][0], together[i][0], atol=1e-5, rtol=0)
+    for audio, final in together:
+        assert final.finish_reason == "length" and final.num_frames == 12
+        assert audio.size == 512 * 12 - 256
+
+
+def test_bad_input_raises_before_streaming(engine):
+    async def main():
+        await engine.start()
+        with pytest.raises(ValueError, match="speed"):
+            await _collect(engine, SynthesisRequest("hi", code_prompt="[speed_12]"))
+        with pytest.raises(ValueError, match="nothing speakable"):
+            await _collect(engine, SynthesisRequest("???"))
+        return await _collect(engine, _req(99))  # the loop still serves
+
+    audio, final = asyncio.run(main())
+    assert final.finish_reason == "length"
+
+
+def test_cancel_frees_blocks(engine):
+    async def main():
+        await engine.start()
+        gen = engine.generate(_req(5, frames=400))
+        await gen.__anext__()  # the stream is running
+        await gen.aclose()  # the client went away
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            s = engine.stats()
+            if s["num_running"] == 0 and s["num_free_blocks"] == s["num_blocks"] and s["num_streams"] == 0:
+                return s
+        return engine.stats()
+
+    s = asyncio.run(main())
+    assert s["num_running"] == 0 and s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_internal_failure_fails_requests_and_loop_survives(engine, monkeypatch):
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched, requests):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated kernel failure")
+        return real_execute(sched, requests)
+
+    async def main():
+        await engine.start()
+        monkeypatch.setattr(runner, "execute", flaky)
+        failed = await _collect(engine, _req(7))
+        monkeypatch.setattr(runner, "execute", real_execute)
+        ok = await _collect(engine, _req(8))
+        return failed, ok
+
+    (_, failed), (_, ok) = asyncio.run(main())
+    assert failed.finish_reason == "error" and "simulated kernel failure" in failed.error
+    assert ok.finish_reason == "length"
+    s = engine.stats()
+    assert s["num_free_blocks"] == s["num_blocks"]
