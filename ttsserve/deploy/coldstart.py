@@ -128,6 +128,7 @@ def cached_dummy_checkpoint(size: str, seed: int = 0, cache_dir: str | os.PathLi
         return path
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may serve other users' servers
     save_checkpoint(make_dummy_checkpoint(size, seed, tokenizer_dir=tmp / "asset" / "tokenizer"), tmp)
     try:
         tmp.rename(path)
