@@ -5,14 +5,23 @@ a killed replica is failed over and restarted by the supervisor."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from deploy_helpers import ROOT, free_port
 
-from ttsserve.deploy.data_parallel import add_data_parallel_args, child_argv, data_parallel_size, plan_replicas
+from ttsserve.deploy.data_parallel import (
+    ReplicaSpec,
+    add_data_parallel_args,
+    child_argv,
+    data_parallel_size,
+    plan_replicas,
+    serve_data_parallel,
+)
 
 SPEECH = {"model": "chattts", "voice": "alloy", "response_format": "pcm", "max_new_tokens": 40}
 
@@ -63,6 +72,16 @@ def test_data_parallel_size_flag_env_default() -> None:
     assert data_parallel_size(p.parse_args(["--data-parallel-size", "2"]), env=env) == 2  # the flag wins
     with pytest.raises(ValueError, match="positive integer"):
         data_parallel_size(p.parse_args(["--data-parallel-size", "0"]), env={})
+
+
+def test_a_replica_configuration_error_stops_the_launcher_with_code_2(monkeypatch) -> None:
+    # The replica rejects --block-size 7 (exit code 2): restarting cannot help, so the launcher gives up.
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    port = free_port()
+    spec = ReplicaSpec(0, port + 1, "cpu", ["--block-size", "7", "--port", str(port + 1)], {})
+    start = time.monotonic()
+    rc = asyncio.run(asyncio.wait_for(serve_data_parallel("127.0.0.1", port, [spec], grace_s=5), 60))
+    assert rc == 2 and time.monotonic() - start < 60
 
 
 def _speak(url: str, text: str) -> tuple[int, int]:
