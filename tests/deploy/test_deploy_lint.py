@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ttsserve.deploy.nginx import TEMPLATE, NginxParams, render_nginx_conf
 
@@ -79,6 +78,7 @@ def test_dockerfile_promises(path: Path) -> None:
 
 
 def _compose() -> dict:
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed (comes with the test extras)")
     return yaml.safe_load(COMPOSE.read_text())
 
 
