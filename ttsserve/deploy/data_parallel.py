@@ -230,7 +230,7 @@ def run_data_parallel(args: argparse.Namespace, argv: list[str] | None = None) -
     try:
         n = data_parallel_size(args)
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
-        base_port = args.data_parallel_base_port or port + 1
+        base_port = getattr(args, "data_parallel_base_port", None) or port + 1
         device = engine_cfg.device
         gpus = [] if device == "cpu" else visible_gpus()
         specs = plan_replicas(n, base_port, device, gpus, sys.argv[1:] if argv is None else argv)
