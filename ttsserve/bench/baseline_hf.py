@@ -125,7 +125,7 @@ class HFBaseline:
         FrontEnd.code_inputs builds them. seeds[i]: that row's sampling seed. on_step(num_live_rows) is
         called after each step (for a progress bar).
         """
-        b, q, device = len(prompts), self.embed.num_vq, self.device
+        b, device = len(prompts), self.device
         x, mask = self._prefill_inputs(prompts)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         cache = self._new_cache()

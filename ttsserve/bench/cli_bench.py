@@ -8,10 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import logging
+import os
 import sys
-
-logger = logging.getLogger(__name__)
 
 
 def _ints(s: str) -> list[int]:
@@ -73,6 +71,7 @@ def _add_offline(sub) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV pool size, e.g. 2G")
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
     _add_common(p)
@@ -116,7 +115,8 @@ def _engine_config(a: argparse.Namespace):
     return EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device,
                         dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                        kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
+                        kv_cache_memory=a.kv_cache_memory, swap_space=a.swap_space,
+                        gpu_memory_utilization=a.gpu_memory_utilization,
                         enforce_eager=a.enforce_eager)
 
 
@@ -147,6 +147,7 @@ def _offline(a: argparse.Namespace) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     spec = OfflineSpec(batch_sizes=a.batch_sizes, frames=a.frames, lengths=a.lengths, rounds=a.rounds,
                        seed=a.seed, langs=a.langs, text_lengths=a.text_lengths, split=a.split,
                        warmup_frames=a.warmup_frames, greedy=a.greedy)
@@ -162,8 +163,9 @@ def _offline(a: argparse.Namespace) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     config = {"spec": _plain(dataclasses.asdict(spec)), "engine": _plain(dataclasses.asdict(cfg)),
-              "backend": a.backend}
-    report = build_report("offline", results, config, machine_info(device), described)
+              "args": _args(a)}
+    machine = machine_info(device) | {"load_average_1m_before": load_before}
+    report = build_report("offline", results, config, machine, described)
     out = write_report(report, results, a.out or default_out_dir("offline"), plots=not a.no_plots)
     print((out / "report.md").read_text())
     print(f"report written to {out}")
@@ -185,7 +187,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 2
     results = run_serving(spec, progress=not a.no_progress)
     machine = machine_info(None) | {"device": f"server at {a.url}"}
-    report = build_report("serve", results, {"spec": _plain(dataclasses.asdict(spec))}, machine)
+    report = build_report("serve", results, {"spec": _plain(dataclasses.asdict(spec)), "args": _args(a)}, machine)
     out = write_report(report, results, a.out or default_out_dir("serve"), plots=not a.no_plots)
     print((out / "report.md").read_text())
     print(f"report written to {out}")
@@ -195,6 +197,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_quality(a: argparse.Namespace) -> int:
     print("error: `ttsserve bench quality` is not implemented yet (planned for a later issue)", file=sys.stderr)
     return 2
+
+
+def _args(a: argparse.Namespace) -> dict:
+    """The parsed flags (the report's `machine.command` is sys.argv, exact when run from the CLI)."""
+    return {k: v for k, v in vars(a).items() if k != "func"}
 
 
 def _plain(d: dict) -> dict:

@@ -96,7 +96,8 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
              f"- machine: {m.get('cpu_model')} ({m.get('cpu_cores')} cores), device {m.get('device')}"
              + (f" ({m['gpu_name']})" if m.get("gpu_name") else ""),
              f"- torch {m.get('torch')}, transformers {m.get('transformers', '-')}, git {m.get('git_commit')}",
-             f"- created {report['created']}", ""]
+             f"- created {report['created']}, load average (1 min) {_f(m.get('load_average_1m_before'))} before, "
+             f"{_f(m.get('load_average_1m'))} after", ""]
     if report["kind"] == "offline":
         lines += ["| backend | batch | requests | frames/s | audio-s/s | latency p50/p90/p99 (s) | "
                   "TTFA p50/p90/p99 (s) | peak mem (MiB) | KV peak (MiB) | KV usage | preemptions |",
@@ -106,7 +107,7 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
             lines.append(f"| {s['backend']} | {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
                          f"{_f(s['frames_per_s'], 1)} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['latency_s'])} | "
                          f"{_pcts(s['ttfa_s'])} | {_mib(s['peak_memory_bytes'])} | {_mib(s['kv_cache_bytes_peak'])} | "
-                         f"{_f(s['kv_cache_usage_peak'])} | {s['preemptions']} |")
+                         f"{_f(s['kv_cache_usage_peak'], 4)} | {s['preemptions']} |")
     else:
         lines += ["| load | ok/total | req/s | audio-s/s | TTFA p50/p99 (s) | latency p50/p99 (s) | "
                   "RTF p50/p99 | underrun streams | errors | server mem peak (MiB) |",

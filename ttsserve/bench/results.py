@@ -82,7 +82,8 @@ class RunResult:
             "kv_cache_usage_peak": self.kv_cache_usage_peak, "kv_cache_bytes_peak": self.kv_cache_bytes_peak,
             "preemptions": self.preemptions, "steps": self.steps,
         }
-        if self.mode == "serve":
+        if self.mode == "serve":  # frames are not visible over HTTP: only audio is counted
+            out["total_frames"] = out["frames_per_s"] = None
             streamed = [r for r in ok if r.ttfa_s is not None]
             out["underrun_streams"] = sum(1 for r in streamed if r.underruns)
             out["underruns_total"] = sum(r.underruns for r in streamed)

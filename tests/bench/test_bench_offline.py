@@ -1,0 +1,72 @@
+"""`ttsserve bench offline` end to end on the tiny dummy model: both backends, the report's fields, plots and
+the consistency of its figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ttsserve.bench.results import FRAME_SECONDS, SAMPLE_RATE
+
+pytest.importorskip("transformers")
+
+
+def run_cli(*argv: str) -> int:
+    from ttsserve.cli import main
+
+    return main(["bench", "offline", *argv])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[dict, object]:
+    out = tmp_path_factory.mktemp("offline")
+    rc = run_cli("--backend", "both", "--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu",
+                 "--batch-sizes", "1,3", "--frames", "20", "--rounds", "2", "--swap-space", "0",
+                 "--kv-cache-memory", "64M", "--no-progress", "--out", str(out))
+    assert rc == 0
+    return json.loads((out / "report.json").read_text()), out
+
+
+def test_report_has_machine_config_and_files(report) -> None:
+    data, out = report
+    m = data["machine"]
+    for key in ("cpu_model", "cpu_cores", "torch", "git_commit", "command", "device"):
+        assert m.get(key) is not None, key
+    assert data["config"]["args"]["backend"] == "both" and data["config"]["args"]["batch_sizes"] == [1, 3]
+    assert data["config"]["spec"]["frames"] == 20 and data["config"]["engine"]["dummy_size"] == "tiny"
+    assert set(data["backends"]) == {"hf", "ttsserve"}
+    for name in ("report.md", "throughput.png", "latency.png", "ttfa_cdf.png"):
+        assert (out / name).stat().st_size > 0, name
+    md = (out / "report.md").read_text()
+    assert "| ttsserve | 3 |" in md and "| hf | 1 |" in md
+
+
+def test_figures_are_consistent(report) -> None:
+    data, _ = report
+    points = {(r["summary"]["backend"], r["summary"]["load"]): r for r in data["results"]}
+    assert set(points) == {("hf", 1), ("hf", 3), ("ttsserve", 1), ("ttsserve", 3)}
+    for (backend, b), r in points.items():
+        s, reqs = r["summary"], r["requests"]
+        assert len(reqs) == 2 * b and s["num_ok"] == 2 * b and s["errors"] == {}  # 2 rounds
+        # fixed lengths: every request generated exactly --frames frames, and its audio is 512 n - 256 samples
+        assert all(q["num_frames"] == 20 and q["num_samples"] == 512 * 20 - 256 for q in reqs), backend
+        assert s["audio_seconds"] == pytest.approx(sum(q["num_samples"] for q in reqs) / SAMPLE_RATE)
+        assert s["frames_per_s"] * s["wall_s"] == pytest.approx(s["total_frames"])
+        edge = 1 - 256 / (512 * 20)  # the decoder's one-shot edge: n frames -> 512 n - 256 samples
+        assert s["audio_seconds_per_s"] == pytest.approx(s["frames_per_s"] * FRAME_SECONDS * edge)
+        for q in reqs:
+            assert 0 < q["ttfa_s"] <= q["latency_s"] <= s["wall_s"] + 1e-6
+        assert s["latency_s"]["p50"] <= s["latency_s"]["p90"] <= s["latency_s"]["p99"] <= s["latency_s"]["max"]
+        assert s["peak_memory_bytes"] > 0 and s["memory_kind"] == "rss_peak_sampled"
+        assert s["kv_cache_bytes_peak"] > 0
+    # the engine streams: its first audio comes before its last; the baseline returns everything at the end
+    assert all(q["ttfa_s"] == q["latency_s"] for q in points[("hf", 3)]["requests"])
+    assert 0 < points[("ttsserve", 3)]["summary"]["kv_cache_usage_peak"] <= 1
+    assert [q["load"] for q in data["ratios"]] == [1, 3]
+
+
+def test_bad_flags_exit_2(capsys) -> None:
+    assert run_cli("--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--frames", "0",
+                   "--no-progress") == 2
+    assert "frames must be >= 1" in capsys.readouterr().err

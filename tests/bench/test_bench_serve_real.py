@@ -1,0 +1,54 @@
+"""`ttsserve bench serve` against the real app (ttsserve.server.app + AsyncEngine on the tiny dummy model),
+served by uvicorn on loopback: every request streams audio, the figures add up, the CLI writes a report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bench.live_server import LiveServer
+from ttsserve.bench.serving import ServeSpec, run_serving
+from ttsserve.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def server():
+    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.server.app import create_app
+
+    engine = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
+                                                  swap_space=0, kv_cache_memory=32 << 20))
+    with LiveServer(create_app(engine)) as srv:
+        yield srv
+
+
+def test_streaming_concurrency_sweep(server) -> None:
+    spec = ServeSpec(url=server.url, concurrency=[1, 3], num_requests=6, duration=60, max_new_tokens=24,
+                     text_lengths=("short",))
+    results = run_serving(spec, progress=False)
+    assert [r.load for r in results] == [1, 3]
+    for res in results:
+        s = res.summary()
+        assert s["num_ok"] == 6 and s["errors"] == {}, s["errors"]
+        for r in res.requests:
+            assert r.num_samples > 0 and 0 < r.ttfa_s <= r.latency_s
+        assert s["audio_seconds"] == pytest.approx(sum(r.num_samples for r in res.requests) / 24000)
+        assert s["requests_per_s"] == pytest.approx(6 / s["wall_s"])
+        assert s["rtf"]["p50"] > 0 and s["underrun_streams"] <= 6
+        # the cap: at most 24 frames (512 samples each) per segment of these one-sentence texts
+        assert max(r.num_samples for r in res.requests) <= 24 * 512
+
+
+def test_cli_serve_non_streaming_synthesize(server, tmp_path) -> None:
+    from ttsserve.cli import main
+
+    rc = main(["bench", "serve", "--url", server.url, "--endpoint", "synthesize", "--no-stream", "--qps", "4",
+               "--num-requests", "4", "--duration", "30", "--max-new-tokens", "16", "--text-lengths", "short",
+               "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    (res,) = data["results"]
+    assert res["summary"]["num_ok"] == 4 and res["summary"]["load_kind"] == "qps"
+    assert all(q["ttfa_s"] == q["latency_s"] for q in res["requests"])  # whole files: nothing plays early
+    assert (tmp_path / "throughput.png").exists()
