@@ -10,6 +10,7 @@ import torch
 
 from ttsserve.config import EngineConfig, GPTConfig
 from ttsserve.model.loader import Checkpoint, load_checkpoint, resolve_checkpoint_root
+from ttsserve.quant.quantize import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,20 @@ class ChatTTSModel:
     dtype: torch.dtype
     source: str
     is_dummy: bool
+    quant: QuantConfig | None = None  # the GPT's weight quantization (None: dense)
 
     @property
     def hidden_size(self) -> int:
         return self.gpt_config.hidden_size
 
+    @property
+    def quantization(self) -> str | None:
+        return None if self.quant is None else self.quant.method
+
     def weight_bytes(self) -> int:
+        """Bytes of every stored tensor (parameters, and the buffers that hold quantized weights)."""
         mods = (self.gpt, self.embed, self.decoder, self.dvae, self.vocos)
-        return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+        return sum(t.numel() * t.element_size() for m in mods for t in m.state_dict().values())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,24 +74,85 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def read_checkpoint(cfg: EngineConfig) -> Checkpoint:
     """The checkpoint `cfg` names, or a dummy one (with a loud warning) when allowed and none is found."""
     if cfg.load_format == "dummy":
-        from ttsserve.model.dummy import make_dummy_checkpoint
-
-        return make_dummy_checkpoint(cfg.dummy_size, cfg.seed)
+        return _dummy_checkpoint(cfg)
     root = resolve_checkpoint_root(cfg.model)
     if root is None:
         if cfg.load_format == "safetensors":
             raise ValueError("no ChatTTS checkpoint found: pass --model DIR (the folder holding asset/), set "
                              "$TTSSERVE_MODEL, or use --load-format dummy")
-        from ttsserve.model.dummy import make_dummy_checkpoint
-
         logger.warning("no ChatTTS checkpoint found (--model, $TTSSERVE_MODEL, ./asset, hub cache): "
                        "falling back to --load-format dummy")
-        return make_dummy_checkpoint(cfg.dummy_size, cfg.seed)
+        return _dummy_checkpoint(cfg)
     return load_checkpoint(root, verify_sha256=cfg.verify_sha256)
 
 
-def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> ChatTTSModel:
-    """Build every module from `ckpt` (sizes inferred from the tensors; ValueError naming any bad tensor)."""
+def checkpoint_quant_config(ckpt: Checkpoint) -> QuantConfig | None:
+    """The QuantConfig of a quantized checkpoint: `quantization_config` inside asset/gpt/config.json (the HF
+    convention; `ttsserve quantize` writes it there and to asset/gpt/quantization_config.json), or that file
+    beside a checkpoint read from disk. None for a dense checkpoint."""
+    import json
+    from pathlib import Path
+
+    if "quantization_config" in ckpt.gpt_config:
+        return QuantConfig.from_json(ckpt.gpt_config["quantization_config"], "asset/gpt/config.json")
+    path = Path(ckpt.source) / "gpt" / "quantization_config.json"
+    if ckpt.source and path.is_file():
+        return QuantConfig.from_json(json.loads(path.read_text()), str(path))
+    return None
+
+
+def resolve_quantization(ckpt: Checkpoint, requested: str | None) -> tuple[QuantConfig | None, QuantConfig | None]:
+    """(stored, on_the_fly): the checkpoint's own quantization, and what to apply at load.
+
+    requested None: use whatever the checkpoint holds. A request that disagrees with a quantized checkpoint,
+    or asks a dense real checkpoint for a method, is a ValueError (quantizing needs `ttsserve quantize`);
+    a dense DUMMY checkpoint is quantized at load by round-to-nearest (no calibration: random weights).
+    """
+    stored = checkpoint_quant_config(ckpt)
+    if requested is None or (stored is not None and stored.method == requested):
+        return stored, None
+    if stored is not None:
+        raise ValueError(f"--quantization {requested} but checkpoint {ckpt.source} is quantized with "
+                         f"{stored.method}: pass --quantization {stored.method} (or leave it unset)")
+    if not ckpt.source.startswith("dummy"):
+        raise ValueError(f"--quantization {requested} but checkpoint {ckpt.source} is not quantized: make a "
+                         f"quantized copy with `ttsserve quantize --method {requested} --model <this checkpoint> "
+                         f"--out DIR` and serve --model DIR")
+    group = _largest_group(GPTConfig.from_hf_json(ckpt.gpt_config))
+    return None, QuantConfig.for_method(requested, group_size=group, calibration={"method": "round-to-nearest"})
+
+
+def _largest_group(cfg: GPTConfig) -> int:
+    """128 when every linear's input size allows it, else the largest power of two >= 32 that does."""
+    for g in (128, 64, 32):
+        if cfg.hidden_size % g == 0 and cfg.intermediate_size % g == 0 and (cfg.num_heads * cfg.head_dim) % g == 0:
+            return g
+    raise ValueError(f"hidden size {cfg.hidden_size} / intermediate size {cfg.intermediate_size} allow no int4 "
+                     f"group of 32 or more")
+
+
+def _dummy_checkpoint(cfg: EngineConfig) -> Checkpoint:
+    """Random weights, generated once and then read back memory-mapped from a cache folder (fast restarts)."""
+    from ttsserve.deploy.coldstart import cached_dummy_checkpoint
+
+    try:
+        path = cached_dummy_checkpoint(cfg.dummy_size, cfg.seed)
+    except OSError as e:  # read-only home or full disk: build in memory instead
+        from ttsserve.model.dummy import make_dummy_checkpoint
+
+        logger.info("dummy checkpoint cache unavailable (%s); generating in memory", e)
+        return make_dummy_checkpoint(cfg.dummy_size, cfg.seed)
+    ckpt = load_checkpoint(path)
+    ckpt.source = f"dummy ({cfg.dummy_size}, seed {cfg.seed}, cached in {path})"
+    return ckpt
+
+
+def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                quantization: str | None = None) -> ChatTTSModel:
+    """Build every module from `ckpt` (sizes inferred from the tensors; ValueError naming any bad tensor).
+
+    quantization: None (whatever the checkpoint holds), "int8" or "awq-int4"; see resolve_quantization.
+    """
     from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
     from ttsserve.audio.vocos import Vocos
     from ttsserve.model.embed import Embed
@@ -93,6 +161,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> C
     from ttsserve.text.tokenizer import TextTokenizer
 
     gpt_cfg = GPTConfig.from_hf_json(ckpt.gpt_config)
+    stored, on_the_fly = resolve_quantization(ckpt, quantization)
     embed = Embed.from_state_dict(ckpt.embed).to(device)
     if (embed.hidden_size, embed.num_text_tokens) != (gpt_cfg.hidden_size, gpt_cfg.num_text_tokens):
         raise ValueError(f"Embed.safetensors: hidden {embed.hidden_size} / text vocab {embed.num_text_tokens} "
@@ -106,15 +175,23 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> C
         spk_stat = decode_spk_stat(ckpt.extra_config["spk_stat"])
     else:
         logger.warning("checkpoint has no spk_stat (chattts_config.json): random speakers are sampled from N(0, 1)")
+    if on_the_fly is None:
+        gpt = GPT.from_state_dict(ckpt.gpt, gpt_cfg, dtype=dtype, device=device, quant=stored)
+    else:
+        from ttsserve.quant.linear import cast_except_quant, quantize_gpt_
+
+        logger.warning("quantizing the dummy GPT at load (%s, round-to-nearest, no calibration)", on_the_fly.method)
+        gpt = GPT.from_state_dict(ckpt.gpt, gpt_cfg, dtype=torch.float32, device=device)  # quantize from fp32
+        gpt = cast_except_quant(quantize_gpt_(gpt, on_the_fly), device, dtype)
     model = ChatTTSModel(
         gpt_config=gpt_cfg,
-        gpt=GPT.from_state_dict(ckpt.gpt, gpt_cfg, dtype=dtype, device=device),
+        gpt=gpt,
         embed=embed,
         decoder=HiddenDecoder.from_state_dict(ckpt.decoder, source="Decoder.safetensors").to(device),
         dvae=DVAE.from_state_dict(ckpt.dvae, source="DVAE.safetensors").to(device),
         vocos=Vocos.from_state_dict(ckpt.vocos, source="Vocos.safetensors").to(device),
         tokenizer=tokenizer, spk_stat=spk_stat, device=device, dtype=dtype, source=ckpt.source,
-        is_dummy=ckpt.source.startswith("dummy"),
+        is_dummy=ckpt.source.startswith("dummy"), quant=stored or on_the_fly,
     )
     for m in (model.gpt, model.embed, model.decoder, model.dvae, model.vocos):
         m.eval().requires_grad_(False)
@@ -124,9 +201,10 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> C
 def load_model(cfg: EngineConfig) -> ChatTTSModel:
     device = resolve_device(cfg.device)
     ckpt = read_checkpoint(cfg)
-    model = build_model(ckpt, device, resolve_dtype(cfg.dtype, device))
+    model = build_model(ckpt, device, resolve_dtype(cfg.dtype, device), quantization=cfg.quantization)
     if model.is_dummy:
         logger.warning(DUMMY_WARNING.format(source=ckpt.source))
-    logger.info("loaded %s on %s (%s): %.1f MB of weights", model.source, device, model.dtype,
+    quant = f", GPT weights {model.quantization}" if model.quant is not None else ""
+    logger.info("loaded %s on %s (%s%s): %.1f MB of weights", model.source, device, model.dtype, quant,
                 model.weight_bytes() / 1e6)
     return model

@@ -60,7 +60,8 @@ class KVCache:
         self.layers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         cpu_shape = kv_cache_shape(spec.num_cpu_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
         pin = device.type == "cuda"
-        self.cpu_layers = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        # Host blocks are always fully written by a swap-out before they are read: no need to zero them.
+        self.cpu_layers = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
         self.spec = spec
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
