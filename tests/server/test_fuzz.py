@@ -8,8 +8,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.server.conftest import LiveServer
-from tests.server.fake_engine import FakeEngine
+from tests.server.conftest import LiveServer, make_real_engine
 from ttsserve.server.app import ServerConfig, create_app
 
 # ~10 operations x 12 -> ~100 cases in a few seconds. TTSSERVE_FUZZ_EXAMPLES=500 for a deep run (which
@@ -20,8 +19,8 @@ DEEP = EXAMPLES_PER_OPERATION > 12
 
 @pytest.fixture(scope="module")
 def live():
-    # A tight frame cap keeps fuzzed 4096-character inputs cheap; the fake engine is fast and exact.
-    srv = LiveServer(create_app(FakeEngine(chunk_delay_s=0.0), ServerConfig(max_new_tokens=32))).start()
+    # The real engine; a tight frame cap keeps fuzzed 4096-character inputs (many segments) cheap.
+    srv = LiveServer(create_app(make_real_engine(), ServerConfig(max_new_tokens=8))).start()
     yield srv
     srv.stop()
 

@@ -198,9 +198,9 @@ def run_serve(args: argparse.Namespace) -> int:
     _configure_logging(log_level)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     engine = AsyncEngine.from_config(engine_cfg)
-    logger.info("memory: %s", engine.memory_report())
-    app = create_app(engine, server_cfg)
+    app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
     # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
+    # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False, lifespan="on",
                 timeout_graceful_shutdown=server_cfg.drain_timeout_s)
     return 0
