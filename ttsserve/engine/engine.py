@@ -66,10 +66,12 @@ class Engine:
         tok = self.model.tokenizer
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
         self.kv_spec = self._plan_kv()
-        self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id)
+        self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
+        self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
+                                  max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=cfg.enforce_eager)
         self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, cfg.block_size, self.kv_spec.num_cpu_blocks,
                                          enable_prefix_caching=cfg.enable_prefix_caching)
-        self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,

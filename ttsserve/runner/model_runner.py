@@ -1,21 +1,33 @@
 """ModelRunner: packs one step's scheduled requests into flat inputs, runs the GPT through paged attention,
 applies the heads and the batched sampler, and returns sampled rows plus the hidden states the vocoder needs.
 
+Two paths, one result:
+- decode steps (every scheduled sequence is a code request advancing by the one frame it sampled last step):
+  the input frames, sampling parameters and repetition history are already on the device (SamplingState,
+  indexed by the sequence's row), so a step is a small host pack plus, on CUDA, one CUDA-graph replay
+  (runner/cuda_graphs.py) and one device-to-host copy of the sampled codes;
+- any other step (prefill, chunked prefill, recompute, refine-text, mixed): eager, with vectorised inputs.
 The runner never touches a queue; the scheduler never touches a tensor (ARCHITECTURE.md principle 3).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, select_backend
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.params import SamplingParams
+from ttsserve.runner.input_batch import InputBatch, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
-from ttsserve.sample.sampler import SamplingBatch, sample
+from ttsserve.sample.sampler import sample
+from ttsserve.sample.state import SamplingState
+
+DEFAULT_HISTORY_WINDOW = 16
 
 
 @dataclass
@@ -41,7 +53,6 @@ class _SequenceState:
     mode: str
     params: SamplingParams
     seed: int
-    temperature: tuple[float, ...]
 
 
 @dataclass
@@ -49,7 +60,7 @@ class RunnerOutput:
     """sampled[req_id]: a 4-tuple of codes (code) or a token id (text), for requests that sampled this step.
     stopped[req_id]: the sampled row is EOS (any codebook for code).
     hidden_ids / hiddens: code requests that sampled a non-EOS frame and the hidden state that produced it,
-    [len(hidden_ids), H] fp32 on the device (the Decoder's input, spec 4.5).
+    [len(hidden_ids), H] fp32 on the device (the Decoder's input, spec 4.5). Valid until the next execute().
     """
 
     sampled: dict[str, object] = field(default_factory=dict)
@@ -58,8 +69,24 @@ class RunnerOutput:
     hiddens: torch.Tensor | None = None
 
 
+@dataclass
+class RunnerTimings:
+    """Host wall time spent in the runner, summed over steps (ms); `forward_ms` includes the device wait."""
+
+    steps: int = 0
+    graph_steps: int = 0
+    prepare_ms: float = 0.0
+    forward_ms: float = 0.0
+    output_ms: float = 0.0
+
+
 class ModelRunner:
-    def __init__(self, model: ChatTTSModel, kv_spec: KVCacheSpec, spk_emb_id: int, text_eos_id: int) -> None:
+    """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
+    (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs."""
+
+    def __init__(self, model: ChatTTSModel, kv_spec: KVCacheSpec, spk_emb_id: int, text_eos_id: int, *,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
+                 capture_sizes: list[int] | None = None) -> None:
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.cfg = model.gpt_config
@@ -68,7 +95,18 @@ class ModelRunner:
         self.backend = select_backend(self.device)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
+        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(max_num_seqs, max_blocks, self.block_size, self.device)
+        self.sampling = SamplingState(max_num_seqs, self.cfg.num_vq, DEFAULT_HISTORY_WINDOW, self.device)
         self.states: dict[str, _SequenceState] = {}
+        self.timings = RunnerTimings()
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
+
+            self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs))
+            self.graphs.capture()
 
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:
@@ -76,152 +114,195 @@ class ModelRunner:
         with torch.inference_mode():
             spk = None if inputs.spk_emb is None else inputs.spk_emb.to(self.device)
             embeds = self.model.embed.embed_prompt(ids, inputs.text_mask.to(self.device), spk, self.spk_emb_id)
-        rows = self.cfg.num_vq if inputs.mode == "code" else 1
-        self.states[req_id] = _SequenceState(embeds.to(self.dtype), inputs.mode, inputs.params, inputs.seed,
-                                             inputs.params.temperatures(rows))
+        if inputs.params.repetition_window > self.sampling.window:
+            self.sampling.grow(window=inputs.params.repetition_window)  # graphs re-capture on next use
+        self.states[req_id] = _SequenceState(embeds.to(self.dtype), inputs.mode, inputs.params, inputs.seed)
 
     def remove_sequence(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+        self.input_batch.release(req_id)
+
+    @property
+    def generation(self) -> tuple[int, int, int]:
+        """Changes whenever a tensor that graphs capture is reallocated."""
+        return self.input_batch.generation, self.sampling.num_rows, self.sampling.window
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched, requests: dict) -> RunnerOutput:
         """sched: a SchedulerOutput; requests: req_id -> Request (for output_token_ids)."""
+        t0 = time.perf_counter()
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
-        if not sched.scheduled:
+        for req_id in sched.preempted_ids:
+            self.input_batch.release(req_id)  # a resumed sequence re-initialises its row from host state
+        scheduled = sched.scheduled
+        if not scheduled:
             return RunnerOutput()
-        x, positions, md, last_index = self._prepare_inputs(sched, requests)
-        ctx = PagedAttention(self.backend, self.kv.layers, md, self.scale)
-        hidden = self.model.gpt(x, positions, ctx)
-        samplers = [s for s in sched.scheduled if s.will_sample]
-        return self._sample(samplers, hidden, last_index, requests)
-
-    def _prepare_inputs(self, sched, requests: dict):
-        bs = self.block_size
-        pieces: list[torch.Tensor] = []
-        code_rows: list[tuple[int, tuple]] = []  # (flat index, frame) for generated-frame inputs
-        text_rows: list[tuple[int, int]] = []
-        positions, slots, cu, seq_lens, tables, last_index = [], [], [0], [], [], {}
-        flat = 0
-        for s in sched.scheduled:
-            st = self.states[s.request_id]
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            num_prompt = st.prompt_embeds.shape[0]
-            if start < num_prompt:
-                pieces.append(st.prompt_embeds[start:min(end, num_prompt)])
-            outputs = requests[s.request_id].output_token_ids
-            for pos in range(max(start, num_prompt), end):
-                tok = outputs[pos - num_prompt]
-                row = flat + pos - start
-                (code_rows if st.mode == "code" else text_rows).append((row, tok))
-                pieces.append(None)  # placeholder, filled below
-            table = s.block_table
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            flat += end - start
-            cu.append(flat)
-            seq_lens.append(end)
-            tables.append(table)
-            last_index[s.request_id] = flat - 1
-        x = self._assemble(pieces, code_rows, text_rows, flat)
-        dev = self.device
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        md = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(b - a for a, b in zip(cu, cu[1:])),
-            max_seq_len=max(seq_lens), block_size=bs, cu_seqlens_q_cpu=cu, seq_lens_cpu=seq_lens,
-        )
-        return x, torch.tensor(positions, dtype=torch.int64, device=dev), md, last_index
-
-    def _assemble(self, pieces: list, code_rows: list, text_rows: list, num_tokens: int) -> torch.Tensor:
-        """Concatenate prompt-embedding slices and embed generated tokens into one [T, H] tensor."""
-        embed = self.model.embed
-        x = torch.empty(num_tokens, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
-        row = 0
-        for piece in pieces:
-            if piece is None:
-                row += 1
-                continue
-            x[row:row + piece.shape[0]] = piece
-            row += piece.shape[0]
-        if code_rows:
-            idx = torch.tensor([r for r, _ in code_rows], device=self.device)
-            codes = torch.tensor([list(t) for _, t in code_rows], dtype=torch.int64, device=self.device)
-            x[idx] = embed.embed_codes(codes).to(self.dtype)
-        if text_rows:
-            idx = torch.tensor([r for r, _ in text_rows], device=self.device)
-            ids = torch.tensor([t for _, t in text_rows], dtype=torch.int64, device=self.device)
-            x[idx] = embed.embed_text(ids).to(self.dtype)
-        return x
-
-    def _sample(self, scheduled: list, hidden: torch.Tensor, last_index: dict, requests: dict) -> RunnerOutput:
-        out = RunnerOutput()
-        groups = {"code": [s for s in scheduled if self.states[s.request_id].mode == "code"],
-                  "text": [s for s in scheduled if self.states[s.request_id].mode == "text"]}
-        results, code_hidden = [], None
-        for mode, group in groups.items():
-            if not group:
-                continue
-            idx = torch.tensor([last_index[s.request_id] for s in group], device=self.device)
-            h = hidden[idx].float()
-            if mode == "code":
-                logits, eos, code_hidden = self.model.embed.code_logits(h), self.cfg.audio_eos_id, h
+        rows = self._assign_rows(scheduled, requests)
+        tm = self.timings
+        tm.steps += 1
+        if all(s.num_new_tokens == 1 and s.will_sample and s.mode == "code"
+               and s.num_computed_tokens >= s.num_prompt_tokens for s in scheduled):
+            starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
+            steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
+            t1 = time.perf_counter()
+            if self.graphs is not None and self.graphs.can_run(len(scheduled)):
+                tokens, hidden = self.graphs.run(rows, starts, steps)
+                tm.graph_steps += 1
             else:
-                logits, eos = self.model.embed.text_logits(h)[:, None, :], self.text_eos_id
-            batch = self._sampling_batch(group, requests, logits.shape[1], eos)
-            results.append((mode, group, sample(logits, batch)))
-        host = torch.cat([t.reshape(-1) for _, _, t in results]).cpu().tolist()  # the one sync of the step
-        offset = 0
-        for mode, group, tokens in results:
-            width = tokens.shape[1]
-            for i, s in enumerate(group):
-                row = host[offset + i * width: offset + (i + 1) * width]
-                if mode == "code":
-                    frame = tuple(row)
-                    out.sampled[s.request_id] = frame
-                    out.stopped[s.request_id] = self.cfg.audio_eos_id in frame
-                else:
-                    out.sampled[s.request_id] = row[0]
-                    out.stopped[s.request_id] = row[0] == self.text_eos_id
-            offset += len(group) * width
-        keep = [i for i, s in enumerate(groups["code"]) if not out.stopped[s.request_id]]
-        if keep:
-            out.hidden_ids = [groups["code"][i].request_id for i in keep]
-            out.hiddens = code_hidden[torch.tensor(keep, device=self.device)]
+                tokens, hidden = self._decode_eager(rows, starts, steps)
+            groups = [("code", scheduled, tokens, hidden)]
+        else:
+            t1 = time.perf_counter()
+            groups = self._execute_general(scheduled, rows, requests)
+        t2 = time.perf_counter()
+        out = self._outputs(groups)
+        tm.prepare_ms += (t1 - t0) * 1e3
+        tm.forward_ms += (t2 - t1) * 1e3
+        tm.output_ms += (time.perf_counter() - t2) * 1e3
         return out
 
-    def _sampling_batch(self, group: list, requests: dict, rows: int, eos_id: int) -> SamplingBatch:
-        temps, top_p, top_k, rp, hist, banned, greedy, seeds, steps = [], [], [], [], [], [], [], [], []
-        window = max(self.states[s.request_id].params.repetition_window for s in group)
-        for s in group:
-            st, req = self.states[s.request_id], requests[s.request_id]
-            p, outs = st.params, req.output_token_ids
-            temps.append(st.temperature)
-            top_p.append(p.top_p)
-            top_k.append(p.top_k)
-            rp.append(p.repetition_penalty)
-            recent = outs[-p.repetition_window:] if p.repetition_penalty != 1.0 else []
-            cols = [[t[r] for t in recent] if rows > 1 else list(recent) for r in range(rows)]
-            hist.append([c + [-1] * (window - len(c)) for c in cols])
-            banned.append(len(outs) < p.min_new_tokens)
-            greedy.append(p.greedy)
-            seeds.append(st.seed)
-            steps.append(len(outs))
+    def _assign_rows(self, scheduled: list, requests: dict) -> np.ndarray:
+        """Rows of the scheduled sequences ([B] int64), initialising the rows of sequences new to the batch."""
+        ib = self.input_batch
+        rows = np.empty(len(scheduled), dtype=np.int64)
+        new_rows, new_ids = [], []
+        nblocks = ib.num_blocks_np
+        for i, s in enumerate(scheduled):
+            row = ib.row_of.get(s.request_id)
+            if row is None:
+                row, _ = ib.assign(s.request_id)
+                new_rows.append(row)
+                new_ids.append(s.request_id)
+                nblocks = ib.num_blocks_np  # assign() may have grown the tables
+            rows[i] = row
+            if len(s.block_table) != nblocks[row]:
+                ib.sync_block_table(row, s.block_table)
+        if ib.max_rows > self.sampling.num_rows:
+            self.sampling.grow(num_rows=ib.max_rows)
+        if new_rows:
+            sts = [self.states[r] for r in new_ids]
+            self.sampling.set_rows(new_rows, [st.params for st in sts], [st.seed for st in sts],
+                                   [st.mode for st in sts], [requests[r].output_token_ids for r in new_ids])
+        ib.flush_block_tables()
+        return rows
+
+    def _metadata(self, arr: StepArrays) -> tuple[AttentionMetadata, torch.Tensor]:
+        """AttentionMetadata and positions [T] on the device for one step's host arrays."""
         dev = self.device
-        return SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            repetition_penalty=torch.tensor(rp, dtype=torch.float32, device=dev),
-            history=torch.tensor(hist, dtype=torch.int64, device=dev),
-            eos_banned=torch.tensor(banned, dtype=torch.bool, device=dev),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            steps=torch.tensor(steps, dtype=torch.int64, device=dev),
-            eos_id=eos_id,
+        rows_t = torch.from_numpy(arr.rows).to(dev, non_blocking=True)
+        md = AttentionMetadata(
+            cu_seqlens_q=torch.from_numpy(arr.cu_seqlens_q).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(arr.seq_lens).to(dev, non_blocking=True),
+            block_tables=self.input_batch.block_table[rows_t],
+            slot_mapping=torch.from_numpy(arr.slot_mapping).to(dev, non_blocking=True),
+            max_query_len=int(arr.num_new.max()), max_seq_len=int(arr.seq_lens.max()), block_size=self.block_size,
+            cu_seqlens_q_cpu=arr.cu_seqlens_q.tolist(), seq_lens_cpu=arr.seq_lens.tolist(),
         )
+        return md, torch.from_numpy(arr.positions).to(dev, non_blocking=True)
+
+    def _forward(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.gpt(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
+
+    def _decode_eager(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray):
+        arr = self.input_batch.step_arrays(rows, starts, np.ones_like(starts), steps)
+        md, positions = self._metadata(arr)
+        rows_t = torch.from_numpy(rows).to(self.device)
+        x = self.model.embed.embed_codes(self.sampling.last_tokens[rows_t])
+        hidden = self._forward(x, md, positions).float()
+        return self.sample_rows(hidden, rows_t, torch.from_numpy(steps).to(self.device), "code"), hidden
+
+    def sample_rows(self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
+        """Heads + sampler for hidden [B, H] fp32 of `rows` at `steps`; records the tokens in the rows'
+        histories. Returns [B, num_vq] (code) or [B, 1] (text) int64 on the device. Graph-capturable."""
+        embed = self.model.embed
+        if mode == "code":
+            logits, width, eos = embed.code_logits(hidden), self.cfg.num_vq, self.cfg.audio_eos_id
+        else:
+            logits, width, eos = embed.text_logits(hidden)[:, None, :], 1, self.text_eos_id
+        tokens = sample(logits, self.sampling.batch(rows, steps, width, eos))
+        self.sampling.record(rows, steps, tokens)
+        return tokens
+
+    def _execute_general(self, scheduled: list, rows: np.ndarray, requests: dict) -> list:
+        n = len(scheduled)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, n)
+        arr = self.input_batch.step_arrays(rows, starts, num_new, steps)
+        md, positions = self._metadata(arr)
+        x = self._gather_inputs(scheduled, arr, requests)
+        hidden = self._forward(x, md, positions)
+        groups = []
+        for mode in ("code", "text"):
+            idx = [i for i, s in enumerate(scheduled) if s.will_sample and s.mode == mode]
+            if not idx:
+                continue
+            sel = np.asarray(idx)
+            last = torch.from_numpy(arr.cu_seqlens_q[sel + 1].astype(np.int64) - 1).to(self.device)
+            h = hidden[last].float()
+            rows_t = torch.from_numpy(rows[sel]).to(self.device)
+            tokens = self.sample_rows(h, rows_t, torch.from_numpy(steps[sel]).to(self.device), mode)
+            groups.append((mode, [scheduled[i] for i in idx], tokens, h if mode == "code" else None))
+        return groups
+
+    def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:
+        """[T, H] step inputs: prompt-embedding slices, plus embedded earlier outputs (recompute / decode rows)."""
+        embed, cu = self.model.embed, arr.cu_seqlens_q
+        prompt_pieces, prompt_dst = [], []
+        code_dst, code_items, text_dst, text_items = [], [], [], []
+        for b, s in enumerate(scheduled):
+            st = self.states[s.request_id]
+            num_prompt = st.prompt_embeds.shape[0]
+            start, end, off = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens, int(cu[b])
+            if start < num_prompt:
+                prompt_pieces.append(st.prompt_embeds[start:min(end, num_prompt)])
+                prompt_dst.append((off, off + min(end, num_prompt) - start))
+            if end > num_prompt:
+                first = max(start, num_prompt)
+                items = requests[s.request_id].output_token_ids[first - num_prompt:end - num_prompt]
+                dst = range(off + first - start, off + end - start)
+                (code_dst if st.mode == "code" else text_dst).extend(dst)
+                (code_items if st.mode == "code" else text_items).extend(items)
+        total = int(cu[-1])
+        if not code_dst and not text_dst:
+            return torch.cat(prompt_pieces) if len(prompt_pieces) > 1 else prompt_pieces[0]
+        x = torch.empty(total, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        if prompt_pieces:
+            dst = np.concatenate([np.arange(a, b) for a, b in prompt_dst])
+            x[torch.from_numpy(dst).to(self.device)] = torch.cat(prompt_pieces)
+        if code_dst:
+            codes = torch.tensor(code_items, dtype=torch.int64).to(self.device)
+            x[torch.tensor(code_dst).to(self.device)] = embed.embed_codes(codes).to(self.dtype)
+        if text_dst:
+            ids = torch.tensor(text_items, dtype=torch.int64).to(self.device)
+            x[torch.tensor(text_dst).to(self.device)] = embed.embed_text(ids).to(self.dtype)
+        return x
+
+    def _outputs(self, groups: list) -> RunnerOutput:
+        """One device-to-host copy of every sampled token, then the per-request dicts."""
+        out = RunnerOutput()
+        flat = [t.reshape(-1) for _, _, t, _ in groups]
+        host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()  # the one sync of the step
+        offset = 0
+        for mode, group, tokens, hidden in groups:
+            n, width = len(group), tokens.shape[1]
+            rows = host[offset:offset + n * width].reshape(n, width)
+            offset += n * width
+            ids = [s.request_id for s in group]
+            if mode == "text":
+                toks = rows[:, 0].tolist()
+                out.sampled.update(zip(ids, toks))
+                out.stopped.update(zip(ids, [t == self.text_eos_id for t in toks]))
+                continue
+            stop = (rows == self.cfg.audio_eos_id).any(axis=1)
+            out.sampled.update(zip(ids, map(tuple, rows.tolist())))
+            out.stopped.update(zip(ids, stop.tolist()))
+            if not stop.any():
+                out.hidden_ids, out.hiddens = ids, hidden
+            elif not stop.all():
+                keep = np.flatnonzero(~stop)
+                out.hidden_ids = [ids[i] for i in keep]
+                out.hiddens = hidden[torch.from_numpy(keep).to(hidden.device)]
+        return out

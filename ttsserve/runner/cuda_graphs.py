@@ -1,0 +1,144 @@
+"""CUDA graphs of the code-stage decode step over batch-size buckets (ARCHITECTURE.md principle 6).
+
+One graph per bucket covers the whole step on the device: the input frames (SamplingState.last_tokens of the
+rows), the code embedding, the GPT with paged attention (KV write fused), the heads, the sampler and the
+history update. The host fills one pinned int64 array [bucket, 4] (row, position, slot, step per sequence;
+padding rows point at the scratch row with slot -1 and so attend to nothing), copies it in one transfer,
+replays, and reads the sampled codes back: one small host sync per step.
+
+Captured largest first so that every smaller graph fits in the memory pool of the larger ones. The attention
+is captured with `max_seq_len = max_model_len`: the Triton kernel freezes its split count at capture and reads
+each sequence's length on the device, so one graph serves every context length up to max_model_len.
+Graphs hold the addresses of the runner's persistent tensors; if one of those is reallocated (rows or history
+window grew) the runner's `generation` changes and the graphs are captured again before the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ttsserve.attention.backend import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_ROW, _POS, _SLOT, _STEP = range(4)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to 64 and of 16 up to max_num_seqs (and max_num_seqs itself)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """Bucketed decode-step graphs of one ModelRunner (CUDA only; `capture()` before `run()`)."""
+
+    def __init__(self, runner, sizes: list[int]) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"capture sizes must be positive, got {sizes}")
+        self.runner = runner
+        self.sizes = sorted(set(sizes))
+        max_bs, dev = self.sizes[-1], runner.device
+        self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
+        self.meta_host = torch.zeros(max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._meta_np = self.meta_host.numpy()
+        self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.tokens = torch.zeros(max_bs, runner.cfg.num_vq, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(max_bs, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.generation = None
+        self.capture_s = 0.0
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.sizes[-1]
+
+    def bucket(self, batch_size: int) -> int:
+        return next(s for s in self.sizes if s >= batch_size)
+
+    # ---- the captured body ---------------------------------------------------------------------------------
+    def _body(self, bs: int) -> None:
+        """One decode step of `bs` rows from the static buffers into self.tokens / self.hidden."""
+        r = self.runner
+        meta = self.meta[:bs]
+        rows, positions = meta[:, _ROW].contiguous(), meta[:, _POS].contiguous()
+        slots, steps = meta[:, _SLOT].contiguous(), meta[:, _STEP].contiguous()
+        seq_lens = torch.where(slots >= 0, positions + 1, 0).to(torch.int32)
+        md = AttentionMetadata(
+            cu_seqlens_q=self.cu_seqlens[:bs + 1], seq_lens=seq_lens, block_tables=r.input_batch.block_table[rows],
+            slot_mapping=slots, max_query_len=1, max_seq_len=r.max_model_len, block_size=r.block_size,
+            cu_seqlens_q_cpu=list(range(bs + 1)), seq_lens_cpu=[r.max_model_len] * bs,
+        )
+        x = r.model.embed.embed_codes(r.sampling.last_tokens[rows])
+        hidden = r._forward(x, md, positions).float()
+        self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
+        self.hidden[:bs] = hidden
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        m = self._meta_np
+        m[start:end, _ROW] = self.runner.sampling.scratch_row
+        m[start:end, _POS] = 0
+        m[start:end, _SLOT] = -1
+        m[start:end, _STEP] = 0
+
+    # ---- capture / replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared memory pool. Off CUDA nothing is captured and
+        run() calls the same body eagerly on the static buffers (tests of the padding / indexing logic)."""
+        t0 = time.perf_counter()
+        self.graphs.clear()
+        self.pool = None
+        self.generation = self.runner.generation
+        if self.runner.device.type != "cuda":
+            self.graphs = dict.fromkeys(self.sizes)
+            return
+        torch.cuda.synchronize()
+        for bs in reversed(self.sizes):
+            self._fill_padding(0, bs)
+            self.meta[:bs].copy_(self.meta_host[:bs])
+            self._body(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._body(bs)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.generation = self.runner.generation
+        self.capture_s = time.perf_counter() - t0
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
+                    self.sizes[0], self.sizes[-1], self.capture_s)
+
+    def run(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for B = len(rows) decode rows -> (tokens [B, num_vq] int64, hidden [B, H] fp32), views of
+        static buffers valid until the next replay. rows / starts / steps: int64 [B] (starts = position)."""
+        if self.generation != self.runner.generation:
+            logger.info("persistent batch tensors were reallocated: re-capturing the decode graphs")
+            self.capture()
+        b = len(rows)
+        bs = self.bucket(b)
+        ib = self.runner.input_batch
+        m = self._meta_np
+        m[:b, _ROW] = rows
+        m[:b, _POS] = starts
+        block_size = self.runner.block_size
+        m[:b, _SLOT] = ib.block_table_np[rows, starts // block_size].astype(np.int64) * block_size + starts % block_size
+        m[:b, _STEP] = steps
+        self._fill_padding(b, bs)
+        self.meta[:bs].copy_(self.meta_host[:bs], non_blocking=True)
+        graph = self.graphs[bs]
+        if graph is None:
+            self._body(bs)
+        else:
+            graph.replay()
+        return self.tokens[:b], self.hidden[:b]

@@ -1,0 +1,121 @@
+"""Per-row sampling state kept on the device across steps (spec 9.2): parameters, the repetition history as a
+ring buffer and the last sampled row, so a step builds its SamplingBatch by indexing, never from Python lists.
+
+A "row" is a slot of the runner's persistent batch (runner/input_batch.py); one extra scratch row (index
+`num_rows`) absorbs the writes of padding rows in CUDA-graph batches. Everything here is graph-capturable:
+`batch()` and `record()` are pure indexing with device index tensors and do no device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ttsserve.params import SamplingParams
+from ttsserve.sample.sampler import SamplingBatch
+
+# Columns of the float64 / int64 parameter tables.
+_TOP_P, _PENALTY = 0, 1  # fparams[:, :2]; temperatures follow in fparams[:, 2:2 + num_vq]
+_TOP_K, _GREEDY, _SEED, _MIN_NEW, _WINDOW = range(5)
+
+
+class SamplingState:
+    """Device tables for `num_rows` rows (+1 scratch row), `num_vq` codebook rows each, a history of `window`.
+
+    fparams: float64 [N + 1, 2 + num_vq]  (top_p, repetition_penalty, temperature per codebook)
+    iparams: int64   [N + 1, 5]           (top_k, greedy, seed, min_new_tokens, repetition_window)
+    ring:    int64   [N + 1, num_vq, W]   generated token g of a row sits at column g % window; -1 = empty
+    last_tokens: int64 [N + 1, num_vq]    the row's last sampled frame (text rows: column 0), the next input
+    """
+
+    def __init__(self, num_rows: int, num_vq: int, window: int, device: torch.device) -> None:
+        self.num_vq, self.device = num_vq, torch.device(device)
+        n = num_rows + 1
+        self.fparams = torch.ones(n, 2 + num_vq, dtype=torch.float64, device=device)
+        self.iparams = torch.zeros(n, 5, dtype=torch.int64, device=device)
+        self.iparams[:, _TOP_K] = 3
+        self.iparams[:, _WINDOW] = 1
+        self.ring = torch.full((n, num_vq, window), -1, dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(n, num_vq, dtype=torch.int64, device=device)
+        self._rcols = torch.arange(num_vq, device=device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.ring.shape[0] - 1
+
+    @property
+    def scratch_row(self) -> int:
+        return self.ring.shape[0] - 1
+
+    @property
+    def window(self) -> int:
+        return self.ring.shape[2]
+
+    def grow(self, num_rows: int | None = None, window: int | None = None) -> None:
+        """Reallocate for more rows and / or a wider history (invalidates captured graphs; rare)."""
+        n_old, w_old = self.num_rows, self.window
+        n, w = max(num_rows or 0, n_old), max(window or 0, w_old)
+        old = (self.fparams, self.iparams, self.ring, self.last_tokens)
+        self.__init__(n, self.num_vq, w, self.device)
+        self.fparams[:n_old] = old[0][:n_old]
+        self.iparams[:n_old] = old[1][:n_old]
+        self.ring[:n_old, :, :w_old] = old[2][:n_old]
+        self.last_tokens[:n_old] = old[3][:n_old]
+
+    # ---- host side: set up rows (once per admission / resume, batched) ------------------------------------
+    def set_rows(self, rows: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int],
+                 modes: Sequence[str], outputs: Sequence[Sequence]) -> None:
+        """Initialise rows for requests entering the running batch.
+
+        outputs[i]: request i's generated items so far (4-tuples for code, ints for text); the ring gets the
+        last `repetition_window` of them and last_tokens the final one.
+        """
+        if not rows:
+            return
+        q, w = self.num_vq, self.window
+        fp = torch.empty(len(rows), 2 + q, dtype=torch.float64)
+        ip = torch.empty(len(rows), 5, dtype=torch.int64)
+        ring = torch.full((len(rows), q, w), -1, dtype=torch.int64)
+        last = torch.zeros(len(rows), q, dtype=torch.int64)
+        for i, (p, seed, mode, outs) in enumerate(zip(params, seeds, modes, outputs)):
+            width = q if mode == "code" else 1
+            temps = p.temperatures(width)
+            # fp32 first: the temperature of the batch is fp32 (exactly what torch.tensor(float32) rounds to)
+            fp[i, 2:2 + width] = torch.tensor(temps, dtype=torch.float32).double()
+            fp[i, _TOP_P], fp[i, _PENALTY] = p.top_p, float(torch.tensor(p.repetition_penalty, dtype=torch.float32))
+            ip[i] = torch.tensor([p.top_k, int(p.greedy), seed, p.min_new_tokens, p.repetition_window])
+            g = len(outs)
+            for j in range(max(0, g - p.repetition_window), g):
+                ring[i, :width, j % p.repetition_window] = torch.as_tensor(outs[j]).reshape(-1)[:width]
+            if g:
+                last[i, :width] = torch.as_tensor(outs[-1]).reshape(-1)[:width]
+        idx = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        self.fparams.index_copy_(0, idx, fp.to(self.device))
+        self.iparams.index_copy_(0, idx, ip.to(self.device))
+        self.ring.index_copy_(0, idx, ring.to(self.device))
+        self.last_tokens.index_copy_(0, idx, last.to(self.device))
+
+    # ---- device side: graph-capturable ---------------------------------------------------------------------
+    def batch(self, rows: torch.Tensor, steps: torch.Tensor, num_rows: int, eos_id: int) -> SamplingBatch:
+        """The SamplingBatch of `rows` ([B] int64 device) at `steps` ([B] int64: tokens generated so far)."""
+        fp, ip = self.fparams[rows], self.iparams[rows]
+        return SamplingBatch(
+            temperature=fp[:, 2:2 + num_rows].float(),
+            top_p=fp[:, _TOP_P],
+            top_k=ip[:, _TOP_K],
+            repetition_penalty=fp[:, _PENALTY].float(),
+            history=self.ring[rows, :num_rows],
+            eos_banned=steps < ip[:, _MIN_NEW],
+            greedy=ip[:, _GREEDY] != 0,
+            seeds=ip[:, _SEED],
+            steps=steps,
+            eos_id=eos_id,
+        )
+
+    def record(self, rows: torch.Tensor, steps: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append this step's sampled tokens ([B, R]) to the rows' histories and last_tokens."""
+        r = tokens.shape[1]
+        col = steps % self.iparams[rows, _WINDOW]
+        self.ring[rows[:, None], self._rcols[None, :r], col[:, None]] = tokens
+        self.last_tokens[rows[:, None], self._rcols[None, :r]] = tokens
