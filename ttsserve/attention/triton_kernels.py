@@ -14,6 +14,14 @@ the new tokens' keys / values are read from the k / v inputs, never back from th
 depends on a store of another program of the same launch. `reshape_and_cache_kernel` is the stand-alone
 write, for callers that only fill the cache.
 
+FP8=True (the fp8 KV cache, ttsserve/quant/kv_fp8.py): the cache holds float8e4nv values and a parallel
+fp32 tensor `scales` [2, num_blocks, block_size, num_kv_heads] holds one scale per token and head (element
+offsets slot * sc_stride_slot + kv_h * sc_stride_ch, V's sc_v_offset later). The writes quantize (amax of
+the 64 values / 448, IEEE divisions, round to nearest even: kv_fp8.py's rule); the reads convert the fp8
+tile to the query dtype (exact) for the dot and apply the scales to the score columns (QK^T) and to the
+probabilities (PV). A new token of this step enters its own attention already fp8-rounded, so every read
+of a token, in this step or a later one, sees the same value.
+
 All loop bounds come from device tensors (seq_lens, cu_seqlens_q), never from host values baked into the
 launch, so a CUDA graph captured once stays correct for any context lengths that fit its block table.
 """
@@ -25,11 +33,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_quant_rows(x):
+    """x: [R, D] -> (q [R, D] float8e4nv, scale [R] fp32): scale = amax / 448 (1 if amax == 0)."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.abs(xf), axis=1)
+    scale = tl.div_rn(amax, tl.zeros_like(amax) + 448.0)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    q = tl.clamp(tl.div_rn(xf, scale[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
 def reshape_and_cache_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    v_offset, stride_slot, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_slot, sc_stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
 ):
     """One program per new token: copy its k / v [Hkv, D] into the cache slot; slot < 0 means padding."""
     t = tl.program_id(0)
@@ -42,18 +61,31 @@ def reshape_and_cache_kernel(
     src_k = k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
     src_v = v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
     dst = cache_ptr + slot * stride_slot + h[:, None] * stride_ch + d[None, :]
-    tl.store(dst, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(dst + v_offset, tl.load(src_v, mask=mask), mask=mask)
+    k = tl.load(src_k, mask=mask, other=0.0)
+    v = tl.load(src_v, mask=mask, other=0.0)
+    if FP8:
+        kq, ks = _fp8_quant_rows(k)
+        vq, vs = _fp8_quant_rows(v)
+        tl.store(dst, kq, mask=mask)
+        tl.store(dst + v_offset, vq, mask=mask)
+        hmask = (h < NUM_KV_HEADS) & ((h * 0 + slot) >= 0)
+        sdst = scale_ptr + slot * sc_stride_slot + h * sc_stride_ch
+        tl.store(sdst, ks, mask=hmask)
+        tl.store(sdst + sc_v_offset, vs, mask=hmask)
+    else:
+        tl.store(dst, k, mask=mask)
+        tl.store(dst + v_offset, v, mask=mask)
 
 
 @triton.jit
 def _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """[BLOCK_N, HEAD_DIM] element offsets of the K rows of context tokens `n` (V is at + v_offset)."""
+    """([BLOCK_N, HEAD_DIM] element offsets of the K rows of context tokens `n` (V is at + v_offset),
+    [BLOCK_N] their slots)."""
     blk = tl.load(block_tables_ptr + row_off + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = blk * BLOCK_SIZE + (n % BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
-    return slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :]
+    return slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :], slot
 
 
 @triton.jit
@@ -67,14 +99,29 @@ def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new
 
 
 @triton.jit
+def _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_slot,
+                      sc_stride_ch, slot, kv_h, kq, ks, vq, vs, d, write):
+    """_write_new_kv for the fp8 cache: kq / vq [1, HEAD_DIM] fp8 and their scales ks / vs [1]."""
+    one = tl.arange(0, 1)
+    mask = ((d[None, :] * 0 + slot) >= 0) & ((d[None, :] * 0 + write.to(tl.int32)) != 0)
+    dst = cache_ptr + slot * stride_slot + kv_h * stride_ch + d[None, :]
+    tl.store(dst, kq, mask=mask)
+    tl.store(dst + v_offset, vq, mask=mask)
+    smask = ((one * 0 + slot) >= 0) & ((one * 0 + write.to(tl.int32)) != 0)
+    sdst = scale_ptr + slot * sc_stride_slot + kv_h * sc_stride_ch + one
+    tl.store(sdst, ks, mask=smask)
+    tl.store(sdst + sc_v_offset, vs, mask=smask)
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr,
+    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr, scale_ptr,
     qk_scale, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch,
+    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_slot, sc_stride_ch,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
     that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows), over split s.
@@ -109,38 +156,60 @@ def paged_decode_kernel(
     for start in range(lo, tl.minimum(hi, last), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < tl.minimum(hi, last)
-        off = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
-                               BLOCK_SIZE, HEAD_DIM)
+        off, slots = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+                                      BLOCK_SIZE, HEAD_DIM)
         k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
+        if FP8:
+            soff = slots * sc_stride_slot + kv_h * sc_stride_ch
+            ks = tl.load(scale_ptr + soff, mask=valid, other=0.0)
+            vs = tl.load(scale_ptr + sc_v_offset + soff, mask=valid, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
+        if FP8:
+            qk = qk * ks[None, :]
         qk = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if FP8:
+            pw = p * vs[None, :]
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pw = p
+        if IEEE:
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(pw.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     if (lo <= last) & (last < hi):  # this split holds the new token
         k_raw = tl.load(k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh + d)
         v_raw = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh + d)
-        qk_new = tl.sum(q.to(tl.float32) * k_raw.to(tl.float32)[None, :], 1) * qk_scale
+        slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+        if FP8:
+            kq, ks_new = _fp8_quant_rows(k_raw[None, :])
+            vq, vs_new = _fp8_quant_rows(v_raw[None, :])
+            _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_slot,
+                              sc_stride_ch, slot, kv_h, kq, ks_new, vq, vs_new, d, s >= 0)
+            k_new = tl.sum(kq.to(tl.float32) * ks_new[:, None], 0)  # [1, D] -> [D]
+            v_new = tl.sum(vq.to(tl.float32) * vs_new[:, None], 0)
+        else:
+            _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d, s >= 0)
+            k_new = k_raw.to(tl.float32)
+            v_new = v_raw.to(tl.float32)
+        qk_new = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * qk_scale
         m_new = tl.maximum(m_i, qk_new)
         alpha = tl.exp2(m_i - m_new)
         p_new = tl.exp2(qk_new - m_new)
-        acc = acc * alpha[:, None] + p_new[:, None] * v_raw.to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
         l_i = l_i * alpha + p_new
         m_i = m_new
-        slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
-        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d, s >= 0)
 
     if SPLIT:
         part = (b.to(tl.int64) * NUM_HEADS + head) * num_splits + s
@@ -179,11 +248,11 @@ def paged_decode_reduce_kernel(
 @triton.jit
 def paged_prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, slot_mapping_ptr,
-    qk_scale,
+    scale_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch,
+    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_slot, sc_stride_ch,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): BLOCK_M new queries of one sequence/head.
 
@@ -213,10 +282,20 @@ def paged_prefill_kernel(
         slot = tl.load(slot_mapping_ptr + tok, mask=row_valid, other=-1).to(tl.int64)
         wmask = row_valid[:, None] & (slot[:, None] >= 0)
         dst = cache_ptr + slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :]
-        tl.store(dst, tl.load(k_ptr + tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=wmask),
-                 mask=wmask)
-        tl.store(dst + v_offset,
-                 tl.load(v_ptr + tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :], mask=wmask), mask=wmask)
+        k_rows = tl.load(k_ptr + tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=wmask, other=0.0)
+        v_rows = tl.load(v_ptr + tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :], mask=wmask, other=0.0)
+        if FP8:
+            kq, ks_rows = _fp8_quant_rows(k_rows)
+            vq, vs_rows = _fp8_quant_rows(v_rows)
+            tl.store(dst, kq, mask=wmask)
+            tl.store(dst + v_offset, vq, mask=wmask)
+            sdst = scale_ptr + slot * sc_stride_slot + kv_h * sc_stride_ch
+            smask = row_valid & (slot >= 0)
+            tl.store(sdst, ks_rows, mask=smask)
+            tl.store(sdst + sc_v_offset, vs_rows, mask=smask)
+        else:
+            tl.store(dst, k_rows, mask=wmask)
+            tl.store(dst + v_offset, v_rows, mask=wmask)
 
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_valid[:, None],
                 other=0.0)
@@ -234,29 +313,47 @@ def paged_prefill_kernel(
         valid = n < hi
         cached = n < ctx_start
         new = valid & (n >= ctx_start)
-        off = _kv_tile_offsets(block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch,
-                               BLOCK_SIZE, HEAD_DIM)
+        off, slots = _kv_tile_offsets(block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch,
+                                      BLOCK_SIZE, HEAD_DIM)
         new_tok = (q_start + n - ctx_start).to(tl.int64)
-        k = tl.where(cached[:, None], tl.load(cache_ptr + off, mask=cached[:, None], other=0.0),
-                     tl.load(k_ptr + new_tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :],
-                             mask=new[:, None], other=0.0))
-        v = tl.where(cached[:, None], tl.load(cache_ptr + v_offset + off, mask=cached[:, None], other=0.0),
-                     tl.load(v_ptr + new_tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :],
-                             mask=new[:, None], other=0.0))
+        k_cached = tl.load(cache_ptr + off, mask=cached[:, None], other=0.0)
+        v_cached = tl.load(cache_ptr + v_offset + off, mask=cached[:, None], other=0.0)
+        k_in = tl.load(k_ptr + new_tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=new[:, None],
+                       other=0.0)
+        v_in = tl.load(v_ptr + new_tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :], mask=new[:, None],
+                       other=0.0)
+        if FP8:
+            # new tokens enter already fp8-rounded, exactly as the store above wrote them
+            kq, ks_in = _fp8_quant_rows(k_in)
+            vq, vs_in = _fp8_quant_rows(v_in)
+            soff = slots * sc_stride_slot + kv_h * sc_stride_ch
+            ks = tl.where(cached, tl.load(scale_ptr + soff, mask=cached, other=1.0), ks_in)
+            vs = tl.where(cached, tl.load(scale_ptr + sc_v_offset + soff, mask=cached, other=1.0), vs_in)
+            k = tl.where(cached[:, None], k_cached.to(tl.float32), kq.to(tl.float32)).to(q.dtype)
+            v = tl.where(cached[:, None], v_cached.to(tl.float32), vq.to(tl.float32)).to(q.dtype)
+        else:
+            k = tl.where(cached[:, None], k_cached, k_in)
+            v = tl.where(cached[:, None], v_cached, v_in)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
+        if FP8:
+            qk = qk * ks[None, :]
         causal = valid[None, :] & (n[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk * qk_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if FP8:
+            pw = p * vs[None, :]
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pw = p
+        if IEEE:
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(pw.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -9,6 +9,9 @@ One launch per layer and step (plus a small reduce when decode splits the contex
 Both also store this step's k / v at `md.slot_mapping` (slot < 0: skipped, so a runner may pad a
 CUDA-graph batch with -1 slots and seq_len 0; such rows come out as zeros).
 
+The cache of a layer is either a tensor of q's dtype or an `FP8KVCache` (ttsserve/quant/kv_fp8.py: fp8
+values plus per-token, per-head fp32 scales), which the same kernels read and write with FP8=True.
+
 No device-to-host sync: launch shapes come from tensor shapes and the host ints of the metadata. The
 decode path is CUDA-graph capturable: its launch shapes depend only on the batch size and the split
 count, and each program reads its sequence's length on the device, so a graph captured once is right for
@@ -24,6 +27,7 @@ import torch
 import triton
 
 from ttsserve.attention.backend import AttentionMetadata
+from ttsserve.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 from ttsserve.attention.triton_kernels import (
     paged_decode_kernel,
     paged_decode_reduce_kernel,
@@ -81,12 +85,13 @@ class TritonPagedAttention:
         self.tuning = tuning or TritonTuning()
         self._num_sms: dict[torch.device, int] = {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write k / v into `kv_cache` at `md.slot_mapping`, then attend causally within each sequence.
 
         q: [T, Hq, 64]; k, v: [T, Hkv, 64] (last dim contiguous, any token / head strides);
-        kv_cache: [2, num_blocks, md.block_size, Hkv, 64] of q's dtype. Returns a new [T, Hq, 64].
+        kv_cache: [2, num_blocks, md.block_size, Hkv, 64] of q's dtype, or an FP8KVCache of that shape.
+        Returns a new [T, Hq, 64].
         """
         _check_inputs(q, k, v, kv_cache, md)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -110,7 +115,21 @@ class TritonPagedAttention:
         return self._num_sms[device]
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def _split_cache(kv_cache: torch.Tensor | FP8KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales or None)."""
+    if isinstance(kv_cache, FP8KVCache):
+        return kv_cache.data, kv_cache.scales
+    return kv_cache, None
+
+
+def _scale_args(cache: torch.Tensor, scales: torch.Tensor | None) -> tuple:
+    """(scale_ptr, sc_v_offset, sc_stride_slot, sc_stride_ch); a dense cache passes itself, unused."""
+    if scales is None:
+        return cache, 0, 0, 0
+    return scales, scales.stride(0), scales.stride(2), scales.stride(3)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
                   md: AttentionMetadata) -> None:
     """Shape / dtype / layout checks on host metadata only (no device sync)."""
     head_dim = q.shape[-1]
@@ -118,7 +137,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         raise ValueError(f"TritonPagedAttention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"TritonPagedAttention supports dtypes {SUPPORTED_DTYPES}, got q of {q.dtype}")
-    if not (k.dtype == v.dtype == kv_cache.dtype == q.dtype):
+    kv_cache, scales = _split_cache(kv_cache)
+    if scales is not None:
+        if kv_cache.dtype != FP8_DTYPE or scales.dtype != torch.float32:
+            raise ValueError(f"an FP8KVCache holds {FP8_DTYPE} values and float32 scales, got {kv_cache.dtype} "
+                             f"and {scales.dtype}")
+        if tuple(scales.shape) != kv_scales_shape(*kv_cache.shape[1:4]) or not scales.is_contiguous():
+            raise ValueError(f"FP8KVCache scales must be contiguous {kv_scales_shape(*kv_cache.shape[1:4])}, "
+                             f"got {tuple(scales.shape)}")
+        if not (k.dtype == v.dtype == q.dtype):
+            raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    elif not (k.dtype == v.dtype == kv_cache.dtype == q.dtype):
         raise ValueError(f"q, k, v and kv_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                          f"{kv_cache.dtype}")
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != head_dim:
@@ -141,24 +170,30 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         raise ValueError("block_tables must be contiguous in its last dimension")
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache[0 / 1].view(-1, Hkv, D)[slot_mapping[t]] = k[t] / v[t] for every t with slot >= 0."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
+                   slot_mapping: torch.Tensor) -> None:
+    """kv_cache[0 / 1].view(-1, Hkv, D)[slot_mapping[t]] = k[t] / v[t] for every t with slot >= 0
+    (quantized, with its scales stored, for an FP8KVCache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    cache, scales = _split_cache(kv_cache)
     reshape_and_cache_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping,
+        k, v, cache, slot_mapping, _scale_args(cache, scales)[0],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        cache.stride(0), cache.stride(2), cache.stride(3), *_scale_args(cache, scales)[1:],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        num_warps=4,
+        FP8=scales is not None, num_warps=4,
     )
 
 
-def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 md: AttentionMetadata, scale: float, num_splits: int, tuning: TritonTuning) -> None:
+def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor | FP8KVCache, md: AttentionMetadata, scale: float, num_splits: int,
+                 tuning: TritonTuning) -> None:
     """out[b] = attention of q[b] ([Hq, D], one new token per sequence) over its md.seq_lens[b] tokens,
     the last being k[b] / v[b], which are also stored at md.slot_mapping[b]."""
+    kv_cache, scales = _split_cache(kv_cache)
+    scale_ptr, *scale_strides = _scale_args(kv_cache, scales)
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -171,17 +206,17 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         part_o = part_m = part_l = out  # unused by the SPLIT=False specialisation
     args = (
         out, part_o, part_m, part_l,
-        q, k, v, kv_cache, md.block_tables, md.seq_lens, md.slot_mapping,
+        q, k, v, kv_cache, md.block_tables, md.seq_lens, md.slot_mapping, scale_ptr,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), md.block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), *scale_strides,
     )
     paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         *args,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=tuning.decode_block_n, SPLIT=split,
-        IEEE=q.dtype == torch.float32, num_warps=tuning.decode_num_warps, num_stages=tuning.decode_num_stages,
+        IEEE=q.dtype == torch.float32, FP8=scales is not None, num_warps=tuning.decode_num_warps, num_stages=tuning.decode_num_stages,
     )
     if split:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](
@@ -191,10 +226,13 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         )
 
 
-def paged_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                  md: AttentionMetadata, scale: float, tuning: TritonTuning) -> None:
+def paged_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor | FP8KVCache, md: AttentionMetadata, scale: float,
+                  tuning: TritonTuning) -> None:
     """Causal attention of each sequence's new queries (the last q_len of its context) over its context;
     also stores k / v at md.slot_mapping."""
+    kv_cache, scales = _split_cache(kv_cache)
+    scale_ptr, *scale_strides = _scale_args(kv_cache, scales)
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
     group = num_heads // k.shape[1]
     block_m = tuning.prefill_block_m
@@ -202,12 +240,12 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
     grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
     paged_prefill_kernel[grid](
-        out, q, k, v, kv_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, md.slot_mapping,
+        out, q, k, v, kv_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, md.slot_mapping, scale_ptr,
         scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), md.block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), *scale_strides,
         GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=tuning.prefill_block_n, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=tuning.prefill_block_n, IEEE=q.dtype == torch.float32, FP8=scales is not None,
         num_warps=tuning.prefill_num_warps, num_stages=tuning.prefill_num_stages,
     )

@@ -7,6 +7,7 @@ from torch import nn
 
 from ttsserve.attention.backend import AttentionContext
 from ttsserve.config import GPTConfig
+from ttsserve.quant.quantize import QuantConfig
 from ttsserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
 # Keys of the HF checkpoint that the engine does not use.
@@ -69,30 +70,48 @@ class GPT(nn.Module):
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor], cfg: GPTConfig, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu",
-                        source: str = "gpt/model.safetensors") -> GPT:
+                        source: str = "gpt/model.safetensors", quant: QuantConfig | None = None) -> GPT:
         """Build from an HF LlamaModel state dict (spec 1.4), keys with or without a `model.` prefix.
 
         `embed_tokens.weight` and `rotary_emb.inv_freq` are ignored. Raises ValueError naming the tensor
-        for any missing, unexpected or mis-shaped tensor.
+        for any missing, unexpected or mis-shaped tensor. With `quant` (a quantized checkpoint,
+        ttsserve/quant/quantize.py) each linear `X.weight` is replaced by `X.qweight` / `X.scales`
+        (/ `X.qzeros`) and the layers are QuantLinears; their scales keep the stored dtype.
         """
         tensors = _strip_prefix(sd)
-        expected = _expected_shapes(cfg)
+        expected = _expected_shapes(cfg, quant)
         missing = [k for k in expected if k not in tensors]
         if missing:
             raise ValueError(f"{source}: missing tensor {missing[0]} ({len(missing)} missing in all)")
         unexpected = [k for k in tensors if k not in expected]
         if unexpected:
-            raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)")
-        for name, shape in expected.items():
+            hint = " (a quantized checkpoint? it needs its quantization_config)" if any(
+                k.endswith(".qweight") for k in unexpected) else ""
+            raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)"
+                             + hint)
+        for name, (shape, want_dtype) in expected.items():
             got = tuple(tensors[name].shape)
             if got != shape:
                 raise ValueError(f"{source}: {name} has shape {got} but config implies {shape}")
+            if want_dtype is not None and tensors[name].dtype != want_dtype:
+                raise ValueError(f"{source}: {name} has dtype {tensors[name].dtype}, the {quant.method} format "
+                                 f"stores {want_dtype}")
         with torch.device("meta"):
             model = cls(cfg)
-        model.load_state_dict(_fuse(tensors, cfg), assign=True, strict=True)
+            if quant is not None:
+                from ttsserve.quant.linear import replace_with_empty_quant_linears
+
+                for layer in model.layers:
+                    replace_with_empty_quant_linears(layer, quant)
+        suffixes = ("weight",) if quant is None else quant.suffixes
+        model.load_state_dict(_fuse(tensors, cfg, suffixes), assign=True, strict=True)
         # The rotary tables are computed, not loaded: rebuild them on a real device.
         model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        return model.to(device=device, dtype=dtype)
+        if quant is None:
+            return model.to(device=device, dtype=dtype)
+        from ttsserve.quant.linear import cast_except_quant
+
+        return cast_except_quant(model, torch.device(device), dtype)
 
 
 def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,37 +123,40 @@ def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expected_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg: GPTConfig, quant: QuantConfig | None = None
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """name -> (shape, dtype or None for "any float") of every tensor the checkpoint must hold."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {}
+    linears = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+               "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
     for n in range(cfg.num_layers):
         p = f"layers.{n}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-    shapes["norm.weight"] = (h,)
+        for name, (out_f, in_f) in linears.items():
+            if quant is None:
+                shapes[p + name + ".weight"] = ((out_f, in_f), None)
+            else:
+                for suffix, spec in quant.tensor_specs(out_f, in_f).items():
+                    shapes[f"{p}{name}.{suffix}"] = spec
+        shapes[p + "input_layernorm.weight"] = ((h,), None)
+        shapes[p + "post_attention_layernorm.weight"] = ((h,), None)
+    shapes["norm.weight"] = ((h,), None)
     return shapes
 
 
-def _fuse(t: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """HF names -> this module's names, with q/k/v and gate/up concatenated along the output dim."""
+def _fuse(t: dict[str, torch.Tensor], cfg: GPTConfig, suffixes: tuple[str, ...] = ("weight",)
+          ) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names, with q/k/v and gate/up concatenated along the output dim (dim 0 of
+    every stored tensor of a linear: weight, or qweight / scales / qzeros)."""
     out = {"norm.weight": t["norm.weight"]}
     for n in range(cfg.num_layers):
         p, a, m = f"layers.{n}.", f"layers.{n}.self_attn.", f"layers.{n}.mlp."
-        out[p + "qkv_proj.weight"] = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"],
-                                                t[a + "v_proj.weight"]])
-        out[p + "o_proj.weight"] = t[a + "o_proj.weight"]
-        out[p + "gate_up_proj.weight"] = torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
-        out[p + "down_proj.weight"] = t[m + "down_proj.weight"]
+        for x in suffixes:
+            out[f"{p}qkv_proj.{x}"] = torch.cat([t[f"{a}q_proj.{x}"], t[f"{a}k_proj.{x}"], t[f"{a}v_proj.{x}"]])
+            out[f"{p}o_proj.{x}"] = t[f"{a}o_proj.{x}"]
+            out[f"{p}gate_up_proj.{x}"] = torch.cat([t[f"{m}gate_proj.{x}"], t[f"{m}up_proj.{x}"]])
+            out[f"{p}down_proj.{x}"] = t[f"{m}down_proj.{x}"]
         out[p + "input_layernorm.weight"] = t[p + "input_layernorm.weight"]
         out[p + "post_attention_layernorm.weight"] = t[p + "post_attention_layernorm.weight"]
     return out

@@ -1,4 +1,8 @@
-"""The paged KV pool on the device, its host-side swap pool, and sizing it from a memory budget."""
+"""The paged KV pool on the device, its host-side swap pool, and sizing it from a memory budget.
+
+kv_cache_dtype "auto" stores K/V in the model dtype; "fp8" (CUDA only) stores e4m3 values plus one fp32
+scale per token and head (ttsserve/quant/kv_fp8.py), each layer an FP8KVCache instead of a tensor.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 
 from ttsserve.attention.backend import kv_cache_shape
 from ttsserve.config import GPTConfig
+from ttsserve.quant.kv_fp8 import FP8KVCache, check_kv_cache_dtype, fp8_bytes_per_element
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +27,7 @@ class KVCacheSpec:
     num_cpu_blocks: int
     block_size: int
     bytes_per_token: int
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8"
 
     @property
     def num_tokens(self) -> int:
@@ -35,34 +41,55 @@ class KVCacheSpec:
 
     def report(self) -> str:
         gib = self.num_tokens * self.bytes_per_token / 2**30
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} frames "
+        kind = " fp8" if self.kv_cache_dtype == "fp8" else ""
+        return (f"KV cache{kind}: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} frames "
                 f"({gib:.2f} GiB, {self.bytes_per_token / 1024:.0f} KiB per frame); fits "
                 f"{self.concurrent_utterances(30.0)} concurrent 30-s utterances "
                 f"({self.concurrent_utterances(10.0)} of 10 s); swap space {self.num_cpu_blocks} blocks")
 
 
+def kv_bytes_per_token(cfg: GPTConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V of every layer for one frame (fp8: one byte a value plus a 4-byte scale per head)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "fp8":
+        return int(cfg.kv_bytes_per_token(1) * fp8_bytes_per_element(cfg.head_dim))
+    return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+
+
 def plan_kv_cache(cfg: GPTConfig, dtype: torch.dtype, block_size: int, budget_bytes: int,
-                  swap_bytes: int) -> KVCacheSpec:
-    per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+                  swap_bytes: int, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """How many blocks of `block_size` frames fit in `budget_bytes` (device) and `swap_bytes` (host)."""
+    per_token = kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
     per_block = per_token * block_size
     num_blocks = int(budget_bytes // per_block)
     if num_blocks < 2:
         raise ValueError(f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 blocks "
                          f"({per_block / 2**20:.2f} MiB each): raise --kv-cache-memory / --gpu-memory-utilization")
-    return KVCacheSpec(num_blocks, int(swap_bytes // per_block), block_size, per_token)
+    return KVCacheSpec(num_blocks, int(swap_bytes // per_block), block_size, per_token, kv_cache_dtype)
 
 
 class KVCache:
-    """Per-layer device caches [2, num_blocks, block_size, Hkv, D] and host swap caches of the same layout."""
+    """Per-layer device caches [2, num_blocks, block_size, Hkv, D] and host swap caches of the same layout
+    (FP8KVCache objects of that shape when spec.kv_cache_dtype == "fp8"; ValueError off CUDA)."""
 
     def __init__(self, cfg: GPTConfig, spec: KVCacheSpec, device: torch.device, dtype: torch.dtype) -> None:
+        check_kv_cache_dtype(spec.kv_cache_dtype, device)
         shape = kv_cache_shape(spec.num_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.layers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         cpu_shape = kv_cache_shape(spec.num_cpu_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
         pin = device.type == "cuda"
         # Host blocks are always fully written by a swap-out before they are read: no need to zero them.
-        self.cpu_layers = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+        if spec.kv_cache_dtype == "fp8":
+            self.layers = [FP8KVCache.zeros(shape, device) for _ in range(cfg.num_layers)]
+            self.cpu_layers = [FP8KVCache.empty(cpu_shape, "cpu", pin) for _ in range(cfg.num_layers)]
+        else:
+            self.layers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+            self.cpu_layers = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
         self.spec = spec
+
+    @staticmethod
+    def _parts(layer: torch.Tensor | FP8KVCache) -> tuple[torch.Tensor, ...]:
+        """The tensors of one layer's cache, all indexed [2, block, ...]."""
+        return (layer.data, layer.scales) if isinstance(layer, FP8KVCache) else (layer,)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: mapping = [(gpu_block, cpu_block), ...]."""
@@ -70,8 +97,9 @@ class KVCache:
             return
         src = torch.tensor([g for g, _ in mapping], device=self.layers[0].device)
         dst = torch.tensor([c for _, c in mapping])
-        for dev, host in zip(self.layers, self.cpu_layers):
-            host[:, dst] = dev[:, src].to("cpu")
+        for dev_layer, host_layer in zip(self.layers, self.cpu_layers):
+            for dev, host in zip(self._parts(dev_layer), self._parts(host_layer)):
+                host[:, dst] = dev[:, src].to("cpu")
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks: mapping = [(cpu_block, gpu_block), ...]."""
@@ -79,5 +107,6 @@ class KVCache:
             return
         src = torch.tensor([c for c, _ in mapping])
         dst = torch.tensor([g for _, g in mapping], device=self.layers[0].device)
-        for dev, host in zip(self.layers, self.cpu_layers):
-            dev[:, dst] = host[:, src].to(dev.device, non_blocking=True)
+        for dev_layer, host_layer in zip(self.layers, self.cpu_layers):
+            for dev, host in zip(self._parts(dev_layer), self._parts(host_layer)):
+                dev[:, dst] = host[:, src].to(dev.device, non_blocking=True)
