@@ -86,6 +86,7 @@ def test_api_keys(serve_real):
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert c.post("/v1/audio/speech", json=SPEECH, headers={"Authorization": "Bearer k3"}).status_code == 401
+        assert c.post("/v1/audio/speech", json={"bad": 1}).status_code == 401  # the key is checked first
         assert c.get("/v1/audio/voices", headers={"Authorization": "Basic k1"}).status_code == 401
         assert c.post("/v1/audio/speech", json=SPEECH, headers={"Authorization": "Bearer k2"}).status_code == 200
         assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200

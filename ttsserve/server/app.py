@@ -19,7 +19,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 
-from ttsserve.audio.encode import content_type, validate_format
+from ttsserve.audio.encode import FORMATS, content_type, validate_format
 from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
 from ttsserve.server.limits import AdmissionGate, ApiKeyAuth, BodyLimitMiddleware, RateLimiter
 from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -40,7 +40,9 @@ access_logger = logging.getLogger("ttsserve.access")
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens", "seed")
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
+_AUDIO_TYPES = {content_type(f): {"schema": {"type": "string", "format": "binary"}} for f in FORMATS}
+_AUDIO_200 = {"description": "the audio, in the requested format", "content": _AUDIO_TYPES}
 
 
 @dataclass
@@ -231,7 +233,12 @@ def _endpoint_label(path: str) -> str:
 
 class RequestContextMiddleware:
     """Pure ASGI (keeps streaming and disconnects intact): X-Request-ID in/out, one JSON access-log line per
-    request, and the requests-by-status metric."""
+    request, and the requests-by-status metric.
+
+    The access line is written when the response starts (`ms`: time to the status line; for a stream the
+    synthesis is still running). Syntheses add a `synthesis_done` line when they end (finish_reason,
+    audio_s, frames, ttfa_ms, total_ms). A client that leaves before any response is logged as status 499.
+    """
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
         self.app = app
@@ -273,6 +280,24 @@ class RequestContextMiddleware:
 
 
 # ---- the app -------------------------------------------------------------------------------------
+def _drop_422_from_openapi(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with a body; ours answer 400 (errors.validation_error)."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving `engine` (an AsyncEngine or anything with its contract)."""
     cfg = cfg or ServerConfig()
@@ -298,8 +323,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     def identity(request: Request, _=Depends(bearer)) -> str:
         return st.identity(request)
 
-    @app.post("/v1/audio/speech", responses={200: {"content": {"audio/mpeg": {}, "text/event-stream": {}}}, **_ERRORS},
-              response_class=Response, tags=["speech"])
+    @app.post("/v1/audio/speech", responses={200: _AUDIO_200 | {"content": {**_AUDIO_TYPES, "text/event-stream": {}}},
+                                             **_ERRORS}, response_class=Response, tags=["speech"])
     async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
         st.admit_text(body.input, ident, "input")
@@ -309,8 +334,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                                    opts=body, speed=body.speed, instructions=body.instructions,
                                    fmt=body.response_format, mode=body.stream_format)
 
-    @app.post("/synthesize", responses={200: {"content": {"audio/wav": {}}}, **_ERRORS}, response_class=Response,
-              tags=["speech"])
+    @app.post("/synthesize", responses={200: _AUDIO_200, **_ERRORS}, response_class=Response, tags=["speech"])
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
         st.admit_text(body.text, ident, "text")
@@ -344,6 +368,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     async def metrics():
         return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    _drop_422_from_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.max_body_bytes,
                        max_upload_bytes=cfg.max_upload_bytes, upload_paths=("/v1/audio/voices",))
     app.add_middleware(RequestContextMiddleware, metrics=st.metrics)

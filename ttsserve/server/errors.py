@@ -109,6 +109,16 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return bad_request("; ".join(msgs), param=param, code=code)
 
 
+def _allowed_methods(app: FastAPI, scope: dict) -> list[str]:
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if getattr(route, "methods", None) and route.matches(scope)[0] is not Match.NONE:
+            methods |= set(route.methods)
+    return sorted(methods)
+
+
 def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
@@ -125,11 +135,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         msg = exc.detail if isinstance(exc.detail, str) else "error"
+        headers = dict(exc.headers or {})
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
-        return ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})).response(
-            _request_id(request)
-        )
+        if exc.status_code == 405:
+            # Starlette's Allow names only the first route matching the path; a path served by several
+            # routes (GET and POST /v1/audio/voices) must list them all.
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
+            msg = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        return ApiError(exc.status_code, msg, code=code, headers=headers).response(_request_id(request))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)

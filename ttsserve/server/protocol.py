@@ -13,7 +13,7 @@ refine prompt (which turns on the refine-text stage); all other text in it is ig
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,10 +25,12 @@ ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 REFINE_TOKEN_RE = re.compile(r"\[(?:oral_[0-9]|laugh_[0-2]|break_[0-7])\]")
 REFINE_PROMPT_RE = re.compile(r"^(?:\[(?:oral_[0-9]|laugh_[0-2]|break_[0-7])\])*$")
 MAX_SEED = 2**63 - 1
+VOICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: no silent coercion ("seed": false is not 0, "speed": "2" is not 2.0); ints still pass as floats
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class VoiceRef(_Strict):
@@ -46,7 +48,8 @@ class VoiceRef(_Strict):
         return self
 
 
-VoiceSpec = str | VoiceRef
+VoiceName = Annotated[str, Field(min_length=1, max_length=128)]
+VoiceSpec = VoiceName | VoiceRef
 
 
 class ChatTTSOptions(_Strict):
@@ -91,13 +94,6 @@ class SpeechRequest(ChatTTSOptions):
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
 
-    @field_validator("voice")
-    @classmethod
-    def _voice_name(cls, v: VoiceSpec) -> VoiceSpec:
-        if isinstance(v, str) and not (1 <= len(v) <= 128):
-            raise ValueError("voice name must have 1 to 128 characters")
-        return v
-
 
 class SynthesizeRequest(ChatTTSOptions):
     """`POST /synthesize` body: the simple API. Returns the whole file unless `stream` is true."""
@@ -113,7 +109,8 @@ class VoiceCreateJSON(_Strict):
     """`POST /v1/audio/voices` as JSON: a named voice from a speaker seed or a ChatTTS speaker string.
     (A reference recording is uploaded as multipart/form-data instead: name, audio_sample, transcript.)"""
 
-    name: str = Field(..., min_length=1, max_length=64)
+    name: str = Field(..., min_length=1, max_length=64, pattern=VOICE_NAME_PATTERN,
+                      description="letters, digits, space, '_', '.', '-'; not a built-in voice name")
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
     speaker: str | None = Field(None, min_length=1, max_length=16384)
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from ttsserve.params import Voice
 from ttsserve.server.errors import ApiError
-from ttsserve.server.protocol import VoiceCreateJSON, VoiceDeleted, VoiceList, VoiceObject
+from ttsserve.server.protocol import VOICE_NAME_PATTERN, VoiceCreateJSON, VoiceDeleted, VoiceList, VoiceObject
 
 # OpenAI's voice names (the SDK's list) -> fixed speaker seeds.
 BUILTIN_VOICES: dict[str, int] = {
@@ -34,7 +34,7 @@ BUILTIN_VOICES: dict[str, int] = {
     "nova": 1089, "sage": 2222, "shimmer": 3331, "verse": 4447, "marin": 5557, "cedar": 6661,
 }
 DEFAULT_VOICE = "alloy"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$")
+NAME_RE = re.compile(VOICE_NAME_PATTERN)
 BUILTIN_CREATED_AT = 1_700_000_000
 
 _SCHEMA = """
@@ -135,7 +135,7 @@ class VoiceStore:
 
 
 def check_voice_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError("voice name must be 1-64 characters of letters, digits, space, '_', '.', '-'")
     if name.lower() in BUILTIN_VOICES:
         raise ValueError(f"{name!r} is a built-in voice name")
@@ -221,7 +221,7 @@ _VOICE_CREATE_DOC = {
             "multipart/form-data": {"schema": {
                 "type": "object", "required": ["name", "audio_sample", "transcript"],
                 "properties": {
-                    "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": VOICE_NAME_PATTERN},
                     "audio_sample": {"type": "string", "format": "binary",
                                      "description": "reference recording (wav, flac, ogg, mp3, ...), 0.5-60 s"},
                     "transcript": {"type": "string", "minLength": 1, "maxLength": 2000,
@@ -326,9 +326,10 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
 
     @app.post("/v1/audio/voices", response_model=VoiceObject, responses={**errors, 409: errors[400]},
               openapi_extra=_VOICE_CREATE_DOC, tags=["voices"])
-    async def create_voice(request: Request, _: str = Depends(identity)):
+    async def create_voice(request: Request, ident: str = Depends(identity)):
         """A named voice from a speaker seed or a ChatTTS speaker string (JSON), or from a reference
         recording plus its transcript (multipart: name, audio_sample, transcript)."""
+        st.rate.check(ident, 0)  # counts as a request (an upload runs the DVAE encoder)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "multipart/form-data":
             rec = await _create_from_upload(st, request)
