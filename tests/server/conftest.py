@@ -15,7 +15,8 @@ from ttsserve.config import EngineConfig
 from ttsserve.server.app import ServerConfig, create_app
 
 # The real engine on random tiny weights, CPU, a small KV pool and no swap space (fast to build).
-REAL_ENGINE = dict(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=64 << 20, swap_space=0.0)
+REAL_ENGINE = {"load_format": "dummy", "dummy_size": "tiny", "device": "cpu", "kv_cache_memory": 64 << 20,
+               "swap_space": 0.0}
 # Random weights rarely say EOS: cap every segment so each synthesis is a few hundred ms of CPU.
 REAL_MAX_NEW_TOKENS = 24
 

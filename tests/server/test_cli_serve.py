@@ -10,7 +10,13 @@ import sys
 import pytest
 
 from ttsserve.config import EngineConfig
-from ttsserve.server.cli_serve import add_serve_arguments, add_serve_parser, build_configs, parse_size, run_serve
+from ttsserve.server.cli_serve import (
+    add_serve_arguments,
+    add_serve_parser,
+    build_configs,
+    parse_size,
+    run_serve,
+)
 
 
 def _parse(argv: list[str], env: dict | None = None):

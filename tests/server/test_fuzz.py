@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 import schemathesis
-from schemathesis.checks import positive_data_acceptance
 from hypothesis import HealthCheck, settings
+from schemathesis.checks import positive_data_acceptance
 
 from tests.server.conftest import LiveServer, make_real_engine
 from ttsserve.server.app import ServerConfig, create_app

@@ -7,7 +7,6 @@ import json
 import logging
 import re
 import threading
-import time
 
 import httpx
 import openai
@@ -21,7 +20,7 @@ SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
     assert m, f"{name}{labels} missing"
     return float(m.group(1))
 

@@ -7,7 +7,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.helpers import decode, decode_int16, dominant_hz, expected_sine, to_int16
+from tests.server.helpers import (
+    decode,
+    decode_int16,
+    dominant_hz,
+    expected_sine,
+    to_int16,
+)
 
 SPEECH = {"model": "tts-1", "input": "Hello there, world.", "voice": "alloy", "seed": 7}
 
@@ -64,9 +70,9 @@ def test_engine_failures_give_real_statuses(serve):
 
 def test_midstream_failure_breaks_the_stream(serve):
     srv, eng = serve()
-    with srv.client() as c, pytest.raises(httpx.RemoteProtocolError):
-        with c.stream("POST", "/v1/audio/speech", json={**SPEECH, "input": "long text [[fail]] " * 5,
-                                                        "response_format": "pcm"}) as r:
-            assert r.status_code == 200
-            b"".join(r.iter_bytes())  # a 200 never ends cleanly when the synthesis failed
+    body = {**SPEECH, "input": "long text [[fail]] " * 5, "response_format": "pcm"}
+    with srv.client() as c, pytest.raises(httpx.RemoteProtocolError), c.stream("POST", "/v1/audio/speech",
+                                                                                json=body) as r:
+        assert r.status_code == 200
+        b"".join(r.iter_bytes())  # a 200 never ends cleanly when the synthesis failed
     assert not eng.running

@@ -21,15 +21,32 @@ from fastapi.security import HTTPBearer
 
 from ttsserve.audio.encode import FORMATS, content_type, validate_format
 from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
-from ttsserve.server.limits import AdmissionGate, ApiKeyAuth, BodyLimitMiddleware, RateLimiter
+from ttsserve.server.limits import (
+    AdmissionGate,
+    ApiKeyAuth,
+    BodyLimitMiddleware,
+    RateLimiter,
+)
 from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ttsserve.server.metrics import ServerMetrics
 from ttsserve.server.protocol import (
-    ChatTTSOptions, ErrorResponse, ModelList, ModelObject, SpeechRequest, SynthesizeRequest,
+    ChatTTSOptions,
+    ErrorResponse,
+    ModelList,
+    ModelObject,
+    SpeechRequest,
+    SynthesizeRequest,
     build_synthesis_request,
 )
 from ttsserve.server.streaming import (
-    AudioPipeline, ClientGone, EngineStreamResponse, SynthesisJob, audio_body, collect_audio, prime, sse_body,
+    AudioPipeline,
+    ClientGone,
+    EngineStreamResponse,
+    SynthesisJob,
+    audio_body,
+    collect_audio,
+    prime,
+    sse_body,
     until_disconnect,
 )
 from ttsserve.server.voices import VoiceResolver, VoiceStore, register_voice_routes

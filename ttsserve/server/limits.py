@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from limits import RateLimitItemPerMinute
 from limits.storage import MemoryStorage
 from limits.strategies import SlidingWindowCounterRateLimiter
-
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ttsserve.server.errors import ApiError

@@ -26,7 +26,13 @@ from pydantic import ValidationError
 
 from ttsserve.params import Voice
 from ttsserve.server.errors import ApiError
-from ttsserve.server.protocol import VOICE_NAME_PATTERN, VoiceCreateJSON, VoiceDeleted, VoiceList, VoiceObject
+from ttsserve.server.protocol import (
+    VOICE_NAME_PATTERN,
+    VoiceCreateJSON,
+    VoiceDeleted,
+    VoiceList,
+    VoiceObject,
+)
 
 # OpenAI's voice names (the SDK's list) -> fixed speaker seeds.
 BUILTIN_VOICES: dict[str, int] = {
