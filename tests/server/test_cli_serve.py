@@ -50,7 +50,7 @@ def test_flags_map_onto_configs(tmp_path):
     assert (host, port, level) == ("0.0.0.0", 9001, "debug")
     assert srv.api_keys == ("a", "b", "c") and srv.requests_per_minute == 60 and srv.chars_per_minute == 5000
     assert srv.max_in_flight == 64  # defaults to the engine's queue bound
-    assert srv.voices_db.endswith("v.db") and (tmp_path / "sub").is_dir()
+    assert srv.voices_db == str(tmp_path / "sub" / "v.db")
     assert (srv.max_input_chars, srv.served_model_names, srv.max_new_tokens, srv.drain_timeout_s) == (
         1000, ("chattts",), 512, 5.0)
 
@@ -63,8 +63,9 @@ def test_env_vars_and_precedence():
     assert eng.max_num_seqs == 7 and eng.enable_prefix_caching is False and eng.kv_cache_memory == 512 * 2**20
     assert eng.block_size == 8  # the flag beats the environment
     assert srv.api_keys == ("x", "y") and port == 8123 and srv.max_in_flight == 3
-    eng, *_ = _parse([], {})
+    eng, srv, *_ = _parse([], {})
     assert eng == EngineConfig()  # nothing given: EngineConfig's own defaults
+    assert srv.voices_db.endswith("/.local/share/ttsserve/voices.db") and srv.api_keys == ()
 
 
 @pytest.mark.parametrize("argv, env, needle", [

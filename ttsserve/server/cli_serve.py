@@ -166,8 +166,6 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
         srv["max_in_flight"] = engine_cfg.max_queue_len
     if srv["voices_db"] is None:
         srv["voices_db"] = os.path.join(os.path.expanduser("~"), ".local", "share", "ttsserve", "voices.db")
-    if srv["voices_db"] != ":memory:":
-        os.makedirs(os.path.dirname(os.path.abspath(srv["voices_db"])), exist_ok=True)
     server_cfg = ServerConfig(
         api_keys=_list_value(args, "api_key", ENV_PREFIX + "API_KEY", env),
         served_model_names=_list_value(args, "served_model_name", ENV_PREFIX + "SERVED_MODEL_NAME", env),
