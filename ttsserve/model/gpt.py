@@ -79,16 +79,17 @@ class GPT(nn.Module):
         (/ `X.qzeros`) and the layers are QuantLinears; their scales keep the stored dtype.
         """
         tensors = _strip_prefix(sd)
+        packed = [k for k in tensors if k.endswith(".qweight")]
+        if quant is None and packed:
+            raise ValueError(f"{source}: holds quantized tensors ({packed[0]}, ...) but no quantization_config "
+                             f"(asset/gpt/config.json or quantization_config.json) says how to read them")
         expected = _expected_shapes(cfg, quant)
         missing = [k for k in expected if k not in tensors]
         if missing:
             raise ValueError(f"{source}: missing tensor {missing[0]} ({len(missing)} missing in all)")
         unexpected = [k for k in tensors if k not in expected]
         if unexpected:
-            hint = " (a quantized checkpoint? it needs its quantization_config)" if any(
-                k.endswith(".qweight") for k in unexpected) else ""
-            raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)"
-                             + hint)
+            raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)")
         for name, (shape, want_dtype) in expected.items():
             got = tuple(tensors[name].shape)
             if got != shape:

@@ -122,7 +122,7 @@ def write_kv_fp8(cache: FP8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mappi
     scales = cache.scales.view(2, num_blocks * block_size, hkv)
     for i, x in enumerate((k[keep], v[keep])):
         q, s = quantize_fp8_rows(x)
-        data[i].index_copy_(0, slots, q)
+        data[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # no fp8 index_copy on CPU
         scales[i].index_copy_(0, slots, s)
 
 
