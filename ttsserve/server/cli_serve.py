@@ -118,6 +118,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(p)
+    from ttsserve.deploy.data_parallel import add_data_parallel_args
+
+    add_data_parallel_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -183,7 +186,11 @@ def _configure_logging(level: str) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine (slow), log how many streams fit, serve until SIGINT/SIGTERM, drain, exit."""
+    from ttsserve.deploy.data_parallel import data_parallel_size, run_data_parallel
+
     try:
+        if data_parallel_size(args) > 1:  # one engine per GPU behind the built-in balancer
+            return run_data_parallel(args)
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
     except ValueError as e:
         print(f"ttsserve serve: error: {e}", file=sys.stderr)
