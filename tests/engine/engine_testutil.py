@@ -43,7 +43,7 @@ class FrameRecorder:
 
         def append_batch(seq_ids, h):
             for i, seq_id in enumerate(seq_ids):
-                self.hiddens.setdefault(seq_id, []).append(h[i:i + 1].detach().cpu().numpy())
+                self.hiddens.setdefault(seq_id, []).append(h[i:i + 1].detach().cpu().numpy().copy())
             return orig_append(seq_ids, h)
 
         def update(sched, sampled, stopped):

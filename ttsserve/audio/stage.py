@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import copy
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,15 @@ from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
 from ttsserve.audio.vocos import Vocos
+
+
+def to_device(values, device: torch.device) -> Tensor:
+    """int64 tensor of a (nested) list on `device` without waiting for queued device work: a blocking H2D
+    copy synchronises the stream, so go through pinned memory (pooled by torch) and copy asynchronously."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -86,9 +97,10 @@ class _FramePool:
         """-> [B, max(lengths), width]; row b holds positions starts[b].. of slot b, zero past lengths[b]."""
         dev = self.data.device
         n = max(lengths)
-        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
-        valid = torch.arange(n, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
-        rows = self.data[torch.tensor(slots, device=dev)[:, None], pos.clamp(max=self.capacity - 1)]
+        info = to_device([slots, starts, lengths], dev)
+        pos = info[1][:, None] + torch.arange(n, device=dev)[None, :]
+        valid = torch.arange(n, device=dev)[None, :] < info[2][:, None]
+        rows = self.data[info[0][:, None], pos.clamp(max=self.capacity - 1)]
         return torch.where(valid[..., None], rows, torch.zeros_like(rows))
 
 
@@ -101,6 +113,18 @@ class _Stream:
     num_emitted_frames: int = 0  # frames [0, num_emitted_frames) have been emitted as audio
     num_chunks: int = 0
     finished: bool = False
+    final_out: bool = False  # its final chunk is decoded (maybe still in flight): nothing more to plan
+
+
+@dataclass
+class _Pending:
+    """Chunks decoded on the device whose samples are still on their way to the host."""
+
+    windows: list  # [_Window]: crops laid back to back in `flat`
+    sizes: list[int]
+    flat: Tensor  # [sum(sizes)] fp32, pinned host memory on CUDA
+    event: object | None  # torch.cuda.Event recorded after the copy (None: already on the host)
+    empty_finals: list  # [AudioChunk] of zero-frame requests, released in order with this decode
 
 
 @dataclass
@@ -124,11 +148,19 @@ class AudioStage:
         the device of `vocos`' parameters.
     dtype: storage dtype of the hidden-state buffer (e.g. bf16 to halve it); windows are cast to the networks'
         own dtype before decoding. Default: the dtype of `vocos`' parameters.
+    net_dtype: run the Decoder / DVAE / Vocos backbone in this dtype (cast copies; the ISTFT stays fp32);
+        None: as given.
+    max_windows_per_call: windows decoded per batched network call (bounds the activation memory).
+    deferred: step() returns the chunks of the PREVIOUS step's decode and leaves this step's on the device
+        (decode kernels queued, device-to-host copy in flight), so the vocoder overlaps the caller's next
+        CPU work; flush() returns what is still in flight. The engine turns it on for CUDA.
     """
 
     def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
                  first_chunk_frames: int = 8, max_chunk_frames: int = 64, lookahead_frames: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 net_dtype: torch.dtype | None = None, max_windows_per_call: int = 64,
+                 deferred: bool = False) -> None:
         if decoder is None and dvae is None:
             raise ValueError("AudioStage needs a decoder or a dvae")
         if not (1 <= first_chunk_frames <= max_chunk_frames):
@@ -144,7 +176,15 @@ class AudioStage:
             if net is not None and next(net.parameters()).device.type != self.device.type:
                 raise ValueError(f"AudioStage: {type(net).__name__} is on {next(net.parameters()).device}, "
                                  f"not on {self.device}")
+        if net_dtype is not None:
+            decoder, dvae, vocos = (None if n is None else copy.deepcopy(n).to(net_dtype)
+                                    for n in (decoder, dvae, vocos))
+        if max_windows_per_call < 1:
+            raise ValueError(f"max_windows_per_call must be >= 1, got {max_windows_per_call}")
         self.decoder, self.dvae, self.vocos = decoder, dvae, vocos
+        self.max_windows_per_call = max_windows_per_call
+        self.deferred = deferred
+        self._pending: _Pending | None = None
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.samples_per_frame = 2 * vocos.hop_length
         half_width = max(net.receptive_field for net in (decoder, dvae) if net is not None) + vocos.receptive_field
@@ -194,18 +234,21 @@ class AudioStage:
         if not req_ids:
             return
         streams = [self._get(r) for r in req_ids]
-        kinds = {st.use_codes for st in streams}
-        if len(kinds) != 1 or len(set(req_ids)) != len(req_ids):
+        kind = streams[0].use_codes
+        if len(set(req_ids)) != len(req_ids) or any(st.use_codes != kind for st in streams):
             raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
-        for r, st in zip(req_ids, streams):
-            self._check_frames(r, st, frames[:1])
-            self._reserve(st, 1)
-        pool = self._pools[kinds.pop()]
-        slots = torch.tensor([st.slot for st in streams], device=self.device)
-        pos = torch.tensor([st.num_frames - st.base for st in streams], device=self.device)
-        pool.data[slots, pos] = frames.to(device=self.device, dtype=pool.data.dtype)
-        for st in streams:
+        self._check_frames(req_ids[0], streams[0], frames[:1])
+        pool = self._pools[kind]
+        index = np.empty((2, len(streams)), dtype=np.int64)  # (slot, position) of each new frame
+        for i, st in enumerate(streams):
+            if st.finished:
+                raise ValueError(f"AudioStage: request {req_ids[i]!r} is finished; no more frames")
+            if st.num_frames + 1 - st.base > pool.capacity:
+                pool = self._reserve(st, 1)
+            index[0, i], index[1, i] = st.slot, st.num_frames - st.base
             st.num_frames += 1
+        idx = torch.from_numpy(index).to(self.device, non_blocking=True)
+        pool.data[idx[0], idx[1]] = frames.to(device=self.device, dtype=pool.data.dtype)
 
     def finish(self, req_id: str) -> None:
         """No more frames will come: the next step() flushes the tail and emits the final chunk."""
@@ -268,22 +311,103 @@ class AudioStage:
             a, k = b, k + 1
         return windows
 
+    @property
+    def max_window_frames(self) -> int:
+        return self.left_context_frames + self.max_chunk_frames + self.right_context_frames
+
+    @torch.no_grad()
+    def profile_max_call(self, num_windows: int | None = None) -> None:
+        """Run the largest batched call this stage makes (max_windows_per_call windows of the longest
+        window) on random frames: for memory profiling, and as a warm-up of the convolution kernels."""
+        b, n = num_windows or self.max_windows_per_call, self.max_window_frames
+        lens = to_device([n] * b, self.device)
+        mels = []
+        if self.decoder is not None:
+            x = torch.randn(b, self.decoder.hidden_size, n, device=self.device, dtype=self.decoder.coef.dtype)
+            mels.append(self.decoder(x, lens))
+        if self.dvae is not None:
+            codes = torch.randint(0, 2, (b, self.dvae.num_vq, n), device=self.device)
+            mels.append(self.dvae.decode_codes(codes, lens))
+        dtype = next(self.vocos.parameters()).dtype
+        for mel in mels:
+            self.vocos(mel.to(dtype), 2 * lens)
+
+    def _ready(self, st: _Stream) -> bool:
+        """Cheap pre-check of _plan: can this stream emit a window now?"""
+        if st.finished:
+            return True
+        return st.num_frames - st.num_emitted_frames >= self._chunk_frames(st.num_chunks) + self.right_context_frames
+
     def step(self) -> list[AudioChunk]:
-        """Decode every ready window of every request in one batched call; returns the new chunks, in order
-        per request. A finished request's last chunk has is_final=True (empty for a zero-frame request)."""
+        """Decode every ready window of every request in batched calls; returns the new chunks, in order per
+        request. A finished request's last chunk has is_final=True (empty for a zero-frame request).
+
+        deferred: this step's decode is only queued; the chunks returned are those of the previous step."""
+        pending = self._launch()
+        if not self.deferred:
+            return self._collect(pending)
+        done = self._collect(self._pending)
+        self._pending = pending
+        return done
+
+    def flush(self) -> list[AudioChunk]:
+        """Chunks still in flight (deferred mode), waiting for the device."""
+        pending, self._pending = self._pending, None
+        return self._collect(pending)
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def _launch(self) -> _Pending | None:
         windows: list[_Window] = []
-        chunks: list[AudioChunk] = []
+        empty: list[AudioChunk] = []
         for req_id, st in self._streams.items():
-            planned = self._plan(req_id, st)
+            if st.final_out or (st.num_emitted_frames == st.num_frames and not st.finished):
+                continue
+            planned = self._plan(req_id, st) if self._ready(st) else []
             windows.extend(planned)
-            if st.finished and st.num_emitted_frames == st.num_frames and not planned:
+            if planned and planned[-1].is_final:
+                st.final_out = True
+            elif st.finished and st.num_emitted_frames == st.num_frames and not planned:
                 start = max(0, self.samples_per_frame * st.num_frames - self.vocos.hop_length)
-                chunks.append(AudioChunk(req_id, np.zeros(0, np.float32), start, True))
-        if windows:
-            chunks.extend(self._decode(windows))
+                empty.append(AudioChunk(req_id, np.zeros(0, np.float32), start, True))
+                st.final_out = True
         for w in windows:
             w.stream.num_emitted_frames = w.emit_end
             w.stream.num_chunks += 1
+        if not windows and not empty:
+            return None
+        pieces, sizes = [], []
+        for i in range(0, len(windows), self.max_windows_per_call):
+            flat, n = self._decode(windows[i:i + self.max_windows_per_call])
+            pieces.append(flat)
+            sizes.extend(n)
+        flat, event = self._to_host(pieces)
+        return _Pending(windows, sizes, flat, event, empty)
+
+    def _to_host(self, pieces: list[Tensor]) -> tuple[Tensor, object | None]:
+        if not pieces:
+            return torch.zeros(0), None
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if flat.device.type != "cuda":
+            return flat.cpu(), None
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _collect(self, pending: _Pending | None) -> list[AudioChunk]:
+        if pending is None:
+            return []
+        if pending.event is not None:
+            pending.event.synchronize()
+        # a copy: the chunks must not pin the (pinned, pooled) transfer buffer
+        pieces = np.split(pending.flat.numpy().copy(), np.cumsum(pending.sizes)[:-1]) if pending.sizes else []
+        spf = self.samples_per_frame
+        chunks = [AudioChunk(w.req_id, p, spf * w.emit_start, w.is_final) for w, p in zip(pending.windows, pieces)]
+        chunks += pending.empty_finals
         for ch in chunks:
             if ch.is_final:
                 self.abort(ch.req_id)
@@ -291,8 +415,9 @@ class AudioStage:
         return chunks
 
     @torch.no_grad()
-    def _decode(self, windows: list[_Window]) -> list[AudioChunk]:
-        """Decoder/DVAE on each kind's rows, one Vocos call on all rows, crop, one host copy."""
+    def _decode(self, windows: list[_Window]) -> tuple[Tensor, list[int]]:
+        """Decoder/DVAE on each kind's rows, one Vocos call on all rows, crop -> (flat fp32 samples on the
+        device, the rows' crop sizes in `windows` order)."""
         mels, lengths, order = [], [], []
         for use_codes, pool in self._pools.items():
             rows = [w for w in windows if w.stream.use_codes == use_codes]
@@ -301,7 +426,7 @@ class AudioStage:
             lens = [w.end - w.start for w in rows]
             x = pool.gather([w.stream.slot for w in rows], [w.start - w.stream.base for w in rows], lens)
             x = x.transpose(1, 2)  # [B, C, N]
-            lens_t = torch.tensor(lens, device=self.device)
+            lens_t = to_device(lens, self.device)
             if use_codes:
                 mels.append(self.dvae.decode_codes(x, lens_t))
             else:
@@ -311,20 +436,25 @@ class AudioStage:
         t = max(m.shape[-1] for m in mels)
         dtype = next(self.vocos.parameters()).dtype
         mel = torch.cat([F.pad(m.to(dtype), (0, t - m.shape[-1])) for m in mels])
-        wav = self.vocos(mel, 2 * torch.tensor(lengths, device=self.device))  # [B, hop * (t - 1)]
+        wav = self.vocos(mel, 2 * to_device(lengths, self.device))  # [B, hop * (t - 1)]
         self.calls_total += 1
         self.frames_decoded_total += sum(lengths)
         self.frames_padded_total += len(lengths) * (t // 2)
-        return self._crop(order, wav)
+        if any(a is not b for a, b in zip(order, windows)):  # both kinds: back to `windows` order
+            rank = {id(w): i for i, w in enumerate(order)}
+            wav = wav[to_device([rank[id(w)] for w in windows], wav.device)]
+        return self._crop(windows, wav)
 
-    def _crop(self, windows: list[_Window], wav: Tensor) -> list[AudioChunk]:
+    def _crop(self, windows: list[_Window], wav: Tensor) -> tuple[Tensor, list[int]]:
+        """The emitted part of each row, back to back: ([sum(sizes)] fp32 on wav's device, sizes). No sync:
+        the gather index is built on the device from per-row (start, size) with a known output size."""
         spf, hop = self.samples_per_frame, self.vocos.hop_length
         starts = [spf * (w.emit_start - w.start) for w in windows]
         # a final chunk runs to the utterance's end, spf * n - hop, which is also the window's end
-        ends = [spf * (w.emit_end - w.start) - (hop if w.is_final else 0) for w in windows]
-        cols = torch.arange(wav.shape[1], device=wav.device)[None, :]
-        keep = (cols >= torch.tensor(starts, device=wav.device)[:, None]) & (
-            cols < torch.tensor(ends, device=wav.device)[:, None])
-        flat = wav[keep].float().cpu().numpy()  # row-major: the rows' crops back to back
-        pieces = np.split(flat, np.cumsum([e - s for s, e in zip(starts, ends)])[:-1])
-        return [AudioChunk(w.req_id, p, spf * w.emit_start, w.is_final) for w, p in zip(windows, pieces)]
+        sizes = [spf * (w.emit_end - w.start) - (hop if w.is_final else 0) - a for w, a in zip(windows, starts)]
+        total = sum(sizes)
+        dev = wav.device
+        info = to_device([starts, sizes, np.cumsum([0] + sizes[:-1]).tolist()], dev)
+        row = torch.repeat_interleave(torch.arange(len(windows), device=dev), info[1], output_size=total)
+        col = torch.arange(total, device=dev) - info[2][row] + info[0][row]
+        return wav.reshape(-1)[row * wav.shape[1] + col].float(), sizes

@@ -49,6 +49,23 @@ class _Synthesis:
 
 
 @dataclass
+class StepTimings:
+    """Host wall time per phase of step(), summed over steps (ms): where the Python time goes."""
+
+    schedule_ms: float = 0.0
+    runner_ms: float = 0.0  # ModelRunner.execute: input prep + graph replay / forward + the token sync
+    update_ms: float = 0.0  # Scheduler.update_from_output
+    audio_append_ms: float = 0.0  # hidden states into the audio stage + per-synthesis frame counts
+    finish_ms: float = 0.0  # finished sequences (refine -> code hand-off, audio finish)
+    audio_step_ms: float = 0.0  # plan + queue the vocoder, collect the previous step's audio
+    outputs_ms: float = 0.0  # per-synthesis trackers -> AudioOutputs
+
+    def as_dict(self, steps: int) -> dict[str, float]:
+        n = max(steps, 1)
+        return {k: v / n for k, v in self.__dict__.items()}
+
+
+@dataclass
 class EngineCounters:
     steps: int = 0
     frames: int = 0
@@ -80,7 +97,9 @@ class Engine:
 
         self.audio = AudioStage(self.model.decoder, None, self.model.vocos, first_chunk_frames=cfg.first_chunk_frames,
                                 max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
-                                device=self.model.device)
+                                device=self.model.device, deferred=self.model.device.type == "cuda")
+        if self.model.device.type == "cuda":
+            self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
         # A stream hears its first audio once its first chunk plus the right context exist.
         self.first_audio_frames = cfg.first_chunk_frames + self.audio.right_context_frames
         self.controller = BatchSizeController(cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)
@@ -88,6 +107,8 @@ class Engine:
         self.sequences: dict[str, _Sequence] = {}
         self.syntheses: dict[str, _Synthesis] = {}
         self.counters = EngineCounters()
+        self.timings = StepTimings()
+        self._finishing: dict[str, str] = {}  # code seq_id -> finish reason, until its final audio chunk
         self._ids = itertools.count()
         logger.info(self.kv_spec.report())
 
@@ -164,6 +185,8 @@ class Engine:
         for seq_id in list(syn.seq_ids):
             self.scheduler.abort_request(seq_id)
             self._drop_sequence(seq_id)
+        for seq_id in [k for k in self._finishing if k.startswith(rid + "/")]:
+            del self._finishing[seq_id]
         self.syntheses.pop(rid, None)
 
     def _drop_sequence(self, seq_id: str) -> None:
@@ -180,25 +203,41 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> list[AudioOutput]:
-        t0 = time.perf_counter()
+        tm, clock = self.timings, time.perf_counter
+        t0 = clock()
         self.scheduler.max_num_seqs_limit = self.controller.limit
         sched = self.scheduler.schedule()
         self._handle_scheduler_finished(sched.finished_ids)
-        for seq_id in sched.preempted_ids:
-            self.counters.preemptions += 1
+        self.counters.preemptions += len(sched.preempted_ids)
         self.counters.swaps += len(sched.swapped_out_ids)
+        t1 = clock()
         out = self.runner.execute(sched, self.requests)
+        t2 = clock()
         updates = self.scheduler.update_from_output(sched, out.sampled, out.stopped)
+        t3 = clock()
         if out.hiddens is not None:
             self.audio.append_batch(out.hidden_ids, out.hiddens)
+            sequences, syntheses = self.sequences, self.syntheses
             for seq_id in out.hidden_ids:
-                seq = self.sequences[seq_id]
-                self.syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, 1)
+                seq = sequences[seq_id]
+                syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, 1)
             self.counters.frames += len(out.hidden_ids)
+        t4 = clock()
         for u in updates:
             if u.finished:
                 self._finish_sequence(u.request_id, u.finish_reason or "stop")
-        outputs = self._collect_audio()
+        t5 = clock()
+        chunks = self.audio.step()
+        t6 = clock()
+        outputs = self._collect_audio(chunks)
+        t7 = clock()
+        tm.schedule_ms += (t1 - t0) * 1e3
+        tm.runner_ms += (t2 - t1) * 1e3
+        tm.update_ms += (t3 - t2) * 1e3
+        tm.audio_append_ms += (t4 - t3) * 1e3
+        tm.finish_ms += (t5 - t4) * 1e3
+        tm.audio_step_ms += (t6 - t5) * 1e3
+        tm.outputs_ms += (t7 - t6) * 1e3
         self._account(t0, sched)
         return outputs
 
@@ -240,18 +279,23 @@ class Engine:
             self._add_code_sequence(seq.synthesis_id, seq.segment, text or syn.segments[seq.segment].text)
             return
         self.audio.finish(seq_id)
-        syn.tracker.finish_segment(seq.segment, reason)
+        # the segment ends with its final audio chunk, which may leave the (deferred) audio stage later
+        self._finishing[seq_id] = reason
         self.sequences.pop(seq_id)
         self.requests.pop(seq_id)
         self.runner.remove_sequence(seq_id)
         syn.seq_ids.discard(seq_id)
 
-    def _collect_audio(self) -> list[AudioOutput]:
+    def _collect_audio(self, chunks: list) -> list[AudioOutput]:
         touched: set[str] = set()
-        for chunk in self.audio.step():
+        for chunk in chunks:
             rid, seg = self._segment_of(chunk.req_id)
+            reason = self._finishing.pop(chunk.req_id, None) if chunk.is_final else None
             if rid in self.syntheses:
-                self.syntheses[rid].tracker.add_audio(seg, chunk.samples)
+                tracker = self.syntheses[rid].tracker
+                tracker.add_audio(seg, chunk.samples)
+                if reason is not None:
+                    tracker.finish_segment(seg, reason)
                 touched.add(rid)
         touched.update(rid for rid, s in self.syntheses.items() if s.tracker.error)
         outputs: list[AudioOutput] = []
@@ -276,4 +320,7 @@ class Engine:
             "num_preemptions_total": c.preemptions, "num_swaps_total": c.swaps, "steps_total": c.steps,
             "frames_total": c.frames, "step_time_ms_ema": c.step_time_ms_ema,
             "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
+            "cuda_graphs": self.runner.graphs is not None,
+            "graph_steps_total": self.runner.timings.graph_steps,
+            "step_breakdown_ms": self.timings.as_dict(c.steps),
         }

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ttsserve.sample.state import async_h2d
+
 
 @dataclass
 class StepArrays:
@@ -119,10 +121,10 @@ class InputBatch:
         rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
         self._dirty.clear()
         if len(rows) > self.max_rows // 2:
-            self.block_table.copy_(torch.from_numpy(self.block_table_np), non_blocking=False)
+            self.block_table.copy_(async_h2d(torch.from_numpy(self.block_table_np), self.device))
             return
         src = torch.from_numpy(self.block_table_np[rows])
-        self.block_table.index_copy_(0, torch.from_numpy(rows).to(self.device), src.to(self.device))
+        self.block_table.index_copy_(0, async_h2d(torch.from_numpy(rows), self.device), async_h2d(src, self.device))
 
     # ---- step arrays ---------------------------------------------------------------------------------------
     def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,

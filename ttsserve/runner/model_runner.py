@@ -25,7 +25,7 @@ from ttsserve.params import SamplingParams
 from ttsserve.runner.input_batch import InputBatch, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
 from ttsserve.sample.sampler import sample
-from ttsserve.sample.state import SamplingState
+from ttsserve.sample.state import SamplingState, async_h2d
 
 DEFAULT_HISTORY_WINDOW = 16
 
@@ -110,10 +110,11 @@ class ModelRunner:
 
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:
-        ids = inputs.ids.to(self.device)
+        ids = async_h2d(inputs.ids, self.device)
         with torch.inference_mode():
-            spk = None if inputs.spk_emb is None else inputs.spk_emb.to(self.device)
-            embeds = self.model.embed.embed_prompt(ids, inputs.text_mask.to(self.device), spk, self.spk_emb_id)
+            spk = None if inputs.spk_emb is None else async_h2d(inputs.spk_emb, self.device)
+            embeds = self.model.embed.embed_prompt(ids, async_h2d(inputs.text_mask, self.device), spk,
+                                                   self.spk_emb_id)
         if inputs.params.repetition_window > self.sampling.window:
             self.sampling.grow(window=inputs.params.repetition_window)  # graphs re-capture on next use
         self.states[req_id] = _SequenceState(embeds.to(self.dtype), inputs.mode, inputs.params, inputs.seed)
@@ -191,16 +192,16 @@ class ModelRunner:
     def _metadata(self, arr: StepArrays) -> tuple[AttentionMetadata, torch.Tensor]:
         """AttentionMetadata and positions [T] on the device for one step's host arrays."""
         dev = self.device
-        rows_t = torch.from_numpy(arr.rows).to(dev, non_blocking=True)
+        rows_t = async_h2d(torch.from_numpy(arr.rows), self.device)
         md = AttentionMetadata(
-            cu_seqlens_q=torch.from_numpy(arr.cu_seqlens_q).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(arr.seq_lens).to(dev, non_blocking=True),
+            cu_seqlens_q=async_h2d(torch.from_numpy(arr.cu_seqlens_q), self.device),
+            seq_lens=async_h2d(torch.from_numpy(arr.seq_lens), self.device),
             block_tables=self.input_batch.block_table[rows_t],
-            slot_mapping=torch.from_numpy(arr.slot_mapping).to(dev, non_blocking=True),
+            slot_mapping=async_h2d(torch.from_numpy(arr.slot_mapping), self.device),
             max_query_len=int(arr.num_new.max()), max_seq_len=int(arr.seq_lens.max()), block_size=self.block_size,
             cu_seqlens_q_cpu=arr.cu_seqlens_q.tolist(), seq_lens_cpu=arr.seq_lens.tolist(),
         )
-        return md, torch.from_numpy(arr.positions).to(dev, non_blocking=True)
+        return md, async_h2d(torch.from_numpy(arr.positions), self.device)
 
     def _forward(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
         return self.model.gpt(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
@@ -208,10 +209,10 @@ class ModelRunner:
     def _decode_eager(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray):
         arr = self.input_batch.step_arrays(rows, starts, np.ones_like(starts), steps)
         md, positions = self._metadata(arr)
-        rows_t = torch.from_numpy(rows).to(self.device)
+        rows_t = async_h2d(torch.from_numpy(rows), self.device)
         x = self.model.embed.embed_codes(self.sampling.last_tokens[rows_t])
         hidden = self._forward(x, md, positions).float()
-        return self.sample_rows(hidden, rows_t, torch.from_numpy(steps).to(self.device), "code"), hidden
+        return self.sample_rows(hidden, rows_t, async_h2d(torch.from_numpy(steps), self.device), "code"), hidden
 
     def sample_rows(self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
         """Heads + sampler for hidden [B, H] fp32 of `rows` at `steps`; records the tokens in the rows'
@@ -240,10 +241,10 @@ class ModelRunner:
             if not idx:
                 continue
             sel = np.asarray(idx)
-            last = torch.from_numpy(arr.cu_seqlens_q[sel + 1].astype(np.int64) - 1).to(self.device)
+            last = async_h2d(torch.from_numpy(arr.cu_seqlens_q[sel + 1].astype(np.int64) - 1), self.device)
             h = hidden[last].float()
-            rows_t = torch.from_numpy(rows[sel]).to(self.device)
-            tokens = self.sample_rows(h, rows_t, torch.from_numpy(steps[sel]).to(self.device), mode)
+            rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
+            tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
             groups.append((mode, [scheduled[i] for i in idx], tokens, h if mode == "code" else None))
         return groups
 
@@ -271,13 +272,13 @@ class ModelRunner:
         x = torch.empty(total, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
         if prompt_pieces:
             dst = np.concatenate([np.arange(a, b) for a, b in prompt_dst])
-            x[torch.from_numpy(dst).to(self.device)] = torch.cat(prompt_pieces)
+            x[async_h2d(torch.from_numpy(dst), self.device)] = torch.cat(prompt_pieces)
         if code_dst:
-            codes = torch.tensor(code_items, dtype=torch.int64).to(self.device)
-            x[torch.tensor(code_dst).to(self.device)] = embed.embed_codes(codes).to(self.dtype)
+            codes = async_h2d(torch.tensor(code_items, dtype=torch.int64), self.device)
+            x[async_h2d(torch.tensor(code_dst), self.device)] = embed.embed_codes(codes).to(self.dtype)
         if text_dst:
-            ids = torch.tensor(text_items, dtype=torch.int64).to(self.device)
-            x[torch.tensor(text_dst).to(self.device)] = embed.embed_text(ids).to(self.dtype)
+            ids = async_h2d(torch.tensor(text_items, dtype=torch.int64), self.device)
+            x[async_h2d(torch.tensor(text_dst), self.device)] = embed.embed_text(ids).to(self.dtype)
         return x
 
     def _outputs(self, groups: list) -> RunnerOutput:

@@ -20,6 +20,14 @@ _TOP_P, _PENALTY = 0, 1  # fparams[:, :2]; temperatures follow in fparams[:, 2:2
 _TOP_K, _GREEDY, _SEED, _MIN_NEW, _WINDOW = range(5)
 
 
+def async_h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> `device` without waiting for queued device work (a blocking host-to-device copy
+    synchronises the stream): through pinned memory, pooled by torch, copied asynchronously. CPU: as is."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SamplingState:
     """Device tables for `num_rows` rows (+1 scratch row), `num_vq` codebook rows each, a history of `window`.
 
@@ -90,11 +98,12 @@ class SamplingState:
                 ring[i, :width, j % p.repetition_window] = torch.as_tensor(outs[j]).reshape(-1)[:width]
             if g:
                 last[i, :width] = torch.as_tensor(outs[-1]).reshape(-1)[:width]
-        idx = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
-        self.fparams.index_copy_(0, idx, fp.to(self.device))
-        self.iparams.index_copy_(0, idx, ip.to(self.device))
-        self.ring.index_copy_(0, idx, ring.to(self.device))
-        self.last_tokens.index_copy_(0, idx, last.to(self.device))
+        dev = self.device
+        idx = async_h2d(torch.tensor(list(rows), dtype=torch.int64), dev)
+        self.fparams.index_copy_(0, idx, async_h2d(fp, dev))
+        self.iparams.index_copy_(0, idx, async_h2d(ip, dev))
+        self.ring.index_copy_(0, idx, async_h2d(ring, dev))
+        self.last_tokens.index_copy_(0, idx, async_h2d(last, dev))
 
     # ---- device side: graph-capturable ---------------------------------------------------------------------
     def batch(self, rows: torch.Tensor, steps: torch.Tensor, num_rows: int, eos_id: int) -> SamplingBatch:
