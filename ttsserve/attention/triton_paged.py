@@ -27,13 +27,13 @@ import torch
 import triton
 
 from ttsserve.attention.backend import AttentionMetadata
-from ttsserve.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 from ttsserve.attention.triton_kernels import (
     paged_decode_kernel,
     paged_decode_reduce_kernel,
     paged_prefill_kernel,
     reshape_and_cache_kernel,
 )
+from ttsserve.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 
 SUPPORTED_HEAD_DIMS = (64,)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

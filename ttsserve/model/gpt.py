@@ -7,8 +7,8 @@ from torch import nn
 
 from ttsserve.attention.backend import AttentionContext
 from ttsserve.config import GPTConfig
-from ttsserve.quant.quantize import QuantConfig
 from ttsserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from ttsserve.quant.quantize import QuantConfig
 
 # Keys of the HF checkpoint that the engine does not use.
 _IGNORED_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")

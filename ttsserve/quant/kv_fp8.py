@@ -57,7 +57,7 @@ class FP8KVCache:
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool = False) -> FP8KVCache:
-        two, num_blocks, block_size, num_kv_heads, _ = shape
+        _, num_blocks, block_size, num_kv_heads, _ = shape
         data = torch.zeros(shape, dtype=FP8_DTYPE, device=device, pin_memory=pin_memory)
         scales = torch.ones(kv_scales_shape(num_blocks, block_size, num_kv_heads), dtype=torch.float32,
                             device=device, pin_memory=pin_memory)
@@ -66,7 +66,7 @@ class FP8KVCache:
     @classmethod
     def empty(cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool = False) -> FP8KVCache:
         """Uninitialised (for host swap pools, fully written by a swap-out before any read)."""
-        two, num_blocks, block_size, num_kv_heads, _ = shape
+        _, num_blocks, block_size, num_kv_heads, _ = shape
         data = torch.empty(shape, dtype=FP8_DTYPE, device=device, pin_memory=pin_memory)
         scales = torch.empty(kv_scales_shape(num_blocks, block_size, num_kv_heads), dtype=torch.float32,
                              device=device, pin_memory=pin_memory)

@@ -60,7 +60,7 @@ class TorchQuantKernels:
         return F.linear(x, w.to(x.dtype))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def quant_kernels(device_type: str) -> QuantKernels:
     """The kernels for activations on `device_type`: Triton on "cuda", torch elsewhere (cached per type)."""
     if device_type == "cuda":
