@@ -15,9 +15,10 @@ depends on a store of another program of the same launch. `reshape_and_cache_ker
 write, for callers that only fill the cache.
 
 FP8=True (the fp8 KV cache, ttsserve/quant/kv_fp8.py): the cache holds float8e4nv values and a parallel
-fp32 tensor `scales` [2, num_blocks, block_size, num_kv_heads] holds one scale per token and head (element
-offsets slot * sc_stride_slot + kv_h * sc_stride_ch, V's sc_v_offset later). The writes quantize (amax of
-the 64 values / 448, IEEE divisions, round to nearest even: kv_fp8.py's rule); the reads convert the fp8
+fp32 tensor `scales` [2, num_blocks, num_kv_heads, block_size] holds one scale per token and head (the
+scale of token offset o of block blk and head h at blk * sc_stride_blk + h * sc_stride_h + o, V's
+sc_v_offset later). The writes quantize (amax of the 64 values * fp32(1/448), an IEEE division, round to
+nearest even: kv_fp8.py's rule); the reads convert the fp8
 tile to the query dtype (exact) for the dot and apply the scales to the score columns (QK^T) and to the
 probabilities (PV). A new token of this step enters its own attention already fp8-rounded, so every read
 of a token, in this step or a later one, sees the same value.
@@ -37,7 +38,7 @@ def _fp8_quant_rows(x):
     """x: [R, D] -> (q [R, D] float8e4nv, scale [R] fp32): scale = amax / 448 (1 if amax == 0)."""
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)
-    scale = tl.div_rn(amax, tl.zeros_like(amax) + 448.0)
+    scale = amax * 0.002232142857142857  # fp32(1 / 448): kv_fp8.INV_FP8_MAX
     scale = tl.where(scale > 0.0, scale, 1.0)
     q = tl.clamp(tl.div_rn(xf, scale[:, None]), -448.0, 448.0).to(tl.float8e4nv)
     return q, scale
@@ -47,8 +48,9 @@ def _fp8_quant_rows(x):
 def reshape_and_cache_kernel(
     k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_slot, sc_stride_ch,
+    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_blk, sc_stride_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """One program per new token: copy its k / v [Hkv, D] into the cache slot; slot < 0 means padding."""
     t = tl.program_id(0)
@@ -69,7 +71,7 @@ def reshape_and_cache_kernel(
         tl.store(dst, kq, mask=mask)
         tl.store(dst + v_offset, vq, mask=mask)
         hmask = (h < NUM_KV_HEADS) & ((h * 0 + slot) >= 0)
-        sdst = scale_ptr + slot * sc_stride_slot + h * sc_stride_ch
+        sdst = scale_ptr + (slot // BLOCK_SIZE) * sc_stride_blk + h * sc_stride_h + slot % BLOCK_SIZE
         tl.store(sdst, ks, mask=hmask)
         tl.store(sdst + sc_v_offset, vs, mask=hmask)
     else:
@@ -81,11 +83,11 @@ def reshape_and_cache_kernel(
 def _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """([BLOCK_N, HEAD_DIM] element offsets of the K rows of context tokens `n` (V is at + v_offset),
-    [BLOCK_N] their slots)."""
+    [BLOCK_N] their physical blocks)."""
     blk = tl.load(block_tables_ptr + row_off + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = blk * BLOCK_SIZE + (n % BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
-    return slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :], slot
+    return slot[:, None] * stride_slot + kv_h * stride_ch + d[None, :], blk
 
 
 @triton.jit
@@ -99,8 +101,8 @@ def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new
 
 
 @triton.jit
-def _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_slot,
-                      sc_stride_ch, slot, kv_h, kq, ks, vq, vs, d, write):
+def _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_blk,
+                      sc_stride_h, slot, kv_h, kq, ks, vq, vs, d, write, BLOCK_SIZE: tl.constexpr):
     """_write_new_kv for the fp8 cache: kq / vq [1, HEAD_DIM] fp8 and their scales ks / vs [1]."""
     one = tl.arange(0, 1)
     mask = ((d[None, :] * 0 + slot) >= 0) & ((d[None, :] * 0 + write.to(tl.int32)) != 0)
@@ -108,7 +110,7 @@ def _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, 
     tl.store(dst, kq, mask=mask)
     tl.store(dst + v_offset, vq, mask=mask)
     smask = ((one * 0 + slot) >= 0) & ((one * 0 + write.to(tl.int32)) != 0)
-    sdst = scale_ptr + slot * sc_stride_slot + kv_h * sc_stride_ch + one
+    sdst = scale_ptr + (slot // BLOCK_SIZE) * sc_stride_blk + kv_h * sc_stride_h + slot % BLOCK_SIZE + one
     tl.store(sdst, ks, mask=smask)
     tl.store(sdst + sc_v_offset, vs, mask=smask)
 
@@ -119,7 +121,7 @@ def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr, scale_ptr,
     qk_scale, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_slot, sc_stride_ch,
+    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_blk, sc_stride_h,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -156,12 +158,12 @@ def paged_decode_kernel(
     for start in range(lo, tl.minimum(hi, last), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < tl.minimum(hi, last)
-        off, slots = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
-                                      BLOCK_SIZE, HEAD_DIM)
+        off, blks = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
+                                     BLOCK_SIZE, HEAD_DIM)
         k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
         if FP8:
-            soff = slots * sc_stride_slot + kv_h * sc_stride_ch
+            soff = blks * sc_stride_blk + kv_h * sc_stride_h + n % BLOCK_SIZE
             ks = tl.load(scale_ptr + soff, mask=valid, other=0.0)
             vs = tl.load(scale_ptr + sc_v_offset + soff, mask=valid, other=0.0)
             k = k.to(q.dtype)
@@ -195,8 +197,8 @@ def paged_decode_kernel(
         if FP8:
             kq, ks_new = _fp8_quant_rows(k_raw[None, :])
             vq, vs_new = _fp8_quant_rows(v_raw[None, :])
-            _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_slot,
-                              sc_stride_ch, slot, kv_h, kq, ks_new, vq, vs_new, d, s >= 0)
+            _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_blk,
+                              sc_stride_h, slot, kv_h, kq, ks_new, vq, vs_new, d, s >= 0, BLOCK_SIZE)
             k_new = tl.sum(kq.to(tl.float32) * ks_new[:, None], 0)  # [1, D] -> [D]
             v_new = tl.sum(vq.to(tl.float32) * vs_new[:, None], 0)
         else:
@@ -250,7 +252,7 @@ def paged_prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, slot_mapping_ptr,
     scale_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_slot, sc_stride_ch,
+    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_blk, sc_stride_h,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -289,7 +291,7 @@ def paged_prefill_kernel(
             vq, vs_rows = _fp8_quant_rows(v_rows)
             tl.store(dst, kq, mask=wmask)
             tl.store(dst + v_offset, vq, mask=wmask)
-            sdst = scale_ptr + slot * sc_stride_slot + kv_h * sc_stride_ch
+            sdst = scale_ptr + (slot // BLOCK_SIZE) * sc_stride_blk + kv_h * sc_stride_h + slot % BLOCK_SIZE
             smask = row_valid & (slot >= 0)
             tl.store(sdst, ks_rows, mask=smask)
             tl.store(sdst + sc_v_offset, vs_rows, mask=smask)
@@ -313,8 +315,8 @@ def paged_prefill_kernel(
         valid = n < hi
         cached = n < ctx_start
         new = valid & (n >= ctx_start)
-        off, slots = _kv_tile_offsets(block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch,
-                                      BLOCK_SIZE, HEAD_DIM)
+        off, blks = _kv_tile_offsets(block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch,
+                                     BLOCK_SIZE, HEAD_DIM)
         new_tok = (q_start + n - ctx_start).to(tl.int64)
         k_cached = tl.load(cache_ptr + off, mask=cached[:, None], other=0.0)
         v_cached = tl.load(cache_ptr + v_offset + off, mask=cached[:, None], other=0.0)
@@ -326,7 +328,7 @@ def paged_prefill_kernel(
             # new tokens enter already fp8-rounded, exactly as the store above wrote them
             kq, ks_in = _fp8_quant_rows(k_in)
             vq, vs_in = _fp8_quant_rows(v_in)
-            soff = slots * sc_stride_slot + kv_h * sc_stride_ch
+            soff = blks * sc_stride_blk + kv_h * sc_stride_h + n % BLOCK_SIZE
             ks = tl.where(cached, tl.load(scale_ptr + soff, mask=cached, other=1.0), ks_in)
             vs = tl.where(cached, tl.load(scale_ptr + sc_v_offset + soff, mask=cached, other=1.0), vs_in)
             k = tl.where(cached[:, None], k_cached.to(tl.float32), kq.to(tl.float32)).to(q.dtype)

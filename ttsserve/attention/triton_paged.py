@@ -123,10 +123,10 @@ def _split_cache(kv_cache: torch.Tensor | FP8KVCache) -> tuple[torch.Tensor, tor
 
 
 def _scale_args(cache: torch.Tensor, scales: torch.Tensor | None) -> tuple:
-    """(scale_ptr, sc_v_offset, sc_stride_slot, sc_stride_ch); a dense cache passes itself, unused."""
+    """(scale_ptr, sc_v_offset, sc_stride_blk, sc_stride_h); a dense cache passes itself, unused."""
     if scales is None:
         return cache, 0, 0, 0
-    return scales, scales.stride(0), scales.stride(2), scales.stride(3)
+    return scales, scales.stride(0), scales.stride(1), scales.stride(2)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
@@ -183,7 +183,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(2), cache.stride(3), *_scale_args(cache, scales)[1:],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        FP8=scales is not None, num_warps=4,
+        FP8=scales is not None, BLOCK_SIZE=cache.shape[2], num_warps=4,
     )
 
 

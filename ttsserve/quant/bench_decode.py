@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -127,12 +128,63 @@ def time_linears(gpts: dict, ms: list[int]) -> list[dict]:
     return rows
 
 
+def sweep_quant_configs(ms: list[int]) -> list[dict]:
+    """Launch shapes of the Triton quant matmul (us, graph-replayed) on the real GPT's four linear shapes."""
+    import triton.testing
+
+    from ttsserve.quant.quantize import QuantConfig, quantize_weight
+    from ttsserve.quant.triton_quant import QuantMMConfig, quant_matmul
+
+    rows = []
+    for method in ("int8", "awq-int4"):
+        qc = QuantConfig.for_method(method)
+        for n, k in ((2304, 768), (768, 768), (6144, 768), (768, 3072)):
+            t = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, qc)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                bm, bk = (16 if m <= 16 else 64), (128 if qc.bits == 8 else qc.group_size)
+                cands = {"auto": None, "bn32": QuantMMConfig(bm, 32, bk, 1, 4, 3),
+                         "bn64": QuantMMConfig(bm, 64, bk, 1, 4, 3), "bn32_s2": QuantMMConfig(bm, 32, bk, 2, 4, 3),
+                         "bn64_s4": QuantMMConfig(bm, 64, bk, 4, 4, 3)}
+                row = {"method": method, "n": n, "k": k, "m": m}
+                for name, cfg in cands.items():
+                    def fn(x=x, t=t, cfg=cfg, qc=qc):
+                        return quant_matmul(x, t["qweight"], t["scales"], t.get("qzeros"), qc.bits, qc.group_size,
+                                            132, cfg)
+                    row[name] = 1000 * triton.testing.do_bench_cudagraph(fn, rep=10)
+                rows.append(row)
+    return rows
+
+
+def time_attention(batch: int, context: int) -> dict:
+    """One layer's decode attention kernel alone (us, graph-replayed): bf16 cache vs fp8 cache."""
+    import triton.testing
+
+    from ttsserve.attention.torch_ref import make_metadata
+    from ttsserve.attention.triton_paged import TritonPagedAttention
+
+    per_seq = -(-(context + 1) // 16)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    md = make_metadata(tables, [context] * batch, [1] * batch, 16, "cuda")
+    q, k, v = (torch.randn(batch, 12, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = {}
+    for kv in ("auto", "fp8"):
+        layer = SimpleNamespace(num_layers=1, num_kv_heads=12, head_dim=64)
+        cache = make_caches(layer, batch * per_seq, kv, torch.device("cuda"))[0]
+        be = TritonPagedAttention(num_splits=1)
+        out[kv + "_us"] = 1000 * triton.testing.do_bench_cudagraph(
+            lambda be=be, cache=cache: be.forward(q, k, v, cache, md, 0.125), rep=20)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also sweep quant-matmul launch shapes and time the "
+                    "decode attention kernel alone (bf16 vs fp8 cache)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -154,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["steps"].append({"variant": label, "batch": b, **r})
                 print(f"{label:>11} B={b:<4} eager {r['eager_ms']:.3f} ms  graph {r['graph_ms']:.3f} ms", flush=True)
         result["linears"] = time_linears(gpts, batches + [2048])
+        if a.sweep:
+            result["sweep"] = sweep_quant_configs(batches)
+            result["attention"] = time_attention(max(batches), a.context)
     _print_tables(result, batches)
     if a.json:
         with open(a.json, "w") as f:
@@ -175,6 +230,15 @@ def _print_tables(result: dict, batches: list[int]) -> None:
     print(f"{'linear':>13} {'M':>5} {'bf16':>8} {'int8':>8} {'int4':>8}")
     for r in result["linears"]:
         print(f"{r['linear']:>13} {r['m']:>5} {r['bf16_us']:>8.1f} {r['int8_us']:>8.1f} {r['int4_us']:>8.1f}")
+    if "sweep" in result:
+        names = ("auto", "bn32", "bn64", "bn32_s2", "bn64_s4")
+        print("\nquant matmul launch shapes (us):\n" + f"{'method':>8} {'N':>5} {'K':>5} {'M':>4} "
+              + " ".join(f"{n:>8}" for n in names))
+        for r in result["sweep"]:
+            print(f"{r['method']:>8} {r['n']:>5} {r['k']:>5} {r['m']:>4} " + " ".join(f"{r[n]:>8.1f}" for n in names))
+        att = result["attention"]
+        print(f"\ndecode attention, one layer, B={max(batches)}, context {result['context']}: "
+              f"bf16 cache {att['auto_us']:.1f} us, fp8 cache {att['fp8_us']:.1f} us")
 
 
 if __name__ == "__main__":

@@ -7,15 +7,19 @@ Choice: DYNAMIC scales, one per (token, KV head), stored beside the cache; no ca
   re-quantizing the block. A per-token scale is known the moment the token's k / v exist, is computed
   inside the fused KV write from the 64 values it stores, and never changes afterwards.
 - Cost: one fp32 scale per 64 one-byte values, 1.0625 bytes per element against 2 for bf16: 1.88x the
-  frames (streams) per byte of cache. Reading it costs one extra scalar load per token and head; the
-  kernels apply it to the score columns (QK^T) and to the probabilities (PV) instead of to the tile.
+  frames (streams) per byte of cache. Reading it costs one extra load per token and head; the kernels
+  apply it to the score columns (QK^T) and to the probabilities (PV) instead of to the tile.
 
 Rule (the same in torch and Triton, bit for bit on a GPU): amax = max |x| over head_dim (fp32);
-scale = amax / 448 (1 when amax == 0); q = e4m3(clamp(x / scale, -448, 448)) rounding to nearest even,
-both divisions IEEE-rounded. The dequantized value is float(q) * scale.
+scale = amax * fp32(1/448) (1 when amax == 0); q = e4m3(clamp(x / scale, -448, 448)) rounding to
+nearest even, the division IEEE-rounded. (A multiply, not amax / 448: torch on CUDA divides by a Python
+scalar through its reciprocal, Triton's div_rn does not, and the two differ in the last bit now and then.)
+The dequantized value is float(q) * scale.
 
 Layout of one layer: data [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim] float8_e4m3fn (the
-kv_cache_shape of attention/backend.py) and scales [2, num_blocks, block_size, num_kv_heads] fp32.
+kv_cache_shape of attention/backend.py) and scales [2, num_blocks, num_kv_heads, block_size] fp32:
+head-major inside a block, so a kernel reading one head's run of tokens reads consecutive scales (a
+token-major layout would gather one 4-byte value per 32-byte sector).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ttsserve.attention.dense import DenseAttention
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 where used (torch.float32 here, a fp32 literal in Triton)
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -41,7 +46,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device | None = None
 
 
 def kv_scales_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
-    return (2, num_blocks, block_size, num_kv_heads)
+    return (2, num_blocks, num_kv_heads, block_size)
 
 
 @dataclass
@@ -89,7 +94,7 @@ class FP8KVCache:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The cache as the kernels see it: [2, num_blocks, block_size, Hkv, D] in `dtype`."""
-        return (self.data.float() * self.scales[..., None]).to(dtype)
+        return (self.data.float() * self.scales.transpose(2, 3)[..., None]).to(dtype)
 
 
 def fp8_bytes_per_element(head_dim: int) -> float:
@@ -100,7 +105,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., D] float -> (q float8_e4m3fn [..., D], scale fp32 [...]) by the module's rule."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    scale = amax / FP8_MAX
+    scale = amax * torch.tensor(INV_FP8_MAX, dtype=torch.float32, device=amax.device)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(xf / scale[..., None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
@@ -119,11 +124,10 @@ def write_kv_fp8(cache: FP8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mappi
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     data = cache.data.view(2, num_blocks * block_size, hkv, d)
-    scales = cache.scales.view(2, num_blocks * block_size, hkv)
     for i, x in enumerate((k[keep], v[keep])):
-        q, s = quantize_fp8_rows(x)
+        q, s = quantize_fp8_rows(x)  # s: [T, Hkv]
         data[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # no fp8 index_copy on CPU
-        scales[i].index_copy_(0, slots, s)
+        cache.scales[i, slots // block_size, :, slots % block_size] = s
 
 
 class FP8DenseAttention(DenseAttention):
