@@ -76,18 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_say_parser(sub)
-    try:
-        from ttsserve.server.cli_serve import add_serve_parser
+    from ttsserve.bench.cli_bench import add_bench_parser
+    from ttsserve.quant.cli import add_quantize_parser
+    from ttsserve.server.cli_serve import add_serve_parser
 
-        add_serve_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from ttsserve.bench.cli_bench import add_bench_parser
-
-        add_bench_parser(sub)
-    except ImportError:
-        pass
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_quantize_parser(sub)
     a = ap.parse_args(argv)
     if a.command == "say":
         try:
