@@ -1,0 +1,197 @@
+"""The CUDA fast path against the CPU reference: decode graphs vs eager (same step, same state), the engine on
+CUDA vs the engine on CPU (fp32, TF32 off: same greedy codes), no host sync inside a graph step, the golden
+greedy codes through graphs, deferred audio, and the profiled KV budget. Fresh random requests each run (the
+seed is printed so a failure can be replayed)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from ttsserve.config import EngineConfig  # noqa: E402
+from ttsserve.engine.engine import Engine  # noqa: E402
+from ttsserve.model.chattts import build_model, load_model  # noqa: E402
+from ttsserve.model.loader import load_checkpoint  # noqa: E402
+from ttsserve.params import SamplingParams, SynthesisRequest, Voice  # noqa: E402
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_testutil import GOLDEN, TINY, FrameRecorder, golden_json, run_all  # noqa: E402
+
+SEED = int(os.environ.get("TTSSERVE_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+WORDS = "hello world this is a test of the speech model today weather good very nice thank you".split()
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    return build_model(load_checkpoint(TINY), torch.device("cuda"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu():
+    return build_model(load_checkpoint(TINY), torch.device("cpu"), torch.float32)
+
+
+def _engine(model, **kw) -> Engine:
+    cfg = dict(model=str(TINY), device=str(model.device.type), kv_cache_memory=64 << 20, swap_space=0.01,
+               max_model_len=1024, max_num_seqs=32)
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg), model=model)
+
+
+def _requests(n: int, frames: int, greedy: bool, seed: int = SEED) -> list[SynthesisRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = SamplingParams(temperature=rng.choice([0.3, 0.7]), top_p=rng.choice([0.7, 1.0]), top_k=rng.choice([5, 20]),
+                           repetition_penalty=rng.choice([1.0, 1.05, 1.3]), seed=rng.getrandbits(40), greedy=greedy,
+                           max_new_tokens=frames, min_new_tokens=frames)
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 25)))
+        out.append(SynthesisRequest(text, code_params=p, raw_text=True, request_id=f"q{i}"))
+    return out
+
+
+def _run(engine: Engine, reqs) -> tuple[FrameRecorder, dict]:
+    rec = FrameRecorder(engine)
+    for r in reqs:
+        engine.add_synthesis(r)
+    return rec, run_all(engine)
+
+
+def test_engine_cuda_graphs_equal_cpu_reference(tiny_cuda, tiny_cpu):
+    """fp32, TF32 off, greedy: the CUDA engine (graphs, Triton attention, deferred audio) gives the CPU
+    engine's codes, and hiddens / audio within fp32 noise."""
+    print(f"seed {SEED}")
+    reqs = _requests(12, 40, greedy=True)
+    e = _engine(tiny_cuda)
+    assert e.runner.graphs is not None and e.audio.deferred
+    rec_gpu, audio_gpu = _run(e, reqs)
+    assert e.runner.timings.graph_steps > 20
+    rec_cpu, audio_cpu = _run(_engine(tiny_cpu), reqs)
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert rec_gpu.frames[seq] == rec_cpu.frames[seq], seq
+        np.testing.assert_allclose(rec_gpu.hidden(seq), rec_cpu.hidden(seq), atol=2e-4, rtol=0)
+        np.testing.assert_allclose(audio_gpu[r.request_id][0], audio_cpu[r.request_id][0], atol=2e-3, rtol=0)
+
+
+def test_golden_greedy_codes_through_graphs(tiny_cuda, tiny_speaker_np):
+    d, a = golden_json("d_greedy.json"), golden_json("a_prompts.json")
+    texts = {t["key"]: t for t in a["texts"]} if isinstance(a["texts"], list) else a["texts"]
+    npz = np.load(GOLDEN / "d_greedy.npz")
+    params = SamplingParams(temperature=1e-30, greedy=True, repetition_penalty=1.05, min_new_tokens=32,
+                            max_new_tokens=32)
+    e = _engine(tiny_cuda, max_num_batched_tokens=256)
+    rec = FrameRecorder(e)
+    keys = ["en_simple", "zh_ctrl", "mixed"]
+    for key in keys:
+        e.add_synthesis(SynthesisRequest(texts[key]["normalized"], voice=Voice(spk_emb=tiny_speaker_np),
+                                         code_params=params, raw_text=True, request_id=key))
+    run_all(e)
+    for key in keys:
+        np.testing.assert_array_equal(rec.codes(f"{key}/0/code"), npz[f"{key}_code_ids"])
+        np.testing.assert_allclose(rec.hidden(f"{key}/0/code"), npz[f"batch_{key}_code_hiddens"], atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_speaker_np():
+    return np.load(GOLDEN / "b_speaker.npz")["tiny_spk_emb_fp16"]
+
+
+def _graph_vs_eager(engine: Engine, reqs, steps: int = 30) -> list[tuple]:
+    """Run `steps` engine steps; every graph step is also run eagerly on the same state first."""
+    runner, state = engine.runner, engine.runner.sampling
+    orig, pairs = runner.graphs.run, []
+
+    def both(rows, starts, step_idx):
+        saved = state.last_tokens.clone(), state.ring.clone()
+        t_e, h_e = runner._decode_eager(rows, starts, step_idx)
+        t_e, h_e = t_e.clone(), h_e.clone()
+        state.last_tokens.copy_(saved[0])
+        state.ring.copy_(saved[1])
+        t_g, h_g = orig(rows, starts, step_idx)
+        pairs.append((t_e.cpu(), h_e.cpu(), t_g.clone().cpu(), h_g.clone().cpu()))
+        return t_g, h_g
+
+    runner.graphs.run = both
+    for r in reqs:
+        engine.add_synthesis(r)
+    for _ in range(steps):
+        engine.step()
+    return pairs
+
+
+def test_graph_step_equals_eager_step_fp32(tiny_cuda):
+    pairs = _graph_vs_eager(_engine(tiny_cuda), _requests(7, 40, greedy=False))
+    assert len(pairs) > 10
+    for t_e, h_e, t_g, h_g in pairs:
+        assert (t_e == t_g).float().mean() > 0.99  # seeded draws: only fp32 near-ties may differ
+        torch.testing.assert_close(h_g, h_e, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def real_bf16():
+    return load_model(EngineConfig(load_format="dummy", dummy_size="real", device="cuda", dtype="bfloat16"))
+
+
+def test_graph_step_equals_eager_step_real_size_bf16(real_bf16):
+    e = _engine(real_bf16, kv_cache_memory=1 << 30, max_num_seqs=64)
+    pairs = _graph_vs_eager(e, _requests(37, 60, greedy=True), steps=25)
+    assert len(pairs) > 10
+    for t_e, h_e, t_g, h_g in pairs:
+        rel = (h_g - h_e).norm() / h_e.norm()
+        assert rel < 1e-2, float(rel)
+        assert (t_e == t_g).float().mean() > 0.9  # bf16: different split counts may flip near-ties
+
+
+def test_graph_step_has_no_host_sync(tiny_cuda):
+    e = _engine(tiny_cuda)
+    runner = e.runner
+    orig = runner.graphs.run
+
+    def checked(*args):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.graphs.run = checked
+    _run(e, _requests(3, 12, greedy=False))
+    assert runner.timings.graph_steps > 5
+
+
+def test_enforce_eager_has_no_graphs(tiny_cuda):
+    e = _engine(tiny_cuda, enforce_eager=True)
+    assert e.runner.graphs is None
+    _run(e, _requests(2, 8, greedy=True))
+    assert e.runner.timings.graph_steps == 0
+
+
+def test_profiled_kv_budget_honours_utilization(real_bf16):
+    from ttsserve.runner.profile import kv_budget_after_profiling
+
+    cfg = EngineConfig(load_format="dummy", device="cuda", gpu_memory_utilization=0.3)
+    budget = kv_budget_after_profiling(real_bf16, cfg)
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < budget < 0.3 * total
+    assert budget + (total - free) <= 0.3 * total + (1 << 30)  # what this process already holds counts
