@@ -77,10 +77,12 @@ def test_quant_matmul_split_k_and_ragged_tiles(method: str, split_k: int) -> Non
 
 
 def test_choose_config_regimes() -> None:
-    decode = choose_config(1, 768, 3072, 8, None, 132)
-    assert decode.block_m == 16 and decode.split_k > 1  # 12 tiles: split K to feed the SMs
-    assert choose_config(256, 6144, 768, 8, None, 132).split_k == 1
-    assert choose_config(4096, 2304, 768, 4, 128, 132).block_k == 128  # int4: one group per step
+    """The shapes the H200 sweep (bench_decode.py --sweep) found best or near-best."""
+    assert choose_config(1, 2304, 768, 8, None, 132) == QuantMMConfig(16, 32, 128, 1, 4, 3)  # no split
+    assert choose_config(1, 768, 3072, 8, None, 132) == QuantMMConfig(16, 64, 128, 8, 4, 3)  # long K: split
+    assert choose_config(256, 768, 3072, 4, 128, 132) == QuantMMConfig(64, 64, 128, 4, 4, 3)
+    assert choose_config(256, 6144, 768, 8, None, 132) == QuantMMConfig(64, 128, 128, 1, 4, 3)
+    assert choose_config(4096, 2304, 768, 4, 128, 132) == QuantMMConfig(128, 128, 128, 1, 8, 3)
 
 
 # ---------------------------------------------------------------------------------------------- fp8 KV

@@ -1,11 +1,11 @@
 """Triton dequantize-and-multiply kernels for QuantLinear (CUDA only; imported by linear.quant_kernels).
 
-One kernel, two launch shapes chosen per call from M (the number of tokens):
-- decode (M <= 64, GEMV-shaped): the weight bytes are the whole cost, so the grid must cover the chip
-  even when N / BLOCK_N is small (N = 768 gives 12-24 tiles for 132 SMs): K is split over SPLIT_K
-  programs that write fp32 partial sums to a workspace [SPLIT_K, M, N], summed by torch (deterministic,
-  unlike atomics, so a row's result does not depend on the batch it came in);
-- prefill (M > 64): a plain tiled GEMM, no split.
+One kernel; the launch shape is chosen per call from (M, N, K) by `choose_config`:
+- decode (small M, GEMV-shaped): narrow N tiles so the grid covers the chip; for the long K = 3072
+  reduction (down_proj) K is also split over SPLIT_K programs that write fp32 partial sums to a workspace
+  [SPLIT_K, M, N], summed by torch (deterministic, unlike atomics, so a row's result does not depend on
+  the batch it came in);
+- prefill (large M): a plain tiled GEMM, no split.
 Weights are dequantized in registers right after the load and never written back: int8 tiles are cast to
 the activation dtype (exact: |q| <= 127) and the per-channel scale multiplies the fp32 accumulator once at
 the end; int4 programs walk one group per step, unpack the split-halves bytes (quantize.py) into two
@@ -88,19 +88,24 @@ class QuantMMConfig:
 
 
 def choose_config(m: int, n: int, k: int, bits: int, group_size: int | None, num_sms: int) -> QuantMMConfig:
-    """Launch shape for an [m, k] x [k, n] product (see the module docstring for the two regimes)."""
-    block_k = group_size if bits == 4 else (128 if m <= 64 else 64)
-    if m > 64:
-        block_m = 64 if m <= 256 else 128
-        return QuantMMConfig(block_m, 128, block_k, 1, 8 if block_m == 128 else 4, 3)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64
+    """Launch shape for an [m, k] x [k, n] product, from a sweep on an H200 (bench_decode.py --sweep; the
+    GPT's four linear shapes at M = 1, 64, 256). What it found: every extra launch costs ~2-3 us, as much
+    as a whole small product, so split K (its partial sums need a torch reduce) only for the long
+    K = 3072 reduction and otherwise take the widest N tile that still gives one program per SM."""
+    block_k = group_size if bits == 4 else (128 if m <= 512 else 64)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 512 else 128
+    long_k = k >= 2048 and m <= 512
+    block_n = 64 if long_k else 32
+    if not long_k:
+        for bn in (128, 64):
+            if triton.cdiv(m, block_m) * triton.cdiv(n, bn) >= num_sms:
+                block_n = bn
+                break
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
-    # split K while the grid is short of ~2 programs per SM and each split keeps >= 2 K-tiles
-    while tiles * split < 2 * num_sms and k // (2 * split) >= 2 * block_k:
+    while long_k and tiles * split < num_sms and k // (2 * split) >= 2 * block_k:
         split *= 2
-    return QuantMMConfig(block_m, block_n, block_k, split, 4, 3)
+    return QuantMMConfig(block_m, block_n, block_k, split, 8 if block_m == 128 else 4, 3)
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
