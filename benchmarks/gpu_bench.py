@@ -25,15 +25,14 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ttsserve.config import EngineConfig  # noqa: E402
-from ttsserve.engine.engine import Engine  # noqa: E402
-from ttsserve.model.chattts import load_model  # noqa: E402
-from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
+from ttsserve.config import EngineConfig
+from ttsserve.engine.engine import Engine
+from ttsserve.model.chattts import load_model
+from ttsserve.params import SamplingParams, SynthesisRequest
 
 FRAMES_10S = 469  # 10 s of audio at 46.875 frames/s
 SR = 24000
@@ -151,13 +150,12 @@ def gpu_time_ms(fn, reps: int = 20) -> float:
 
 # ---- sections ------------------------------------------------------------------------------------------------
 def sec_ceilings(ctx: dict) -> dict:
-    a = torch.randn(1 << 28, device="cuda")  # 1 GiB fp32
-    b = torch.empty_like(a)
-    copy_ms = gpu_time_ms(lambda: b.copy_(a), 10)
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = gpu_time_ms(lambda: x @ y, 10)
-    del a, b, x, y
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB fp32
+    dst = torch.empty_like(src)
+    copy_ms = gpu_time_ms(lambda: dst.copy_(src), 10)
+    xs = [torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    mm_ms = gpu_time_ms(lambda: xs[0] @ xs[1], 10)
+    src = dst = xs = None
     torch.cuda.empty_cache()
     out = {"copy_GBps": 2 * (1 << 30) / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
     ctx["bw"], ctx["flops"] = out["copy_GBps"] * 1e9, out["bf16_matmul_TFLOPs"] * 1e12
@@ -217,7 +215,7 @@ def sec_step(ctx: dict) -> dict:
             g = e.runner.graphs
             if g is not None:
                 bucket = g.bucket(b)
-                row["graph_gpu_ms"] = gpu_time_ms(lambda: g.graphs[bucket].replay(), 20)
+                row["graph_gpu_ms"] = gpu_time_ms(g.graphs[bucket].replay, 20)
                 row["graph_bucket"] = bucket
             out[f"{name}_b{b}"] = row
             LOG.info("step %s b=%d: %s", name, b, json.dumps(row))
@@ -348,7 +346,7 @@ def main() -> int:
         t = time.perf_counter()
         try:
             results[name] = SECTIONS[name](ctx)
-        except Exception as exc:  # one broken section must not lose the others' numbers
+        except Exception as exc:  # noqa: BLE001 -- one broken section must not lose the others' numbers
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             LOG.error("section %s failed:\n%s", name, traceback.format_exc())
         results[name + "_section_s"] = time.perf_counter() - t

@@ -6,14 +6,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_testutil import FrameRecorder, make_engine, run_all
 
 from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 from ttsserve.runner.input_batch import InputBatch
 from ttsserve.sample.sampler import make_sampling_batch, sample
 from ttsserve.sample.state import SamplingState
-
-from engine_testutil import FrameRecorder, make_engine, run_all
 
 
 def test_step_arrays_match_per_token_loop():
@@ -93,7 +92,7 @@ def test_sampling_state_equals_host_built_batch(mode):
 
 def _requests(n: int, frames: int = 20) -> list[SynthesisRequest]:
     rng = random.Random(3)
-    words = "hello world this is a test of the speech model".split()
+    words = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "model"]
     return [SynthesisRequest(" ".join(rng.choice(words) for _ in range(rng.randint(2, 12))),
                              code_params=_random_params(rng).replace(seed=50 + i, max_new_tokens=frames,
                                                                      min_new_tokens=frames),

@@ -16,20 +16,20 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from ttsserve.config import EngineConfig  # noqa: E402
-from ttsserve.engine.engine import Engine  # noqa: E402
-from ttsserve.model.chattts import build_model, load_model  # noqa: E402
-from ttsserve.model.loader import load_checkpoint  # noqa: E402
-from ttsserve.params import SamplingParams, SynthesisRequest, Voice  # noqa: E402
+import sys
+from pathlib import Path
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+from ttsserve.config import EngineConfig
+from ttsserve.engine.engine import Engine
+from ttsserve.model.chattts import build_model, load_model
+from ttsserve.model.loader import load_checkpoint
+from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_testutil import GOLDEN, TINY, FrameRecorder, golden_json, run_all  # noqa: E402
+from engine_testutil import GOLDEN, TINY, FrameRecorder, golden_json, run_all
 
 SEED = int(os.environ.get("TTSSERVE_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
-WORDS = "hello world this is a test of the speech model today weather good very nice thank you".split()
+WORDS = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "model", "today", "weather", "good", "very", "nice", "thank", "you"]
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +51,8 @@ def tiny_cpu():
 
 
 def _engine(model, **kw) -> Engine:
-    cfg = dict(model=str(TINY), device=str(model.device.type), kv_cache_memory=64 << 20, swap_space=0.01,
-               max_model_len=1024, max_num_seqs=32)
+    cfg = {"model": str(TINY), "device": model.device.type, "kv_cache_memory": 64 << 20, "swap_space": 0.01,
+           "max_model_len": 1024, "max_num_seqs": 32}
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), model=model)
 
@@ -76,30 +76,43 @@ def _run(engine: Engine, reqs) -> tuple[FrameRecorder, dict]:
     return rec, run_all(engine)
 
 
-def test_engine_cuda_graphs_equal_cpu_reference(tiny_cuda, tiny_cpu):
-    """fp32, TF32 off, greedy: the CUDA engine (graphs, Triton attention, deferred audio) gives the CPU
-    engine's codes, and hiddens / audio within fp32 noise."""
+@pytest.fixture(scope="module")
+def real_fp32():
+    return load_model(EngineConfig(load_format="dummy", dummy_size="real", device="cuda", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def real_fp32_cpu():
+    return load_model(EngineConfig(load_format="dummy", dummy_size="real", device="cpu", dtype="float32"))
+
+
+def test_engine_cuda_graphs_equal_cpu_reference(real_fp32, real_fp32_cpu):
+    """Real size, fp32, TF32 off, greedy: the CUDA engine (graphs, Triton attention, deferred audio) gives the
+    CPU engine's codes, and hiddens / audio within fp32 noise."""
     print(f"seed {SEED}")
-    reqs = _requests(12, 40, greedy=True)
-    e = _engine(tiny_cuda)
+    reqs = _requests(4, 24, greedy=True)
+    e = _engine(real_fp32, kv_cache_memory=1 << 30)
     assert e.runner.graphs is not None and e.audio.deferred
     rec_gpu, audio_gpu = _run(e, reqs)
-    assert e.runner.timings.graph_steps > 20
-    rec_cpu, audio_cpu = _run(_engine(tiny_cpu), reqs)
+    assert e.runner.timings.graph_steps > 10
+    rec_cpu, audio_cpu = _run(_engine(real_fp32_cpu, kv_cache_memory=1 << 30), reqs)
     for r in reqs:
         seq = f"{r.request_id}/0/code"
         assert rec_gpu.frames[seq] == rec_cpu.frames[seq], seq
-        np.testing.assert_allclose(rec_gpu.hidden(seq), rec_cpu.hidden(seq), atol=2e-4, rtol=0)
-        np.testing.assert_allclose(audio_gpu[r.request_id][0], audio_cpu[r.request_id][0], atol=2e-3, rtol=0)
+        np.testing.assert_allclose(rec_gpu.hidden(seq), rec_cpu.hidden(seq), atol=1e-3, rtol=0)
+        ref = audio_cpu[r.request_id][0]
+        np.testing.assert_allclose(audio_gpu[r.request_id][0], ref, atol=1e-3 * max(1.0, np.abs(ref).max()), rtol=0)
 
 
-def test_golden_greedy_codes_through_graphs(tiny_cuda, tiny_speaker_np):
-    d, a = golden_json("d_greedy.json"), golden_json("a_prompts.json")
+def test_golden_greedy_codes_on_cuda(tiny_cuda, tiny_speaker_np):
+    """The golden tiny model (head_dim 16: torch reference attention on CUDA, no graphs) on the device."""
+    a = golden_json("a_prompts.json")
     texts = {t["key"]: t for t in a["texts"]} if isinstance(a["texts"], list) else a["texts"]
     npz = np.load(GOLDEN / "d_greedy.npz")
     params = SamplingParams(temperature=1e-30, greedy=True, repetition_penalty=1.05, min_new_tokens=32,
                             max_new_tokens=32)
     e = _engine(tiny_cuda, max_num_batched_tokens=256)
+    assert e.runner.graphs is None
     rec = FrameRecorder(e)
     keys = ["en_simple", "zh_ctrl", "mixed"]
     for key in keys:
@@ -139,12 +152,12 @@ def _graph_vs_eager(engine: Engine, reqs, steps: int = 30) -> list[tuple]:
     return pairs
 
 
-def test_graph_step_equals_eager_step_fp32(tiny_cuda):
-    pairs = _graph_vs_eager(_engine(tiny_cuda), _requests(7, 40, greedy=False))
+def test_graph_step_equals_eager_step_fp32(real_fp32):
+    pairs = _graph_vs_eager(_engine(real_fp32, kv_cache_memory=1 << 30), _requests(7, 40, greedy=False))
     assert len(pairs) > 10
     for t_e, h_e, t_g, h_g in pairs:
         assert (t_e == t_g).float().mean() > 0.99  # seeded draws: only fp32 near-ties may differ
-        torch.testing.assert_close(h_g, h_e, atol=1e-4, rtol=0)
+        torch.testing.assert_close(h_g, h_e, atol=1e-3, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +175,8 @@ def test_graph_step_equals_eager_step_real_size_bf16(real_bf16):
         assert (t_e == t_g).float().mean() > 0.9  # bf16: different split counts may flip near-ties
 
 
-def test_graph_step_has_no_host_sync(tiny_cuda):
-    e = _engine(tiny_cuda)
+def test_graph_step_has_no_host_sync(real_bf16):
+    e = _engine(real_bf16, kv_cache_memory=1 << 30)
     runner = e.runner
     orig = runner.graphs.run
 
@@ -180,8 +193,8 @@ def test_graph_step_has_no_host_sync(tiny_cuda):
     assert runner.timings.graph_steps > 5
 
 
-def test_enforce_eager_has_no_graphs(tiny_cuda):
-    e = _engine(tiny_cuda, enforce_eager=True)
+def test_enforce_eager_has_no_graphs(real_bf16):
+    e = _engine(real_bf16, kv_cache_memory=1 << 30, enforce_eager=True)
     assert e.runner.graphs is None
     _run(e, _requests(2, 8, greedy=True))
     assert e.runner.timings.graph_steps == 0

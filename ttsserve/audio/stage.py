@@ -16,9 +16,8 @@ Work per frame is bounded: frames older than a - L are dropped, each window is a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import copy
+from dataclasses import dataclass
 
 import numpy as np
 import torch

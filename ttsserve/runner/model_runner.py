@@ -12,6 +12,7 @@ The runner never touches a queue; the scheduler never touches a tensor (ARCHITEC
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,24 @@ from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState, async_h2d
 
 DEFAULT_HISTORY_WINDOW = 16
+logger = logging.getLogger(__name__)
+
+
+def runner_backend(device: torch.device, head_dim: int):
+    """(attention backend, CUDA-graph capturable): the selected backend, or the torch reference where the
+    Triton kernels do not support the head size (e.g. tiny test models on CUDA; no graphs then)."""
+    backend = select_backend(device)
+    if backend.name == "triton":
+        from ttsserve.attention.triton_paged import SUPPORTED_HEAD_DIMS
+
+        if head_dim in SUPPORTED_HEAD_DIMS:
+            return backend, True
+        logger.warning("head_dim %d is not supported by the Triton kernels: torch reference attention, "
+                       "no CUDA graphs", head_dim)
+        from ttsserve.attention.torch_ref import TorchPagedAttention
+
+        return TorchPagedAttention(), False
+    return backend, False
 
 
 @dataclass
@@ -92,7 +111,7 @@ class ModelRunner:
         self.cfg = model.gpt_config
         self.kv = KVCache(self.cfg, kv_spec, self.device, self.dtype)
         self.block_size = kv_spec.block_size
-        self.backend = select_backend(self.device)
+        self.backend, graphable = runner_backend(self.device, self.cfg.head_dim)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
@@ -102,7 +121,7 @@ class ModelRunner:
         self.states: dict[str, _SequenceState] = {}
         self.timings = RunnerTimings()
         self.graphs = None
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not enforce_eager and graphable:
             from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
             self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs))
@@ -191,7 +210,6 @@ class ModelRunner:
 
     def _metadata(self, arr: StepArrays) -> tuple[AttentionMetadata, torch.Tensor]:
         """AttentionMetadata and positions [T] on the device for one step's host arrays."""
-        dev = self.device
         rows_t = async_h2d(torch.from_numpy(arr.rows), self.device)
         md = AttentionMetadata(
             cu_seqlens_q=async_h2d(torch.from_numpy(arr.cu_seqlens_q), self.device),

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from ttsserve.attention.backend import PagedAttention, kv_cache_shape, select_backend
+from ttsserve.attention.backend import PagedAttention, kv_cache_shape
 from ttsserve.attention.torch_ref import make_metadata
 from ttsserve.config import EngineConfig
 
@@ -71,7 +71,10 @@ def profile_max_step(model, cfg: EngineConfig) -> int:
     x = torch.randn(tokens, gcfg.hidden_size, device=dev, dtype=dtype)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     scale = gcfg.head_dim ** -0.5
-    hidden = model.gpt(x, positions, PagedAttention(select_backend(dev), caches, md, scale))
+    from ttsserve.runner.model_runner import runner_backend
+
+    backend, _ = runner_backend(dev, gcfg.head_dim)
+    hidden = model.gpt(x, positions, PagedAttention(backend, caches, md, scale))
     del caches, x
     _profile_sampler(model, cfg, hidden[-1:].float().expand(cfg.max_num_seqs, -1).contiguous())
     del hidden
