@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ttsserve.bench.corpus import load_corpus, select_texts
-from ttsserve.bench.report import build_report, markdown, ratios, write_report
+from ttsserve.bench.report import build_report, markdown, ratios, rewrite_report, write_report
 from ttsserve.bench.results import FRAME_SECONDS, RequestRecord, RunResult, percentiles
 
 
@@ -89,3 +89,8 @@ def test_report_files_ratios_and_strict_json(tmp_path) -> None:
     md = (out / "report.md").read_text()
     assert "| hf | 8 |" in md and "ttsserve vs hf" in md
     assert markdown(report, results) == md
+    # report.json holds everything: re-rendering from it gives the same Markdown
+    (out / "report.md").unlink()
+    (out / "throughput.png").unlink()
+    rewrite_report(out)
+    assert (out / "report.md").read_text() == md and (out / "throughput.png").exists()

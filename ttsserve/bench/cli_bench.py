@@ -98,11 +98,16 @@ def _add_serve(sub) -> None:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` with sub-commands `offline` and `serve` (each sets func(args) -> exit code)."""
+    """Add `bench` with sub-commands `offline`, `serve`, `report` (and the `quality` stub); each sets
+    func(args) -> exit code."""
     p = subparsers.add_parser("bench", help="offline and serving benchmarks with JSON/Markdown/PNG reports")
     sub = p.add_subparsers(dest="bench_command", required=True)
     _add_offline(sub)
     _add_serve(sub)
+    r = sub.add_parser("report", help="re-render report.md and the plots from a report folder's report.json")
+    r.add_argument("dir")
+    r.add_argument("--no-plots", action="store_true")
+    r.set_defaults(func=cmd_report)
     q = sub.add_parser("quality", help="audio quality metrics (not implemented yet: a later issue)")
     q.set_defaults(func=cmd_quality)
     return p
@@ -191,6 +196,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     out = write_report(report, results, a.out or default_out_dir("serve"), plots=not a.no_plots)
     print((out / "report.md").read_text())
     print(f"report written to {out}")
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from ttsserve.bench.report import rewrite_report
+
+    out = rewrite_report(a.dir, plots=not a.no_plots)
+    print((out / "report.md").read_text())
     return 0
 
 

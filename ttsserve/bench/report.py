@@ -62,6 +62,17 @@ def write_report(report: dict, results: Sequence[RunResult], out_dir: str | Path
     return out
 
 
+def rewrite_report(out_dir: str | Path, plots: bool = True) -> Path:
+    """Re-render report.md and the plots of an existing report folder from its report.json."""
+    out = Path(out_dir)
+    report = json.loads((out / "report.json").read_text())
+    results = [RunResult.from_json(r) for r in report["results"]]
+    (out / "report.md").write_text(markdown(report, results))
+    if plots:
+        write_plots(results, out)
+    return out
+
+
 def _json_default(o):
     return str(o)
 
@@ -78,7 +89,7 @@ def _sanitize(x):
 
 
 def _f(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
 def _mib(x) -> str:
@@ -146,32 +157,31 @@ def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:
               "qps": "offered load (requests/s)"}
     paths = []
 
+    colors = {name: f"C{i}" for i, name in enumerate(groups)}
+    xlab = " / ".join(xlabel[k] for k in dict.fromkeys(r.load_kind for r in results))
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, rs in groups.items():
-        for kind in dict.fromkeys(r.load_kind for r in rs):
+        for kind, marker in zip(dict.fromkeys(r.load_kind for r in rs), "os^"):
             pts = sorted((r.load, r.summary()["audio_seconds_per_s"]) for r in rs if r.load_kind == kind)
-            ax.plot(*zip(*pts), marker="o", label=f"{name} ({kind})")
-    ax.set(xlabel=" / ".join(xlabel[k] for k in dict.fromkeys(r.load_kind for r in results)),
-           ylabel="audio seconds per second", title="Throughput")
+            ax.plot(*zip(*pts), marker=marker, color=colors[name], label=f"{name} ({kind})")
+    ax.set(xlabel=xlab, ylabel="audio seconds per second", title="Throughput")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    _finish_axes(ax, results)
     paths.append(_save(fig, out / "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, rs in groups.items():
-        for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
-            pts = sorted((r.load, r.summary()["latency_s"][q]) for r in rs)
+        rs = sorted(rs, key=lambda r: r.load)
+        for key, q, style in (("latency_s", "p50", "-"), ("latency_s", "p90", "--"), ("latency_s", "p99", ":"),
+                              ("ttfa_s", "p50", "-.")):
+            pts = [(r.load, r.summary()[key][q]) for r in rs]
             pts = [p for p in pts if p[1] is not None]
             if pts:
-                ax.plot(*zip(*pts), ls=style, marker="o", label=f"{name} latency {q}")
-        pts = [(r.load, r.summary()["ttfa_s"]["p50"]) for r in sorted(rs, key=lambda r: r.load)]
-        pts = [p for p in pts if p[1] is not None]
-        if pts:
-            ax.plot(*zip(*pts), ls="-.", marker="x", label=f"{name} TTFA p50")
-    ax.set(xlabel="load", ylabel="seconds", title="Latency percentiles vs load")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+                ax.plot(*zip(*pts), ls=style, marker="x" if key == "ttfa_s" else "o", color=colors[name],
+                        label=f"{name} {'TTFA' if key == 'ttfa_s' else 'latency'} {q}")
+    ax.set(xlabel=xlab, ylabel="seconds", title="Latency percentiles vs load")
+    _finish_axes(ax, results)
     paths.append(_save(fig, out / "latency.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -185,6 +195,14 @@ def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out / "ttfa_cdf.png"))
     return paths
+
+
+def _finish_axes(ax, results: Sequence[RunResult]) -> None:
+    loads = [r.load for r in results if r.load > 0]
+    if loads and max(loads) / min(loads) >= 8:  # 1, 8, 32...: a log axis keeps the small loads readable
+        ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 def _save(fig, path: Path) -> Path:

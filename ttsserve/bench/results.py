@@ -13,7 +13,7 @@ Units: audio seconds at 24 kHz; one code frame = 512 samples = 512/24000 s (FRAM
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 512
@@ -92,12 +92,27 @@ class RunResult:
         return out
 
     def to_json(self) -> dict:
-        return {"summary": self.summary(), "requests": [asdict(r) for r in self.requests]}
+        """{"summary": figures, "run": the raw fields, "requests": every record}; from_json inverts it."""
+        run = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
+        return {"summary": self.summary(), "run": run, "requests": [asdict(r) for r in self.requests]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> RunResult:
+        """Rebuild a run from its to_json() form (null latencies, written for strict JSON, become NaN)."""
+        reqs = [RequestRecord(**(r | {"latency_s": math.nan if r["latency_s"] is None else r["latency_s"]}))
+                for r in d["requests"]]
+        run = d.get("run")
+        if run is None:  # reports written before "run" existed: the same fields sit in the summary
+            names = [f.name for f in fields(cls) if f.name not in ("requests", "extra")]
+            run = {k: d["summary"][k] for k in names if k in d["summary"]}
+        return cls(requests=reqs, **run)
 
 
 def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
-    """{"p50": .., "p90": .., "p99": .., "mean": .., "max": ..} by linear interpolation; None when empty."""
+    """{"p50": .., "p90": .., "p99": .., "mean": .., "max": ..} by linear interpolation over the finite
+    values; None when there are none."""
     keys = [f"p{q}" for q in qs] + ["mean", "max"]
+    values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return dict.fromkeys(keys)
     import numpy as np

@@ -42,7 +42,7 @@ def machine_info(device: str | None = None) -> dict:
         "hostname": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
         "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "device": device or "cpu", "git_commit": git_commit(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join([_program(), *sys.argv[1:]]),
         # other processes competing for the CPU distort CPU figures: record how busy the host was
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
@@ -57,6 +57,12 @@ def machine_info(device: str | None = None) -> dict:
     except ImportError:
         pass
     return info
+
+
+def _program() -> str:
+    """`ttsserve` for the console script and `python -m ttsserve.cli`, else the script's name."""
+    p = Path(sys.argv[0])
+    return "ttsserve" if p.stem == "ttsserve" or p.parts[-2:] == ("ttsserve", "cli.py") else p.name
 
 
 def current_rss_bytes() -> int:
