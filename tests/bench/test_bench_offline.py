@@ -70,3 +70,32 @@ def test_bad_flags_exit_2(capsys) -> None:
     assert run_cli("--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--frames", "0",
                    "--no-progress") == 2
     assert "frames must be >= 1" in capsys.readouterr().err
+
+
+def test_preemptions_are_counted_under_a_small_kv_pool(tmp_path) -> None:
+    """8 blocks of 16 frames cannot hold 3 prompts plus 40 frames each at once: the engine must preempt, every
+    request must still finish with all its frames, and the report must say how often it preempted."""
+    rc = run_cli("--backend", "ttsserve", "--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu",
+                 "--batch-sizes", "3", "--frames", "40", "--swap-space", "0", "--kv-cache-memory", "128K",
+                 "--text-lengths", "short", "--warmup-frames", "0", "--no-progress", "--no-plots",
+                 "--out", str(tmp_path))
+    assert rc == 0
+    (res,) = json.loads((tmp_path / "report.json").read_text())["results"]
+    s = res["summary"]
+    assert s["num_ok"] == 3 and all(q["num_frames"] == 40 for q in res["requests"])
+    assert s["preemptions"] > 0 and s["kv_cache_usage_peak"] > 0.5
+
+
+def test_bench_parser_has_every_subcommand() -> None:
+    import argparse
+
+    from ttsserve.bench.cli_bench import add_bench_parser
+
+    ap = argparse.ArgumentParser()
+    add_bench_parser(ap.add_subparsers(dest="command"))
+    a = ap.parse_args(["bench", "offline", "--batch-sizes", "2,4", "--kv-cache-memory", "1.5G"])
+    assert a.batch_sizes == [2, 4] and a.kv_cache_memory == int(1.5 * 2**30) and a.func.__name__ == "cmd_offline"
+    a = ap.parse_args(["bench", "serve", "--concurrency", "1,4", "--qps", "0.5"])
+    assert a.concurrency == [1, 4] and a.qps == [0.5] and a.func.__name__ == "cmd_serve"
+    assert ap.parse_args(["bench", "report", "d"]).func.__name__ == "cmd_report"
+    assert callable(ap.parse_args(["bench", "quality"]).func)
