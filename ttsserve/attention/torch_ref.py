@@ -1,7 +1,15 @@
-"""TorchPagedAttention: the CPU reference (and test oracle) of the paged attention backend.
+"""TorchPagedAttention: the CPU paged attention backend (and the test oracle of the CUDA kernels).
 
-Gathers each sequence's pages through its block table and runs torch SDPA. Decode-only batches are done as
-one padded SDPA with a length mask; batches with prefill chunks loop over sequences (simple beats fast here).
+Decode-only batches (one new token per sequence) are one padded SDPA over every sequence's pages, gathered
+with ONE `index_select` per layer into a reused scratch buffer; batches with prefill chunks loop over
+sequences (simple beats fast there: prefill is a small part of a ChatTTS request).
+
+Why this shape on CPU (benchmarks/cpu_kernels.py, BENCHMARKS.md):
+- `index_select` along the block axis copies whole pages (block_size * Hkv * D contiguous values) and is
+  5-10x faster than advanced indexing `kv_cache[:, block_table]`;
+- the scratch buffer is kept: a fresh tensor of tens of MB per layer per step is an mmap + page faults;
+- the attention math runs in fp32 whatever the cache dtype: torch's CPU SDPA is 2-3x slower in bf16 than
+  in fp32, and a bf16 cache already halves the bytes gathered.
 """
 
 from __future__ import annotations
@@ -18,34 +26,41 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     tokens and are not stored. kv_cache: [2, num_blocks, block_size, Hkv, D], written in place."""
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     slots = slot_mapping.long()
-    if bool((slots < 0).any()):  # a host sync; acceptable in the reference backend
+    kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, T, Hkv, D]: one index_copy_ for both
+    if bool((slots < 0).any()):  # a host sync; free on CPU, acceptable in the reference backend elsewhere
         keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
-    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+        slots, kv = slots[keep], kv[:, keep]
+    kv_cache.view(2, num_blocks * block_size, hkv, d).index_copy_(1, slots, kv)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's context: block_table [num_blocks_of_seq] -> k, v: [ctx_len, Hkv, D]."""
-    block_size = kv_cache.shape[2]
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
     nb = -(-ctx_len // block_size)
-    pages = kv_cache[:, block_table[:nb].long()]  # [2, nb, block_size, Hkv, D]
-    pages = pages.reshape(2, nb * block_size, *kv_cache.shape[3:])[:, :ctx_len]
+    pages = kv_cache.view(2, num_blocks, -1).index_select(1, block_table[:nb])  # [2, nb, block_size*Hkv*D]
+    pages = pages.view(2, nb * block_size, hkv, d)[:, :ctx_len]
     return pages[0], pages[1]
 
 
 class TorchPagedAttention:
-    """PagedAttentionBackend in plain torch (see attention/backend.py for the contract)."""
+    """PagedAttentionBackend in plain torch (see attention/backend.py for the contract).
+
+    Holds scratch buffers reused across layers and steps, so one instance serves one engine thread.
+    """
 
     name = "torch_ref"
+
+    def __init__(self) -> None:
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._step: tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D].
 
         Writes k / v at md.slot_mapping, then for each sequence attends its new queries (the LAST q_len
-        positions of its context of md.seq_lens tokens) causally over that context. Returns [T, Hq, D].
+        positions of its context of md.seq_lens tokens) causally over that context. Returns [T, Hq, D]
+        in q's dtype (computed in fp32 when the cache is bf16 / fp16).
         """
         write_kv(kv_cache, k, v, md.slot_mapping)
         if md.is_decode_only and q.shape[0] == md.num_seqs:
@@ -57,25 +72,54 @@ class TorchPagedAttention:
             if e == s:
                 continue
             kb, vb = gather_kv(kv_cache, md.block_tables[b], ctx_len)
-            out[s:e] = causal_sdpa(q[s:e], kb.to(q.dtype), vb.to(q.dtype), scale)
+            out[s:e] = causal_sdpa(q[s:e].float(), kb.float(), vb.float(), scale).to(q.dtype)
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        """One new token per sequence: a single padded SDPA over [B, max_seq_len] keys with a length mask."""
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One new token per sequence: a single padded SDPA over [B, max_seq_len] keys with a length mask
+        (no mask for a single sequence: its context is exactly the gathered length)."""
         b, hq, d = q.shape
-        block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
-        nb = -(-md.max_seq_len // block_size)
-        pages = kv_cache[:, md.block_tables[:, :nb].long()]  # [2, B, nb, block_size, Hkv, D]
-        kv = pages.reshape(2, b, nb * block_size, hkv, d)[:, :, :md.max_seq_len].to(q.dtype)
+        _, num_blocks, block_size, hkv, _ = kv_cache.shape
+        block_ids, mask = self._step_tensors(md, block_size)
+        width = block_ids.numel() // b * block_size  # padded context length of every row
+        pages = self._gather(kv_cache.view(2, num_blocks, -1), block_ids)
+        kv = pages.view(2, b, width, hkv, d)[:, :, :md.max_seq_len]
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
         if hq != hkv:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             values = values.repeat_interleave(hq // hkv, dim=1)
-        pos = torch.arange(md.max_seq_len, device=q.device)
-        mask = (pos[None, :] < md.seq_lens.to(q.device).long()[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale)
-        return out[:, :, 0, :]
+        out = F.scaled_dot_product_attention(q.float()[:, :, None, :], keys, values, attn_mask=mask, scale=scale)
+        return out[:, :, 0, :].to(q.dtype)
+
+    def _step_tensors(self, md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(flat block ids [B * nb], length mask [B, 1, 1, L] or None), built once per step (every layer
+        shares the step's metadata object)."""
+        if self._step is not None and self._step[0] is md:
+            return self._step[1], self._step[2]
+        nb = -(-md.max_seq_len // block_size)
+        block_ids = md.block_tables[:, :nb].reshape(-1)
+        mask = None
+        if md.num_seqs > 1 and min(md.seq_lens_cpu) < md.max_seq_len:
+            pos = torch.arange(md.max_seq_len, device=block_ids.device)
+            mask = (pos[None, :] < md.seq_lens.to(block_ids.device).long()[:, None])[:, None, None, :]
+        self._step = (md, block_ids, mask)
+        return block_ids, mask
+
+    def _gather(self, flat: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """flat [2, num_blocks, page] -> [2, len(block_ids), page] fp32, in reused scratch memory."""
+        shape = (2, block_ids.numel(), flat.shape[2])
+        pages = torch.index_select(flat, 1, block_ids, out=self._buffer(flat.dtype, shape, flat.device))
+        if pages.dtype == torch.float32:
+            return pages
+        return self._buffer(torch.float32, shape, flat.device).copy_(pages)
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        n = shape[0] * shape[1] * shape[2]
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())), dtype=dtype, device=device)
+            self._scratch[dtype] = buf
+        return buf[:n].view(shape)
 
 
 def make_metadata(block_tables: list[list[int]], num_computed_tokens: list[int], num_new_tokens: list[int],

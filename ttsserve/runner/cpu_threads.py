@@ -1,0 +1,133 @@
+"""The CPU thread policy: how many threads the engine's torch ops use, decided once at start-up.
+
+A CPU decode step is ~200 small parallel regions (80 linears, 20 attention gathers and SDPAs, norms,
+softmaxes). Each region needs EVERY thread of the OpenMP team to run, so a thread more than the cores
+that are really free turns each region into a wait for the scheduler: 2 threads on 2 cores that other
+processes also use made a bf16 step 30x slower than 1 thread (benchmarks/cpu_profile.py, BENCHMARKS.md).
+Hence:
+- intra-op threads = the physical cores this process may run on (affinity mask, SMT siblings counted
+  once, capped by a cgroup CPU quota), unless OMP_NUM_THREADS or an explicit number says otherwise;
+- one inter-op thread: the engine never uses inter-op parallelism (no torch.jit.fork);
+- the engine thread runs the GPT and the audio stage one after the other, so they share one team and
+  never oversubscribe each other; other threads of the process should not run heavy torch ops;
+- `openmp_env_defaults()` sets OMP_WAIT_POLICY=PASSIVE (when unset) before torch is imported: a waiting
+  thread sleeps instead of spinning, so a team on a busy machine does not burn the cycles its other
+  threads need. It must run before `import torch` (the OpenMP runtime reads it once, when it loads).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+OPENMP_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@dataclass(frozen=True)
+class CpuThreadPolicy:
+    """intra_op_threads: torch.set_num_threads; inter_op_threads: torch.set_num_interop_threads;
+    source: what decided the count ("argument", "OMP_NUM_THREADS" or "physical cores")."""
+
+    intra_op_threads: int
+    inter_op_threads: int
+    source: str
+    physical_cores: int
+    cpu_quota: float | None = None
+
+    def describe(self) -> str:
+        quota = "" if self.cpu_quota is None else f", cgroup quota {self.cpu_quota:g} CPUs"
+        return (f"CPU threads: {self.intra_op_threads} intra-op ({self.source}), {self.inter_op_threads} "
+                f"inter-op; {self.physical_cores} physical cores available{quota}; OMP_WAIT_POLICY="
+                f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+
+
+def physical_cores(cpus: set[int] | None = None, sys_cpu: str | Path = "/sys/devices/system/cpu") -> int:
+    """Distinct physical cores among `cpus` (default: this process's affinity mask). SMT siblings share
+    (package id, core id); without sysfs topology every logical CPU counts as a core."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topo = Path(sys_cpu) / f"cpu{cpu}" / "topology"
+        try:
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(len(cores), 1)
+
+
+def cgroup_cpu_quota(cpu_max: str | Path = "/sys/fs/cgroup/cpu.max") -> float | None:
+    """CPUs' worth of time a cgroup v2 quota allows (`docker --cpus`), or None when unlimited / unknown."""
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def plan_cpu_threads(num_threads: int | None = None, environ: MutableMapping[str, str] | None = None,
+                     cores: int | None = None, quota: float | None = None) -> CpuThreadPolicy:
+    """The policy, computed without touching torch. num_threads (e.g. a --threads flag) beats
+    OMP_NUM_THREADS, which beats the physical cores (capped by the cgroup quota, rounded up)."""
+    env = os.environ if environ is None else environ
+    cores = physical_cores() if cores is None else cores
+    quota = cgroup_cpu_quota() if quota is None else quota
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        return CpuThreadPolicy(num_threads, 1, "argument", cores, quota)
+    omp = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if omp:
+        try:
+            n = int(omp)
+        except ValueError:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp!r}") from None
+        if n < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp!r}")
+        return CpuThreadPolicy(n, 1, "OMP_NUM_THREADS", cores, quota)
+    n = cores if quota is None else max(1, min(cores, math.ceil(quota)))
+    return CpuThreadPolicy(n, 1, "physical cores", cores, quota)
+
+
+def configure_cpu_threads(num_threads: int | None = None) -> CpuThreadPolicy:
+    """Apply the policy to torch (call once, from the thread that will run the engine or before it starts
+    any torch op: torch gives each thread its team size when the thread first runs a parallel op)."""
+    import torch
+
+    policy = plan_cpu_threads(num_threads)
+    if torch.get_num_threads() != policy.intra_op_threads:
+        torch.set_num_threads(policy.intra_op_threads)
+    if torch.get_num_interop_threads() != policy.inter_op_threads:
+        try:
+            torch.set_num_interop_threads(policy.inter_op_threads)
+        except RuntimeError:  # only possible before the first inter-op task; harmless to keep the pool
+            logger.debug("inter-op thread pool already started; left at %d", torch.get_num_interop_threads())
+    logger.info(policy.describe())
+    return policy
+
+
+def openmp_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set OPENMP_ENV_DEFAULTS where the user has not set them; returns what was set. A no-op (with a
+    warning) once torch is imported: the OpenMP runtime has read its environment by then."""
+    env = os.environ if environ is None else environ
+    todo = {k: v for k, v in OPENMP_ENV_DEFAULTS.items() if k not in env}
+    if not todo:
+        return {}
+    if environ is None and "torch" in sys.modules:
+        logger.warning("openmp_env_defaults() called after `import torch`: %s not applied", todo)
+        return {}
+    env.update(todo)
+    return todo
