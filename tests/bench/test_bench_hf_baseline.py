@@ -84,10 +84,12 @@ def test_baseline_greedy_equals_engine_tiny() -> None:
     # the engine: all three at once, capturing each sequence's sampled frames and hidden states
     frames: dict[str, list] = {}
     hiddens: dict[str, list] = {}
-    execute = engine.runner.execute
+    # the runner's RunnerOutput comes from wait() (launch/wait split) or, in older runners, from execute()
+    name = "wait" if hasattr(engine.runner, "wait") else "execute"
+    original = getattr(engine.runner, name)
 
-    def spy(sched, requests):
-        out = execute(sched, requests)
+    def spy(*args):
+        out = original(*args)
         for rid, row in out.sampled.items():
             if not out.stopped.get(rid):
                 frames.setdefault(rid, []).append(list(row))
@@ -96,7 +98,7 @@ def test_baseline_greedy_equals_engine_tiny() -> None:
                 hiddens.setdefault(rid, []).append(out.hiddens[i].float().cpu())
         return out
 
-    engine.runner.execute = spy
+    setattr(engine.runner, name, spy)
     rids = [engine.add_synthesis(SynthesisRequest(t, code_params=p, split=False, request_id=f"r{i}"))
             for i, (t, p) in enumerate(zip(TEXTS, params))]
     while engine.has_unfinished():

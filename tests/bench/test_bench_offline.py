@@ -22,7 +22,7 @@ def run_cli(*argv: str) -> int:
 def report(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path_factory.mktemp("offline")
     rc = run_cli("--backend", "both", "--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu",
-                 "--batch-sizes", "1,3", "--frames", "20", "--rounds", "2", "--swap-space", "0",
+                 "--batch-sizes", "1,2", "--frames", "16", "--rounds", "2", "--swap-space", "0",
                  "--kv-cache-memory", "64M", "--no-progress", "--out", str(out))
     assert rc == 0
     return json.loads((out / "report.json").read_text()), out
@@ -33,27 +33,27 @@ def test_report_has_machine_config_and_files(report) -> None:
     m = data["machine"]
     for key in ("cpu_model", "cpu_cores", "torch", "git_commit", "command", "device"):
         assert m.get(key) is not None, key
-    assert data["config"]["args"]["backend"] == "both" and data["config"]["args"]["batch_sizes"] == [1, 3]
-    assert data["config"]["spec"]["frames"] == 20 and data["config"]["engine"]["dummy_size"] == "tiny"
+    assert data["config"]["args"]["backend"] == "both" and data["config"]["args"]["batch_sizes"] == [1, 2]
+    assert data["config"]["spec"]["frames"] == 16 and data["config"]["engine"]["dummy_size"] == "tiny"
     assert set(data["backends"]) == {"hf", "ttsserve"}
     for name in ("report.md", "throughput.png", "latency.png", "ttfa_cdf.png"):
         assert (out / name).stat().st_size > 0, name
     md = (out / "report.md").read_text()
-    assert "| ttsserve | 3 |" in md and "| hf | 1 |" in md
+    assert "| ttsserve | 2 |" in md and "| hf | 1 |" in md
 
 
 def test_figures_are_consistent(report) -> None:
     data, _ = report
     points = {(r["summary"]["backend"], r["summary"]["load"]): r for r in data["results"]}
-    assert set(points) == {("hf", 1), ("hf", 3), ("ttsserve", 1), ("ttsserve", 3)}
+    assert set(points) == {("hf", 1), ("hf", 2), ("ttsserve", 1), ("ttsserve", 2)}
     for (backend, b), r in points.items():
         s, reqs = r["summary"], r["requests"]
         assert len(reqs) == 2 * b and s["num_ok"] == 2 * b and s["errors"] == {}  # 2 rounds
         # fixed lengths: every request generated exactly --frames frames, and its audio is 512 n - 256 samples
-        assert all(q["num_frames"] == 20 and q["num_samples"] == 512 * 20 - 256 for q in reqs), backend
+        assert all(q["num_frames"] == 16 and q["num_samples"] == 512 * 16 - 256 for q in reqs), backend
         assert s["audio_seconds"] == pytest.approx(sum(q["num_samples"] for q in reqs) / SAMPLE_RATE)
         assert s["frames_per_s"] * s["wall_s"] == pytest.approx(s["total_frames"])
-        edge = 1 - 256 / (512 * 20)  # the decoder's one-shot edge: n frames -> 512 n - 256 samples
+        edge = 1 - 256 / (512 * 16)  # the decoder's one-shot edge: n frames -> 512 n - 256 samples
         assert s["audio_seconds_per_s"] == pytest.approx(s["frames_per_s"] * FRAME_SECONDS * edge)
         for q in reqs:
             assert 0 < q["ttfa_s"] <= q["latency_s"] <= s["wall_s"] + 1e-6
@@ -61,9 +61,9 @@ def test_figures_are_consistent(report) -> None:
         assert s["peak_memory_bytes"] > 0 and s["memory_kind"] == "rss_peak_sampled"
         assert s["kv_cache_bytes_peak"] > 0
     # the engine streams: its first audio comes before its last; the baseline returns everything at the end
-    assert all(q["ttfa_s"] == q["latency_s"] for q in points[("hf", 3)]["requests"])
-    assert 0 < points[("ttsserve", 3)]["summary"]["kv_cache_usage_peak"] <= 1
-    assert [q["load"] for q in data["ratios"]] == [1, 3]
+    assert all(q["ttfa_s"] == q["latency_s"] for q in points[("hf", 2)]["requests"])
+    assert 0 < points[("ttsserve", 2)]["summary"]["kv_cache_usage_peak"] <= 1
+    assert [q["load"] for q in data["ratios"]] == [1, 2]
 
 
 def test_bad_flags_exit_2(capsys) -> None:
@@ -99,3 +99,16 @@ def test_bench_parser_has_every_subcommand() -> None:
     assert a.concurrency == [1, 4] and a.qps == [0.5] and a.func.__name__ == "cmd_serve"
     assert ap.parse_args(["bench", "report", "d"]).func.__name__ == "cmd_report"
     assert callable(ap.parse_args(["bench", "quality"]).func)
+
+
+def test_engine_overrides_are_typed_and_checked() -> None:
+    from ttsserve.bench.cli_bench import engine_overrides
+
+    got = engine_overrides(["first_chunk_frames=4", "enable-prefix-caching=false", "kv_cache_memory=none",
+                            "gpu_memory_utilization=0.5"])
+    assert got == {"first_chunk_frames": 4, "enable_prefix_caching": False, "kv_cache_memory": None,
+                   "gpu_memory_utilization": 0.5}
+    with pytest.raises(ValueError, match="no_such_field"):
+        engine_overrides(["no_such_field=1"])
+    with pytest.raises(ValueError, match="'x' is not a valid"):
+        engine_overrides(["max_num_seqs=x"])

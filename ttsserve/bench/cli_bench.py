@@ -74,6 +74,8 @@ def _add_offline(sub) -> None:
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other EngineConfig field, e.g. lookahead_frames=8 (repeatable)")
     _add_common(p)
     p.set_defaults(func=cmd_offline)
 
@@ -121,15 +123,44 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
+def engine_overrides(items: list[str]) -> dict:
+    """["field=value", ...] -> {field: typed value} for EngineConfig (ValueError naming a bad item)."""
+    from ttsserve.config import EngineConfig
+
+    types = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise ValueError(f"--engine-arg {item!r}: expected FIELD=VALUE with an EngineConfig field")
+        kind = types[name]
+        try:
+            if raw.lower() == "none" and "None" in kind:
+                value = None
+            elif "bool" in kind:
+                value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[raw.lower()]
+            elif "int" in kind:
+                value = int(raw)
+            elif "float" in kind:
+                value = float(raw)
+            else:
+                value = raw
+        except (KeyError, ValueError):
+            raise ValueError(f"--engine-arg {item!r}: {raw!r} is not a valid {kind}") from None
+        out[name] = value
+    return out
+
+
 def _engine_config(a: argparse.Namespace):
     from ttsserve.config import EngineConfig
 
-    return EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device,
-                        dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                        kv_cache_memory=a.kv_cache_memory, swap_space=a.swap_space,
-                        gpu_memory_utilization=a.gpu_memory_utilization,
-                        enforce_eager=a.enforce_eager)
+    fields = dict(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device,
+                  dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
+                  max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                  kv_cache_memory=a.kv_cache_memory, swap_space=a.swap_space,
+                  gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
+    return EngineConfig(**(fields | engine_overrides(a.engine_arg)))
 
 
 def _make_backend(name: str, cfg):
