@@ -58,6 +58,9 @@ def test_quality_cli_writes_json(tmp_path, capsys) -> None:
     assert "fidelity of int8" in printed and "RANDOM (dummy) weights" in printed
     data = json.loads(out.read_text())
     assert data["candidate"] == "int8" and data["random_weights"] and len(data["kl"]) == 4
+    a = ap.parse_args(["quality", "--load-format", "dummy", "--dummy-size", "tiny", "--method", "rtn-int4",
+                       "--group-size", "64", "--texts", "1", "--frames", "4"])
+    assert a.func(a) == 0 and "int4 without AWQ" in capsys.readouterr().out
     a = ap.parse_args(["quality", "--load-format", "dummy", "--dummy-size", "tiny"])
     assert a.func(a) == 2
 

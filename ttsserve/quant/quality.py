@@ -99,8 +99,9 @@ def add_quality_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--quantized", default=None, help="a checkpoint written by `ttsserve quantize`")
-    src.add_argument("--method", default=None, choices=["int8", "awq-int4"],
-                     help="quantize the reference in memory (awq-int4 calibrates on the calibration corpus)")
+    src.add_argument("--method", default=None, choices=["int8", "awq-int4", "rtn-int4"],
+                     help="quantize the reference in memory (awq-int4 calibrates on the calibration corpus; "
+                     "rtn-int4 is the same int4 format without AWQ scales, for comparison)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: simulate the fp8 KV cache in the quantized model (alone when no weight method)")
     p.add_argument("--group-size", type=int, default=128)
@@ -122,6 +123,15 @@ def _candidate(a: argparse.Namespace, ckpt, device: torch.device, dtype: torch.d
 
     if a.quantized:
         return build_model(load_checkpoint(resolve_checkpoint_root(a.quantized)), device, dtype)
+    if a.method == "rtn-int4":
+        from ttsserve.quant.linear import cast_except_quant, quantize_gpt_
+        from ttsserve.quant.quantize import QuantConfig
+
+        model = build_model(ckpt, device, torch.float32)
+        qc = QuantConfig.for_method("awq-int4", a.group_size, calibration={"method": "round-to-nearest"})
+        model.gpt = cast_except_quant(quantize_gpt_(model.gpt, qc), device, dtype)
+        model.quant, model.dtype = qc, dtype
+        return model
     if a.method:
         from ttsserve.quant.cli import CalibrationSettings, quantize_checkpoint
 
@@ -151,7 +161,7 @@ def cmd_quality(a: argparse.Namespace) -> int:
     texts = [s.text for s in select_texts(a.texts, a.seed)]
     samples = teacher_forced_samples(ref, texts, a.frames, a.seed)
     fid = compare_models(ref, cand, samples, kv_fp8=a.kv_cache_dtype == "fp8")
-    what = cand.quantization or "dense weights"
+    what = {"rtn-int4": "int4 without AWQ (round-to-nearest)"}.get(a.method, cand.quantization or "dense weights")
     print(f"fidelity of {what}{' + fp8 KV cache' if a.kv_cache_dtype == 'fp8' else ''} to the dense "
           f"{ref.source} ({a.dtype}, {device}):")
     print(fid.table())
