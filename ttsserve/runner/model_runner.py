@@ -89,8 +89,19 @@ class RunnerOutput:
 
 
 @dataclass
+class _Launched:
+    """A step queued on the device: (mode, scheduled, tokens, hidden) groups, and the sampled tokens' host
+    copy (pinned; `event` marks its arrival, None when already there)."""
+
+    groups: list
+    host: torch.Tensor
+    event: object | None
+
+
+@dataclass
 class RunnerTimings:
-    """Host wall time spent in the runner, summed over steps (ms); `forward_ms` includes the device wait."""
+    """Host wall time spent in the runner, summed over steps (ms): prepare_ms = input packing and queueing
+    the step (launch), forward_ms = waiting for the device (wait), output_ms = the per-request results."""
 
     steps: int = 0
     graph_steps: int = 0
@@ -148,9 +159,15 @@ class ModelRunner:
         return self.input_batch.generation, self.sampling.num_rows, self.sampling.window
 
     # ---- one step ----------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched, requests: dict) -> RunnerOutput:
         """sched: a SchedulerOutput; requests: req_id -> Request (for output_token_ids)."""
+        return self.wait(self.launch(sched, requests))
+
+    @torch.inference_mode()
+    def launch(self, sched, requests: dict) -> _Launched | None:
+        """Queue one step on the device (the forward, the sampler and the copy of the sampled tokens to the
+        host) without waiting for it; `wait()` returns its RunnerOutput. The caller may queue other device
+        work in between (the vocoder): it runs after this step and does not delay wait()."""
         t0 = time.perf_counter()
         self.kv.swap_out(sched.swap_out)
         self.kv.swap_in(sched.swap_in)
@@ -158,7 +175,7 @@ class ModelRunner:
             self.input_batch.release(req_id)  # a resumed sequence re-initialises its row from host state
         scheduled = sched.scheduled
         if not scheduled:
-            return RunnerOutput()
+            return None
         rows = self._assign_rows(scheduled, requests)
         tm = self.timings
         tm.steps += 1
@@ -166,7 +183,6 @@ class ModelRunner:
                and s.num_computed_tokens >= s.num_prompt_tokens for s in scheduled):
             starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
             steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
-            t1 = time.perf_counter()
             if self.graphs is not None and self.graphs.can_run(len(scheduled)):
                 tokens, hidden = self.graphs.run(rows, starts, steps)
                 tm.graph_steps += 1
@@ -174,13 +190,31 @@ class ModelRunner:
                 tokens, hidden = self._decode_eager(rows, starts, steps)
             groups = [("code", scheduled, tokens, hidden)]
         else:
-            t1 = time.perf_counter()
             groups = self._execute_general(scheduled, rows, requests)
-        t2 = time.perf_counter()
-        out = self._outputs(groups)
-        tm.prepare_ms += (t1 - t0) * 1e3
-        tm.forward_ms += (t2 - t1) * 1e3
-        tm.output_ms += (time.perf_counter() - t2) * 1e3
+        flat = [t.reshape(-1) for _, _, t, _ in groups]
+        flat = torch.cat(flat) if len(flat) > 1 else flat[0]
+        event = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = flat
+        tm.prepare_ms += (time.perf_counter() - t0) * 1e3
+        return _Launched(groups, host, event)
+
+    def wait(self, launched: _Launched | None) -> RunnerOutput:
+        """The sampled tokens of a launched step (the one device-to-host sync of the step)."""
+        if launched is None:
+            return RunnerOutput()
+        t0 = time.perf_counter()
+        if launched.event is not None:
+            launched.event.synchronize()
+        t1 = time.perf_counter()
+        out = self._outputs(launched.groups, launched.host.numpy())
+        self.timings.forward_ms += (t1 - t0) * 1e3
+        self.timings.output_ms += (time.perf_counter() - t1) * 1e3
         return out
 
     def _assign_rows(self, scheduled: list, requests: dict) -> np.ndarray:
@@ -232,7 +266,8 @@ class ModelRunner:
         hidden = self._forward(x, md, positions).float()
         return self.sample_rows(hidden, rows_t, async_h2d(torch.from_numpy(steps), self.device), "code"), hidden
 
-    def sample_rows(self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
+    def sample_rows(self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str,
+                    sample_fn=sample) -> torch.Tensor:
         """Heads + sampler for hidden [B, H] fp32 of `rows` at `steps`; records the tokens in the rows'
         histories. Returns [B, num_vq] (code) or [B, 1] (text) int64 on the device. Graph-capturable."""
         embed = self.model.embed
@@ -240,7 +275,7 @@ class ModelRunner:
             logits, width, eos = embed.code_logits(hidden), self.cfg.num_vq, self.cfg.audio_eos_id
         else:
             logits, width, eos = embed.text_logits(hidden)[:, None, :], 1, self.text_eos_id
-        tokens = sample(logits, self.sampling.batch(rows, steps, width, eos))
+        tokens = sample_fn(logits, self.sampling.batch(rows, steps, width, eos))
         self.sampling.record(rows, steps, tokens)
         return tokens
 
@@ -299,11 +334,9 @@ class ModelRunner:
             x[async_h2d(torch.tensor(text_dst), self.device)] = embed.embed_text(ids).to(self.dtype)
         return x
 
-    def _outputs(self, groups: list) -> RunnerOutput:
-        """One device-to-host copy of every sampled token, then the per-request dicts."""
+    def _outputs(self, groups: list, host: np.ndarray) -> RunnerOutput:
+        """The per-request dicts from the sampled tokens of every group, back to back in `host`."""
         out = RunnerOutput()
-        flat = [t.reshape(-1) for _, _, t, _ in groups]
-        host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()  # the one sync of the step
         offset = 0
         for mode, group, tokens, hidden in groups:
             n, width = len(group), tokens.shape[1]
