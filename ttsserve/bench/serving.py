@@ -261,5 +261,8 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
 
 def run_serving(spec: ServeSpec, progress: bool = True) -> list[RunResult]:
     """Every concurrency point, then every QPS point, in order."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the report
     points = [("concurrency", float(c)) for c in spec.concurrency] + [("qps", float(q)) for q in spec.qps]
     return [asyncio.run(run_point(spec, kind, load, progress)) for kind, load in points]
