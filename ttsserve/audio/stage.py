@@ -31,7 +31,7 @@ from ttsserve.audio.vocos import Vocos
 def to_device(values, device: torch.device) -> Tensor:
     """int64 tensor of a (nested) list on `device` without waiting for queued device work: a blocking H2D
     copy synchronises the stream, so go through pinned memory (pooled by torch) and copy asynchronously."""
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
@@ -246,7 +246,7 @@ class AudioStage:
                 pool = self._reserve(st, 1)
             index[0, i], index[1, i] = st.slot, st.num_frames - st.base
             st.num_frames += 1
-        idx = torch.from_numpy(index).to(self.device, non_blocking=True)
+        idx = to_device(index, self.device)
         pool.data[idx[0], idx[1]] = frames.to(device=self.device, dtype=pool.data.dtype)
 
     def finish(self, req_id: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class DecodeOps:
     """The fusable pieces of a decode step; compiled with torch.compile (dynamic batch) or plain functions."""
 
-    _compiled: dict[str, object] = {}  # one compilation per process, shared by every engine
+    _compiled: ClassVar[dict[str, object]] = {}  # one compilation per process, shared by every engine
 
     def __init__(self, compile: bool) -> None:
         from ttsserve.sample.sampler import sample
@@ -186,6 +187,19 @@ class DecodeGraphs:
     # ---- capture / replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every bucket (see _capture_all); if the torch.compile'd ops cannot be captured, capture
+        again with the same ops uncompiled."""
+        try:
+            self._capture_all()
+        except Exception as exc:
+            if self.ops is None or not self.ops.compiled:
+                raise
+            logger.warning("capturing the compiled decode step failed (%s: %s); capturing it uncompiled",
+                           type(exc).__name__, exc)
+            self.ops = DecodeOps(compile=False)
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool. Off CUDA nothing is captured and
         run() calls the same body eagerly on the static buffers (tests of the padding / indexing logic)."""
         t0 = time.perf_counter()
