@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--verify-sha256", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["int8", "awq-int4"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
 
 
 def _add_say_parser(sub) -> None:
@@ -44,7 +46,7 @@ def _say(a: argparse.Namespace) -> int:
 
     text = sys.stdin.read() if a.text == "-" else a.text
     tts = TTS(a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device, dtype=a.dtype,
-              verify_sha256=a.verify_sha256)
+              verify_sha256=a.verify_sha256, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     voice = Voice()
     if a.speaker:
         from ttsserve.text.speaker import decode_speaker

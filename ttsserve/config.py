@@ -78,6 +78,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     verify_sha256: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -103,6 +104,7 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device must be auto|cpu|cuda[:N]"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.quantization in (None, "int8", "awq-int4"), "quantization must be int8|awq-int4"),
+            (self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype must be auto|fp8"),
             (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
             (0.05 <= self.gpu_memory_utilization <= 0.99, "gpu_memory_utilization must be in [0.05, 0.99]"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
