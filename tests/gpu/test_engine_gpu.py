@@ -169,10 +169,14 @@ def test_graph_step_equals_eager_step_real_size_bf16(real_bf16):
     e = _engine(real_bf16, kv_cache_memory=1 << 30, max_num_seqs=64)
     pairs = _graph_vs_eager(e, _requests(37, 60, greedy=True), steps=25)
     assert len(pairs) > 10
+    # Two bf16 evaluations of the same function: the graph's fused RMSNorm / RoPE keep fp32 intermediates
+    # where the eager ops round to bf16 (u = 2^-8) after each op, and the attention split counts differ;
+    # over 20 residual layers that grows like sqrt(40) u ~ 2.5e-2 (1.3e-2 measured on the H200). The fp32
+    # test above bounds the algorithmic difference at 1e-3 absolute.
     for t_e, h_e, t_g, h_g in pairs:
         rel = (h_g - h_e).norm() / h_e.norm()
-        assert rel < 1e-2, float(rel)
-        assert (t_e == t_g).float().mean() > 0.9  # bf16: different split counts may flip near-ties
+        assert rel < 3e-2, float(rel)
+        assert (t_e == t_g).float().mean() > 0.9  # bf16: near-ties may flip
 
 
 def test_graph_step_has_no_host_sync(real_bf16):

@@ -130,12 +130,16 @@ class InputBatch:
     def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
                     steps: np.ndarray) -> StepArrays:
         """Positions, slots and offsets of one step: sequence b computes positions [starts[b], +num_new[b])."""
+        bs = self.block_size
+        if len(num_new) == int(num_new.sum()):  # decode: one token per sequence (the common step)
+            slots = self.block_table_np[rows, starts // bs].astype(np.int64) * bs + starts % bs
+            return StepArrays(rows, starts, num_new, steps, starts, slots,
+                              np.arange(len(rows) + 1, dtype=np.int32), (starts + 1).astype(np.int32))
         cu = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(num_new, out=cu[1:])
         total = int(cu[-1])
         seq_of_token = np.repeat(np.arange(len(rows)), num_new)
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64) - starts, num_new)
-        bs = self.block_size
         blocks = self.block_table_np[rows[seq_of_token], positions // bs].astype(np.int64)
         slots = blocks * bs + positions % bs
         return StepArrays(rows, starts, num_new, steps, positions, slots, cu, (starts + num_new).astype(np.int32))

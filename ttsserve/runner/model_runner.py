@@ -244,11 +244,15 @@ class ModelRunner:
 
     def _metadata(self, arr: StepArrays) -> tuple[AttentionMetadata, torch.Tensor]:
         """AttentionMetadata and positions [T] on the device for one step's host arrays."""
-        rows_t = async_h2d(torch.from_numpy(arr.rows), self.device)
+        ib = self.input_batch
+        if self.device.type == "cpu":  # the host table is the table: one numpy gather, no torch op
+            tables = torch.from_numpy(ib.block_table_np[arr.rows])
+        else:
+            tables = ib.block_table[async_h2d(torch.from_numpy(arr.rows), self.device)]
         md = AttentionMetadata(
             cu_seqlens_q=async_h2d(torch.from_numpy(arr.cu_seqlens_q), self.device),
             seq_lens=async_h2d(torch.from_numpy(arr.seq_lens), self.device),
-            block_tables=self.input_batch.block_table[rows_t],
+            block_tables=tables,
             slot_mapping=async_h2d(torch.from_numpy(arr.slot_mapping), self.device),
             max_query_len=int(arr.num_new.max()), max_seq_len=int(arr.seq_lens.max()), block_size=self.block_size,
             cu_seqlens_q_cpu=arr.cu_seqlens_q.tolist(), seq_lens_cpu=arr.seq_lens.tolist(),
