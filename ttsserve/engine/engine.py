@@ -111,7 +111,7 @@ class Engine:
         self.timings = StepTimings()
         self._finishing: dict[str, str] = {}  # code seq_id -> finish reason, until its final audio chunk
         self._ids = itertools.count()
-        logger.info(self.kv_spec.report())
+        logger.info(self.memory_report())
 
     def _vocoder_dtype(self) -> torch.dtype | None:
         """With a 16-bit GPT on CUDA the Decoder / Vocos run in fp16: on an H200 3.7x faster than fp32 and as
@@ -133,10 +133,16 @@ class Engine:
             budget = kv_budget_after_profiling(model, cfg)
         else:
             budget = 1 << 30
-        return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap)
+        return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap,
+                             kv_cache_dtype=cfg.kv_cache_dtype)
 
     def memory_report(self) -> str:
-        return self.kv_spec.report()
+        """How many streams fit, and what weight / KV quantization saved (when used)."""
+        from ttsserve.quant.memory import quantization_memory_report
+
+        shares_budget = self.model.device.type == "cuda" and self.cfg.kv_cache_memory is None
+        quant = quantization_memory_report(self.model, self.kv_spec, weights_share_budget=shares_budget)
+        return self.kv_spec.report() + (f"; {quant}" if quant else "")
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_synthesis(self, req: SynthesisRequest) -> str:
