@@ -1,29 +1,60 @@
-"""Dynamic batching: the user sets a step-latency goal, the engine picks how many sequences run per step.
+"""Dynamic batching: the user sets a step-latency goal, the engine picks how many sequences it admits.
 
-Rule (additive increase, multiplicative decrease on a smoothed latency): every step reports (batch size,
-step time). While the smoothed step time is below the target the limit grows by 1 per step that used the
-whole limit; when it exceeds the target, the limit shrinks to the batch size that the measured cost per
-sequence predicts for the target (at least 1). Streams then stay above real time (a step at the target
-latency produces one frame of 21.3 ms per stream) instead of all slowing down together.
+Rule. Each step reports (batch size b, step time t). The controller keeps an exponentially weighted
+least-squares fit t ~ fixed + per_seq * b over recent steps (old steps fade with factor 0.95), and sets
+the admission limit to the largest b whose predicted step time meets the target:
+    limit = floor((target - fixed) / per_seq), clamped to [1, max_num_seqs].
+Until the fit has seen two different batch sizes it grows the limit multiplicatively from a small start
+(doubling while under the target), so a burst of arrivals does not all enter at once. The limit only
+gates admission: running streams are never preempted for it, so a stream that started keeps its pace and
+new requests wait in the queue instead of slowing everyone down. A step at the target latency produces one
+frame (21.3 ms of audio) per running stream, so a target below ~21 ms keeps every stream above real time.
 """
 
 from __future__ import annotations
+
+INITIAL_LIMIT = 8
+DECAY = 0.95
 
 
 class BatchSizeController:
     def __init__(self, target_step_latency_ms: float, max_num_seqs: int) -> None:
         self.target = target_step_latency_ms
         self.max_num_seqs = max_num_seqs
-        self.limit = max_num_seqs
-        self.ema_ms: float | None = None
+        self.limit = min(INITIAL_LIMIT, max_num_seqs) if self.enabled else max_num_seqs
+        # Weighted sums for the least-squares fit of t = fixed + per_seq * b.
+        self._w = self._sb = self._st = self._sbb = self._sbt = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.target > 0
 
     def observe(self, batch_size: int, step_ms: float) -> None:
-        if self.target <= 0 or batch_size <= 0:
+        if not self.enabled or batch_size <= 0:
             return
-        self.ema_ms = step_ms if self.ema_ms is None else 0.8 * self.ema_ms + 0.2 * step_ms
-        if self.ema_ms > self.target:
-            per_seq = self.ema_ms / batch_size
-            self.limit = max(1, min(self.limit - 1, int(self.target / per_seq)))
-            self.ema_ms = None  # re-measure at the new size
-        elif batch_size >= self.limit:
-            self.limit = min(self.max_num_seqs, self.limit + 1)
+        d = DECAY
+        self._w = d * self._w + 1.0
+        self._sb = d * self._sb + batch_size
+        self._st = d * self._st + step_ms
+        self._sbb = d * self._sbb + batch_size * batch_size
+        self._sbt = d * self._sbt + batch_size * step_ms
+        fit = self.fit()
+        if fit is None:  # one batch size seen so far: probe upwards while under the target
+            if step_ms < self.target and batch_size >= self.limit:
+                self.limit = min(self.max_num_seqs, self.limit * 2)
+            elif step_ms > self.target:
+                self.limit = max(1, self.limit // 2)
+            return
+        fixed, per_seq = fit
+        best = int((self.target - fixed) / per_seq) if per_seq > 1e-9 else self.max_num_seqs
+        # Grow at most by doubling per step, so an optimistic fit is re-checked before it is trusted.
+        self.limit = max(1, min(self.max_num_seqs, best, 2 * max(self.limit, batch_size)))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed ms, ms per sequence), or None until two different batch sizes were observed."""
+        var = self._w * self._sbb - self._sb * self._sb
+        if var <= 1e-6 * max(1.0, self._w * self._sbb):
+            return None
+        per_seq = (self._w * self._sbt - self._sb * self._st) / var
+        fixed = (self._st - per_seq * self._sb) / self._w
+        return fixed, max(per_seq, 0.0)
