@@ -80,20 +80,20 @@ def test_cancel_frees_blocks(engine):
 
 def test_internal_failure_fails_requests_and_loop_survives(engine, monkeypatch):
     runner = engine.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     calls = {"n": 0}
 
     def flaky(sched, requests):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated kernel failure")
-        return real_execute(sched, requests)
+        return real_launch(sched, requests)
 
     async def main():
         await engine.start()
-        monkeypatch.setattr(runner, "execute", flaky)
+        monkeypatch.setattr(runner, "launch", flaky)
         failed = await _collect(engine, _req(7))
-        monkeypatch.setattr(runner, "execute", real_execute)
+        monkeypatch.setattr(runner, "launch", real_launch)
         ok = await _collect(engine, _req(8))
         return failed, ok
 
