@@ -7,7 +7,8 @@ M = number of tokens in the step (the batch size at decode), in each weight form
   f32pack / bf16pack oneDNN linear on weights reordered ONCE into oneDNN's blocked layout
   int8               torch._weight_int8pack_mm (int8 weights, per-channel scales, bf16 activations)
 Attention: 20 layers of one-token decode over B sequences of `ctx` tokens in a paged cache (block 16,
-12 x 64 heads, shuffled blocks), TorchPagedAttention (attention/torch_ref.py) in fp32 and bf16 KV.
+12 x 64 heads, shuffled blocks), TorchPagedAttention (attention/torch_ref.py) in fp32 and bf16 KV, with the
+torch.compile'd decode kernel and with the eager gather + SDPA path (KV write included in both).
 
     python3 benchmarks/cpu_kernels.py [--threads N] [--ms 1,4,8,16] [--kinds f32,bf16,bf16pack,int8]
 
@@ -18,6 +19,7 @@ only ever adds time); the load average is printed with every line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -78,10 +80,10 @@ def bench_linears(kinds: list[str], ms: list[int], reps: int) -> None:
 
 
 def bench_attention(cases: list[tuple[int, int]], reps: int) -> None:
-    backend = TorchPagedAttention()
+    backends = {"compiled": TorchPagedAttention(compile_decode=True), "eager": TorchPagedAttention(compile_decode=False)}
     for b, ctx in cases:
         cells = []
-        for dt in (torch.float32, torch.bfloat16):
+        for (name, backend), dt in itertools.product(backends.items(), (torch.float32, torch.bfloat16)):
             nb = -(-ctx // BLOCK)
             num_blocks = b * nb + 4
             caches = [torch.randn(2, num_blocks, BLOCK, HEADS, HEAD_DIM).to(dt) for _ in range(LAYERS)]
@@ -89,7 +91,7 @@ def bench_attention(cases: list[tuple[int, int]], reps: int) -> None:
             md = make_metadata(tables, [ctx - 1] * b, [1] * b, BLOCK)
             q, k = torch.randn(b, HEADS, HEAD_DIM).to(dt), torch.randn(b, HEADS, HEAD_DIM).to(dt)
             t = best_ms(lambda: [backend.forward(q, k, k, c, md, HEAD_DIM ** -0.5) for c in caches], reps)
-            cells.append(f"{str(dt)[6:]} KV {t:6.2f} ms")
+            cells.append(f"{name} {str(dt)[6:]} KV {t:6.2f} ms")
         print(f"attention x20 layers, B={b:2d} ctx={ctx:4d}: " + " | ".join(cells)
               + f"   [load {os.getloadavg()[0]:.1f}]", flush=True)
 

@@ -49,25 +49,29 @@ def _decode_case(lens: list[int], hq: int, hkv: int, block_size: int, dtype: tor
     return cache, md, q, k, v, contexts
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("lens,heads,block_size", [
-    ([37], (4, 4), 16),  # one sequence: no mask, the gather is trimmed to the context
+    ([37], (4, 4), 16),  # one sequence: no mask (eager), the gather is trimmed to the context
     ([20, 20, 20], (4, 4), 4),  # equal lengths: no mask either
     ([5, 33, 17, 1], (4, 2), 8),  # ragged lengths (mask), GQA, a one-token context
 ])
-def test_decode_matches_float64(lens: list[int], heads: tuple[int, int], block_size: int) -> None:
+def test_decode_matches_float64(lens: list[int], heads: tuple[int, int], block_size: int, compiled: bool) -> None:
     cache, md, q, k, v, contexts = _decode_case(lens, *heads, block_size, torch.float32, seed=len(lens))
     assert md.is_decode_only
-    out = TorchPagedAttention().forward(q, k, v, cache, md, q.shape[-1] ** -0.5)
+    backend = TorchPagedAttention(compile_decode=compiled)
+    out = backend.forward(q, k, v, cache, md, q.shape[-1] ** -0.5)
+    assert backend.compile_decode == compiled  # the compiled path really ran (no silent fallback)
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (kc, vc) in enumerate(contexts):
         assert (out[i].double() - attention_f64(q[i], kc, vc)).abs().max() < 1e-5
 
 
-def test_bf16_cache_attends_in_fp32() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_bf16_cache_attends_in_fp32(compiled: bool) -> None:
     """A bf16 cache: the result is the float64 attention of the bf16 values to fp32 accuracy, then rounded
     once to bf16 (no bf16 rounding inside the softmax or the weighted sum)."""
     cache, md, q, k, v, contexts = _decode_case([40, 9, 26], 4, 4, 16, torch.bfloat16, seed=7)
-    out = TorchPagedAttention().forward(q, k, v, cache, md, q.shape[-1] ** -0.5)
+    out = TorchPagedAttention(compile_decode=compiled).forward(q, k, v, cache, md, q.shape[-1] ** -0.5)
     assert out.dtype == torch.bfloat16
     for i, (kc, vc) in enumerate(contexts):
         want = attention_f64(q[i], kc, vc)
@@ -76,15 +80,44 @@ def test_bf16_cache_attends_in_fp32() -> None:
 
 
 def test_scratch_reuse_and_per_step_cache() -> None:
-    """One backend instance across steps of different shapes (the scratch grows and is reused; the cached
-    block ids / mask belong to one metadata object) gives what fresh instances give."""
-    backend = TorchPagedAttention()
+    """One eager backend instance across steps of different shapes (the scratch grows and is reused; the
+    cached page ids / mask belong to one metadata object) gives what fresh instances give, and the compiled
+    kernel agrees with it."""
+    backend = TorchPagedAttention(compile_decode=False)
     for seed, lens in enumerate([[50, 3], [2], [64, 64, 10, 33], [7, 7]]):
         cache, md, q, k, v, _ = _decode_case(lens, 2, 2, 4, torch.float32, seed=seed)
         got = backend.forward(q, k, v, cache, md, 0.5)
         again = backend.forward(q, k, v, cache, md, 0.5)  # same md object: cached ids / mask reused
-        fresh = TorchPagedAttention().forward(q, k, v, cache.clone(), md, 0.5)
+        fresh = TorchPagedAttention(compile_decode=False).forward(q, k, v, cache.clone(), md, 0.5)
         assert torch.equal(got, fresh) and torch.equal(again, fresh)
+        compiled = TorchPagedAttention(compile_decode=True).forward(q, k, v, cache.clone(), md, 0.5)
+        assert (compiled - fresh).abs().max() < 1e-5
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch) -> None:
+    import ttsserve.attention.torch_ref as ref
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(ref, "_compiled_paged_decode", lambda: broken)
+    cache, md, q, k, v, contexts = _decode_case([12, 30], 2, 2, 4, torch.float32, seed=3)
+    backend = TorchPagedAttention(compile_decode=True)
+    out = backend.forward(q, k, v, cache, md, q.shape[-1] ** -0.5)
+    assert backend.compile_decode is False  # off for good after the first failure
+    for i, (kc, vc) in enumerate(contexts):
+        assert (out[i].double() - attention_f64(q[i], kc, vc)).abs().max() < 1e-5
+    assert TorchPagedAttention().compile_decode is False  # opt-in
+    monkeypatch.setenv(ref.COMPILE_ENV, "0")
+    assert TorchPagedAttention(compile_decode=True).compile_decode is False  # the environment vetoes it
+
+
+def test_warmup_compiles_without_touching_the_cache() -> None:
+    cache = torch.randn(kv_cache_shape(3, 4, 2, 8)).to(torch.bfloat16)
+    before = cache.clone()
+    backend = TorchPagedAttention(compile_decode=True)
+    backend.warmup(cache, num_heads=2)
+    assert backend.compile_decode and torch.equal(cache, before)
 
 
 def test_gather_kv_and_write_kv_roundtrip() -> None:

@@ -5,8 +5,9 @@ with ONE `index_select` per layer into a reused scratch buffer; batches with pre
 sequences (simple beats fast there: prefill is a small part of a ChatTTS request).
 
 Why this shape on CPU (benchmarks/cpu_kernels.py, BENCHMARKS.md):
-- `index_select` along the block axis copies whole pages (block_size * Hkv * D contiguous values) and is
-  5-10x faster than advanced indexing `kv_cache[:, block_table]`;
+- `index_select` along dim 0 of the cache viewed as [2 * num_blocks, page] copies whole pages
+  (block_size * Hkv * D contiguous values, a memcpy each) and is 5-10x faster than advanced indexing
+  `kv_cache[:, block_table]` or an index_select along the block axis of [2, num_blocks, page];
 - the scratch buffer is kept: a fresh tensor of tens of MB per layer per step is an mmap + page faults;
 - the attention math runs in fp32 whatever the cache dtype: torch's CPU SDPA is 2-3x slower in bf16 than
   in fp32, and a bf16 cache already halves the bytes gathered.
@@ -14,11 +15,17 @@ Why this shape on CPU (benchmarks/cpu_kernels.py, BENCHMARKS.md):
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 
 from ttsserve.attention.backend import AttentionMetadata
 from ttsserve.attention.dense import causal_sdpa
+
+logger = logging.getLogger(__name__)
+COMPILE_ENV = "TTSSERVE_CPU_COMPILE"  # "0": never torch.compile the CPU decode attention
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -33,26 +40,73 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache.view(2, num_blocks * block_size, hkv, d).index_copy_(1, slots, kv)
 
 
+def kv_page_ids(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Rows of the cache viewed as [2 * num_blocks, page] holding the K pages, then the V pages, of
+    `block_ids` [n]: [2n] int64. A gather along dim 0 of a contiguous tensor is a memcpy per row; along
+    any other dim torch's CPU index_select takes a per-element path (~5x slower)."""
+    ids = block_ids.long()
+    return torch.cat((ids, ids + num_blocks))
+
+
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's context: block_table [num_blocks_of_seq] -> k, v: [ctx_len, Hkv, D]."""
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     nb = -(-ctx_len // block_size)
-    pages = kv_cache.view(2, num_blocks, -1).index_select(1, block_table[:nb])  # [2, nb, block_size*Hkv*D]
+    pages = kv_cache.view(2 * num_blocks, -1).index_select(0, kv_page_ids(block_table[:nb], num_blocks))
     pages = pages.view(2, nb * block_size, hkv, d)[:, :ctx_len]
     return pages[0], pages[1]
+
+
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its paged context, in fp32.
+
+    q: [B, Hq, D] fp32; k_pages / v_pages: [num_blocks, block_size, Hkv, D] (any float dtype);
+    block_tables: [B, nb] int (nb * block_size >= every seq_len; padding ids must be valid blocks);
+    seq_lens: [B] int (>= 1). Returns [B, Hq, D] fp32.
+
+    Written as page gathers feeding elementwise products and reductions, not matmuls, so that inductor fuses
+    each of q.k and p.v into ONE pass over the pages read straight from the cache (no gathered copy, no
+    fp32 copy of a bf16 cache): 3-6x faster than gather + SDPA on CPU (benchmarks/cpu_kernels.py).
+    """
+    b, nb = block_tables.shape
+    block_size, hkv, d = k_pages.shape[1:]
+    hq = q.shape[1]
+    length = nb * block_size
+    ids = block_tables.long()
+    k = k_pages[ids].reshape(b, length, hkv, 1, d).float()
+    scores = (q.reshape(b, 1, hkv, hq // hkv, d) * k).sum(-1) * scale  # [B, L, Hkv, rep]
+    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
+    probs = scores.masked_fill(~valid[:, :, None, None], float("-inf")).softmax(dim=1)
+    v = v_pages[ids].reshape(b, length, hkv, 1, d).float()
+    return (probs[..., None] * v).sum(1).reshape(b, hq, d)
+
+
+_compiled_decode = None  # torch.compile(paged_decode_attention): one compilation per process
+
+
+def _compiled_paged_decode():
+    global _compiled_decode
+    if _compiled_decode is None:
+        _compiled_decode = torch.compile(paged_decode_attention, dynamic=True)
+    return _compiled_decode
 
 
 class TorchPagedAttention:
     """PagedAttentionBackend in plain torch (see attention/backend.py for the contract).
 
-    Holds scratch buffers reused across layers and steps, so one instance serves one engine thread.
+    compile_decode: run decode-only steps on a CPU cache through torch.compile(paged_decode_attention), an
+    engine's opt-in (the reference itself stays eager); $TTSSERVE_CPU_COMPILE=0 vetoes it. Any compilation
+    failure (e.g. no C++ compiler) falls back, once and for good, to the eager gather + SDPA path: slower,
+    never wrong. Holds scratch buffers reused across layers and steps: one instance per engine thread.
     """
 
     name = "torch_ref"
 
-    def __init__(self) -> None:
+    def __init__(self, compile_decode: bool = False) -> None:
+        self.compile_decode = compile_decode and os.environ.get(COMPILE_ENV, "1") != "0"
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
-        self._step: tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None] | None = None
+        self._step: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -64,6 +118,10 @@ class TorchPagedAttention:
         """
         write_kv(kv_cache, k, v, md.slot_mapping)
         if md.is_decode_only and q.shape[0] == md.num_seqs:
+            if self.compile_decode and kv_cache.device.type == "cpu":
+                out = self._decode_compiled(q, kv_cache, md, scale)
+                if out is not None:
+                    return out
             return self._decode(q, kv_cache, md, scale)
         out = torch.empty_like(q)
         cu = md.cu_seqlens_q_cpu
@@ -75,14 +133,41 @@ class TorchPagedAttention:
             out[s:e] = causal_sdpa(q[s:e].float(), kb.float(), vb.float(), scale).to(q.dtype)
         return out
 
+    def _decode_compiled(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                         scale: float) -> torch.Tensor | None:
+        """The decode step through the compiled kernel; None (and compile_decode off) if it cannot compile."""
+        nb = -(-md.max_seq_len // kv_cache.shape[2])
+        try:
+            out = _compiled_paged_decode()(q.float(), kv_cache[0], kv_cache[1], md.block_tables[:, :nb],
+                                           md.seq_lens, scale)
+        except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: use the eager path
+            logger.warning("torch.compile of the CPU decode attention failed (%s: %s); using gather + SDPA",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.compile_decode = False
+            return None
+        return out.to(q.dtype)
+
+    def warmup(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+        """Compile the decode kernel now (one and several sequences, under inference mode like the engine's
+        steps) rather than in the first request's first step. No-op when compile_decode is off."""
+        if not (self.compile_decode and kv_cache.device.type == "cpu"):
+            return
+        block_size, d = kv_cache.shape[2], kv_cache.shape[4]
+        with torch.inference_mode():
+            for b in (1, 2):
+                q = torch.zeros(b, num_heads, d, dtype=kv_cache.dtype)
+                md = make_metadata([[0, 1]] * b, [block_size] * b, [1] * b, block_size)
+                if self._decode_compiled(q, kv_cache, md, d ** -0.5) is None:
+                    return
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         """One new token per sequence: a single padded SDPA over [B, max_seq_len] keys with a length mask
         (no mask for a single sequence: its context is exactly the gathered length)."""
         b, hq, d = q.shape
         _, num_blocks, block_size, hkv, _ = kv_cache.shape
-        block_ids, mask = self._step_tensors(md, block_size)
-        width = block_ids.numel() // b * block_size  # padded context length of every row
-        pages = self._gather(kv_cache.view(2, num_blocks, -1), block_ids)
+        page_ids, mask = self._step_tensors(md, num_blocks, block_size)
+        width = page_ids.numel() // (2 * b) * block_size  # padded context length of every row
+        pages = self._gather(kv_cache.view(2 * num_blocks, -1), page_ids)
         kv = pages.view(2, b, width, hkv, d)[:, :, :md.max_seq_len]
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
         if hq != hkv:
@@ -91,30 +176,31 @@ class TorchPagedAttention:
         out = F.scaled_dot_product_attention(q.float()[:, :, None, :], keys, values, attn_mask=mask, scale=scale)
         return out[:, :, 0, :].to(q.dtype)
 
-    def _step_tensors(self, md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(flat block ids [B * nb], length mask [B, 1, 1, L] or None), built once per step (every layer
-        shares the step's metadata object)."""
-        if self._step is not None and self._step[0] is md:
-            return self._step[1], self._step[2]
+    def _step_tensors(self, md: AttentionMetadata, num_blocks: int, block_size: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(page rows [2 * B * nb] (kv_page_ids of every row's first nb blocks), length mask [B, 1, 1, L]
+        or None), built once per step: every layer shares the step's metadata object and cache shape."""
+        if self._step is not None and self._step[0] is md and self._step[1] == num_blocks:
+            return self._step[2], self._step[3]
         nb = -(-md.max_seq_len // block_size)
-        block_ids = md.block_tables[:, :nb].reshape(-1)
+        block_ids = kv_page_ids(md.block_tables[:, :nb].reshape(-1), num_blocks)
         mask = None
         if md.num_seqs > 1 and min(md.seq_lens_cpu) < md.max_seq_len:
             pos = torch.arange(md.max_seq_len, device=block_ids.device)
             mask = (pos[None, :] < md.seq_lens.to(block_ids.device).long()[:, None])[:, None, None, :]
-        self._step = (md, block_ids, mask)
+        self._step = (md, num_blocks, block_ids, mask)
         return block_ids, mask
 
-    def _gather(self, flat: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """flat [2, num_blocks, page] -> [2, len(block_ids), page] fp32, in reused scratch memory."""
-        shape = (2, block_ids.numel(), flat.shape[2])
-        pages = torch.index_select(flat, 1, block_ids, out=self._buffer(flat.dtype, shape, flat.device))
+    def _gather(self, flat: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """flat [2 * num_blocks, page] -> [len(page_ids), page] fp32, in reused scratch memory."""
+        shape = (page_ids.numel(), flat.shape[1])
+        pages = torch.index_select(flat, 0, page_ids, out=self._buffer(flat.dtype, shape, flat.device))
         if pages.dtype == torch.float32:
             return pages
         return self._buffer(torch.float32, shape, flat.device).copy_(pages)
 
-    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        n = shape[0] * shape[1] * shape[2]
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        n = shape[0] * shape[1]
         buf = self._scratch.get(dtype)
         if buf is None or buf.numel() < n or buf.device != device:
             buf = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())), dtype=dtype, device=device)
