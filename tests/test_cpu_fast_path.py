@@ -107,9 +107,11 @@ def test_compile_failure_falls_back_to_eager(monkeypatch) -> None:
     assert backend.compile_decode is False  # off for good after the first failure
     for i, (kc, vc) in enumerate(contexts):
         assert (out[i].double() - attention_f64(q[i], kc, vc)).abs().max() < 1e-5
+    monkeypatch.delenv(ref.COMPILE_ENV, raising=False)
     assert TorchPagedAttention().compile_decode is False  # opt-in
-    monkeypatch.setenv(ref.COMPILE_ENV, "0")
-    assert TorchPagedAttention(compile_decode=True).compile_decode is False  # the environment vetoes it
+    monkeypatch.setenv(ref.COMPILE_ENV, "1")
+    assert TorchPagedAttention().compile_decode is True
+    assert TorchPagedAttention(compile_decode=False).compile_decode is False  # an explicit choice wins
 
 
 def test_warmup_compiles_without_touching_the_cache() -> None:

@@ -25,7 +25,7 @@ from ttsserve.attention.backend import AttentionMetadata
 from ttsserve.attention.dense import causal_sdpa
 
 logger = logging.getLogger(__name__)
-COMPILE_ENV = "TTSSERVE_CPU_COMPILE"  # "0": never torch.compile the CPU decode attention
+COMPILE_ENV = "TTSSERVE_CPU_COMPILE"  # "1": torch.compile the CPU decode attention by default
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -95,16 +95,20 @@ def _compiled_paged_decode():
 class TorchPagedAttention:
     """PagedAttentionBackend in plain torch (see attention/backend.py for the contract).
 
-    compile_decode: run decode-only steps on a CPU cache through torch.compile(paged_decode_attention), an
-    engine's opt-in (the reference itself stays eager); $TTSSERVE_CPU_COMPILE=0 vetoes it. Any compilation
-    failure (e.g. no C++ compiler) falls back, once and for good, to the eager gather + SDPA path: slower,
-    never wrong. Holds scratch buffers reused across layers and steps: one instance per engine thread.
+    compile_decode: run decode-only steps on a CPU cache through torch.compile(paged_decode_attention);
+    None: only when $TTSSERVE_CPU_COMPILE is "1" (opt-in: it costs ~5 s of compilation per process, or
+    ~2 s with inductor's disk cache warm, and pays off at batch >= 8: benchmarks/cpu_kernels.py). Any
+    compilation failure (e.g. no C++ compiler) falls back, once and for good, to the eager gather + SDPA
+    path: slower, never wrong. Holds scratch buffers reused across layers and steps: one instance per
+    engine thread.
     """
 
     name = "torch_ref"
 
-    def __init__(self, compile_decode: bool = False) -> None:
-        self.compile_decode = compile_decode and os.environ.get(COMPILE_ENV, "1") != "0"
+    def __init__(self, compile_decode: bool | None = None) -> None:
+        if compile_decode is None:
+            compile_decode = os.environ.get(COMPILE_ENV, "0") == "1"
+        self.compile_decode = compile_decode
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._step: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor | None] | None = None
 
