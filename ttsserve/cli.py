@@ -74,6 +74,9 @@ def _say(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ttsserve.runner.cpu_threads import openmp_env_defaults
+
+    openmp_env_defaults()  # before torch loads: sleeping (not spinning) OpenMP waits on a busy machine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
     sub = ap.add_subparsers(dest="command", required=True)

@@ -127,6 +127,10 @@ class AsyncEngine:
 
     # ---- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.engine.model.device.type == "cpu":
+            from ttsserve.runner.cpu_threads import configure_cpu_threads
+
+            configure_cpu_threads()  # the engine thread runs every torch op: size its team once
         while not self._stopping:
             self._drain_inbox()
             # Aborted requests are released by the scheduler's next step, so step while any remain.

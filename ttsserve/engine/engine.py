@@ -22,7 +22,7 @@ from ttsserve.engine.frontend import FrontEnd, Segment
 from ttsserve.engine.request import Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
-from ttsserve.model.chattts import ChatTTSModel, load_model
+from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
 from ttsserve.runner.model_runner import ModelRunner, SequenceInputs
@@ -79,6 +79,10 @@ class EngineCounters:
 class Engine:
     def __init__(self, cfg: EngineConfig, model: ChatTTSModel | None = None) -> None:
         self.cfg = cfg
+        if resolve_device(cfg.device).type == "cpu":
+            from ttsserve.runner.cpu_threads import configure_cpu_threads
+
+            configure_cpu_threads()  # threads = free physical cores: oversubscribed OpenMP teams stall
         self.model = model or load_model(cfg)
         tok = self.model.tokenizer
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
