@@ -61,6 +61,7 @@ class ChatTTSOptions(_Strict):
     top_k: int | None = Field(None, ge=1, le=1024)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     max_new_tokens: int | None = Field(None, ge=1, le=1 << 20, description="frame cap per text segment")
+    min_new_tokens: int | None = Field(None, ge=0, le=1 << 20, description="EOS is banned before this many frames")
     refine_text: bool | None = Field(None, description="run the refine-text stage (default: on iff a prompt is given)")
     prompt: str | None = Field(
         None, max_length=256, description="refine prompt of [oral_0-9][laugh_0-2][break_0-7] tokens"
@@ -188,12 +189,14 @@ def build_synthesis_request(
     speed_index, residual = speed_to_prompt(speed)
     overrides = {
         k: getattr(opts, k)
-        for k in ("seed", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+        for k in ("seed", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens")
         if getattr(opts, k) is not None
     }
     cap = max_new_tokens_cap
     if cap is not None:
         overrides["max_new_tokens"] = min(overrides.get("max_new_tokens", cap), cap)
+        if "min_new_tokens" in overrides:
+            overrides["min_new_tokens"] = min(overrides["min_new_tokens"], overrides["max_new_tokens"])
     code_params = SamplingParams.code_defaults(**overrides)
     refine_prompt = refine_prompt_of(opts, instructions)
     refine_text = opts.refine_text if opts.refine_text is not None else bool(refine_prompt)
