@@ -69,6 +69,8 @@ class EngineConfig:
         audio; later ones double up to the max).
     lookahead_frames: right context of each streamed window; None = exact (the stitched stream equals the
         one-shot decode); smaller values start audio sooner at the cost of small seams (see BENCHMARKS.md).
+    cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
+        may use (ttsserve/runner/cpu_threads.py).
     """
 
     model: str | None = None
@@ -96,6 +98,7 @@ class EngineConfig:
     lookahead_frames: int | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -116,6 +119,7 @@ class EngineConfig:
             (self.target_step_latency_ms >= 0, "target_step_latency_ms must be >= 0"),
             (1 <= self.first_chunk_frames <= self.max_chunk_frames, "need 1 <= first_chunk_frames <= max_chunk_frames"),
             (self.max_queue_len >= 1, "max_queue_len must be >= 1"),
+            (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.lookahead_frames is None or self.lookahead_frames >= 1, "lookahead_frames must be >= 1"),
         ]
         for ok, msg in checks:

@@ -60,13 +60,17 @@ def _add_offline(sub) -> None:
     p.add_argument("--split", action="store_true", help="split long texts into segments (default: one each)")
     p.add_argument("--warmup-frames", type=int, default=8, help="an untimed warm-up request (0: none)")
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: $OMP_NUM_THREADS, else the physical cores)")
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None, help="checkpoint folder (holding asset/) or hub id")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["int8", "awq-int4"],
+                   help="GPT weight format (a dense dummy checkpoint is quantized at load; the hf backend "
+                        "always runs dense weights)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--block-size", type=int, default=16)
@@ -159,7 +163,8 @@ def _engine_config(a: argparse.Namespace):
                   dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                   kv_cache_memory=a.kv_cache_memory, swap_space=a.swap_space,
-                  gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
+                  gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+                  quantization=a.quantization, cpu_threads=a.threads)
     return EngineConfig(**(fields | engine_overrides(a.engine_arg)))
 
 
@@ -188,8 +193,10 @@ def _offline(a: argparse.Namespace) -> int:
     from ttsserve.bench.report import build_report, default_out_dir, write_report
     from ttsserve.bench.sysinfo import machine_info
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    if a.device == "cpu" or (a.device == "auto" and not torch.cuda.is_available()):
+        from ttsserve.runner.cpu_threads import configure_cpu_threads
+
+        configure_cpu_threads(a.threads)  # the same policy for both backends (the Engine applies it again)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     spec = OfflineSpec(batch_sizes=a.batch_sizes, frames=a.frames, lengths=a.lengths, rounds=a.rounds,
                        seed=a.seed, langs=a.langs, text_lengths=a.text_lengths, split=a.split,

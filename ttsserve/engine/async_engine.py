@@ -130,7 +130,7 @@ class AsyncEngine:
         if self.engine.model.device.type == "cpu":
             from ttsserve.runner.cpu_threads import configure_cpu_threads
 
-            configure_cpu_threads()  # the engine thread runs every torch op: size its team once
+            configure_cpu_threads(self.engine.cfg.cpu_threads)  # the engine thread runs every torch op
         while not self._stopping:
             self._drain_inbox()
             # Aborted requests are released by the scheduler's next step, so step while any remain.

@@ -82,7 +82,7 @@ class Engine:
         if resolve_device(cfg.device).type == "cpu":
             from ttsserve.runner.cpu_threads import configure_cpu_threads
 
-            configure_cpu_threads()  # threads = free physical cores: oversubscribed OpenMP teams stall
+            configure_cpu_threads(cfg.cpu_threads)  # threads = physical cores: oversubscribed OpenMP teams stall
         self.model = model or load_model(cfg)
         tok = self.model.tokenizer
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
@@ -123,6 +123,12 @@ class Engine:
         benchmarks/results/gpu/run2_graphs_fused.json). The fp32 GPT (the parity path) keeps fp32 networks."""
         if self.model.device.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16):
             return torch.float16
+        if self.model.device.type == "cpu" and self.model.dtype == torch.bfloat16:
+            from ttsserve.model.cpu_linear import cpu_has_native_bf16
+
+            # CPUs with native bf16 dot products (AVX512_BF16 / AMX): 2x faster than fp32 at 35 dB SNR
+            # (benchmarks/cpu_parity.py); elsewhere oneDNN emulates bf16 and fp32 is faster
+            return torch.bfloat16 if cpu_has_native_bf16() else None
         return None
 
     # ---- memory ------------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ class ModelRunner:
         self.kv = KVCache(self.cfg, kv_spec, self.device, self.dtype)
         self.block_size = kv_spec.block_size
         self.backend, graphable = runner_backend(self.device, self.cfg.head_dim)
+        if self.device.type == "cpu":
+            self._setup_cpu(enforce_eager)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
@@ -137,6 +139,16 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs))
             self.graphs.capture()
+
+    def _setup_cpu(self, enforce_eager: bool) -> None:
+        """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered); the
+        opt-in ($TTSSERVE_CPU_COMPILE=1) compiled decode attention is compiled now, not in the first request."""
+        from ttsserve.model.cpu_linear import pack_linears_
+
+        pack_linears_(self.model.gpt)
+        if enforce_eager:
+            self.backend.compile_decode = False
+        self.backend.warmup(self.kv.layers[0], self.cfg.num_heads)
 
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:
