@@ -13,31 +13,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
+# The real contract types, so the fake cannot drift from what the engine yields.
+from ttsserve.engine.async_engine import EngineOverloadedError
+from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
 from ttsserve.text.speaker import decode_speaker
 
 SAMPLES_PER_FRAME = 512  # 24000 / 46.875
 HIDDEN = 768
 BLOCK = 16
-
-
-class EngineOverloadedError(RuntimeError):
-    pass
-
-
-@dataclass
-class AudioOutput:
-    request_id: str
-    samples: np.ndarray
-    finished: bool
-    num_frames: int = 0
-    finish_reason: str | None = None
-    truncated_segments: list[int] = field(default_factory=list)
-    error: str | None = None
 
 
 class FakeEngine:
