@@ -96,17 +96,6 @@ class Cluster:
     def kill_replica(self, i: int) -> int:
         pid = self.replica_pid(i)
         os.kill(pid, signal.SIGKILL)
-        # Wait until the kernel has closed its sockets (zombie or reaped): a connection the dying process
-        # had already accepted is not retried by the built-in balancer (docs/DEPLOY.md: use nginx for that).
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (FileNotFoundError, IndexError):
-                break
-            if state in ("Z", "X"):
-                break
-            time.sleep(0.01)
         return pid
 
     def wait_all_ready(self, timeout_s: float = 90.0) -> None:

@@ -1,5 +1,6 @@
 """The data-parallel load balancer (ttsserve/deploy/proxy.py) against fake replicas on loopback: least
-connections, /ready probing, failover on a refused connect, 503 when none is ready, unbuffered streaming.
+connections, /ready probing, failover on a refused connect or a connection closed without an answer (the
+request replayed), 503 when none is ready, unbuffered streaming.
 Deterministic: the fake replicas are driven by events, not sleeps."""
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ def test_pick_backend_least_connections() -> None:
 
 class FakeReplica:
     """GET /ready -> 200 (or 503 when not ready). GET /stream -> a chunked body: chunk "<name>-1", then waits
-    for `release`, then "<name>-2" and the end. GET /hold -> headers, then waits for `release`."""
+    for `release`, then "<name>-2" and the end. GET /hold -> headers, then waits for `release`. With `drop`
+    set it reads a request other than /ready and closes without a byte (a replica killed after accepting, its
+    probe not yet failed), counting it in `dropped`; `requests` holds the raw heads of those it answered."""
 
     def __init__(self, name: str) -> None:
         self.name, self.port = name, _free_port()
         self.ready = True
         self.release = asyncio.Event()
         self.served = 0
+        self.drop = False
+        self.dropped = 0
+        self.requests: list[bytes] = []
         self.server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -50,9 +56,16 @@ class FakeReplica:
 
     async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         line = await r.readline()
-        while (await r.readline()) not in (b"\r\n", b""):
-            pass
+        head = line
+        while (h := await r.readline()) not in (b"\r\n", b""):
+            head += h
         path = line.split(b" ")[1]
+        if path != b"/ready":
+            if self.drop:
+                self.dropped += 1
+                w.close()
+                return
+            self.requests.append(head)
         if path == b"/ready":
             status = b"200 OK" if self.ready else b"503 Service Unavailable"
             w.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
@@ -151,6 +164,43 @@ def test_failover_when_a_replica_refuses_and_503_when_none_left() -> None:
         body = await _read_until(r, b"}}")
         assert body.startswith(b"HTTP/1.1 503") and b"no_replica_ready" in body
         w.close()
+
+    _run(_with_lb(test))
+
+
+def test_a_request_a_replica_closed_unanswered_is_replayed_to_the_next() -> None:
+    async def test(lb: LoadBalancer, reps: list[FakeReplica]) -> None:
+        for rep in reps:
+            rep.release.set()
+        reps[0].drop = True  # accepts, reads, dies: the probe still says ready
+        reps[1].drop = False
+        for i in range(2):
+            r, w = await asyncio.open_connection("127.0.0.1", lb.port)
+            # The request arrives in two pieces, the second after the replica has seen the first.
+            w.write(f"GET /stream?n={i} HTTP/1.1\r\n".encode())
+            await w.drain()
+            await asyncio.sleep(0.02)
+            w.write(b"host: x\r\n\r\n")
+            body = await _read_until(r, b"0\r\n\r\n")
+            assert b"b-1" in body and b"b-2" in body
+            w.close()
+        assert [q.split(b"\r\n")[0] for q in reps[1].requests] == [b"GET /stream?n=0 HTTP/1.1",
+                                                                     b"GET /stream?n=1 HTTP/1.1"]
+        assert all(q.endswith(b"host: x\r\n") for q in reps[1].requests)
+        assert reps[0].requests == [] and reps[0].dropped >= 1
+
+    _run(_with_lb(test))
+
+
+def test_no_replay_past_the_limit() -> None:
+    async def test(lb: LoadBalancer, reps: list[FakeReplica]) -> None:
+        for rep in reps:
+            rep.drop = True
+        lb.replay_limit_bytes = 16
+        r, w = await _open(lb.port, "/a-request-line-longer-than-sixteen-bytes")
+        assert await _read_until(r, b"never") == b""  # closed, not retried, no 503 either
+        w.close()
+        assert sum(rep.dropped for rep in reps) == 1  # only the first replica saw it
 
     _run(_with_lb(test))
 
