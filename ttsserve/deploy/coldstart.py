@@ -31,6 +31,7 @@ from pathlib import Path
 PHASES = [
     ("imports", re.compile(r"loading model")),
     ("model_loaded", re.compile(r"loaded .* of weights")),
+    ("graphs_captured", re.compile(r"captured \d+ decode CUDA graphs")),  # GPU only, inside the engine build
     ("engine_built", re.compile(r"KV cache: ")),
     ("app_started", re.compile(r"Application startup complete|ttsserve ready")),
 ]

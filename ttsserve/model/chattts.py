@@ -50,9 +50,10 @@ class ChatTTSModel:
         return None if self.quant is None else self.quant.method
 
     def weight_bytes(self) -> int:
-        """Bytes of every stored tensor (parameters, and the buffers that hold quantized weights)."""
-        mods = (self.gpt, self.embed, self.decoder, self.dvae, self.vocos)
-        return sum(t.numel() * t.element_size() for m in mods for t in m.state_dict().values())
+        """Bytes of every stored tensor (parameters, quantized-weight buffers, CPU-packed weights)."""
+        from ttsserve.model.cpu_linear import stored_weight_bytes
+
+        return sum(stored_weight_bytes(m) for m in (self.gpt, self.embed, self.decoder, self.dvae, self.vocos))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -65,3 +65,10 @@ def pack_linears_(module: nn.Module) -> int:
         else:
             count += pack_linears_(child)
     return count
+
+
+def stored_weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's stored tensors: its state_dict (parameters, and the buffers that hold quantized
+    weights) plus the packed weights of its PackedLinears, which no state_dict holds."""
+    state = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    return state + sum(m.nbytes for m in module.modules() if isinstance(m, PackedLinear))

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ttsserve.model.cpu_linear import stored_weight_bytes
+
 VARIANTS = (("bf16", None, "auto"), ("int8", "int8", "auto"), ("int4", "awq-int4", "auto"),
             ("bf16+fp8kv", None, "fp8"), ("int8+fp8kv", "int8", "fp8"))
 
@@ -38,10 +40,6 @@ def build_gpts(device: torch.device) -> dict[str, torch.nn.Module]:
         g = quantize_gpt_(GPT.from_state_dict(sd, cfg, device=device), QuantConfig.for_method(method))
         out[name] = cast_except_quant(g, device, torch.bfloat16).eval()
     return out
-
-
-def weight_bytes(gpt: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in gpt.state_dict().values())
 
 
 def make_caches(cfg, num_blocks: int, kv_dtype: str, device: torch.device) -> list:
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for label, method, kv in VARIANTS:
             gpt = gpts[label.split("+")[0]]
-            result["memory"][label] = {"gpt_weight_MiB": weight_bytes(gpt) / 2**20,
+            result["memory"][label] = {"gpt_weight_MiB": stored_weight_bytes(gpt) / 2**20,
                                        "kv_KiB_per_frame": kv_bytes_per_token(cfg, torch.bfloat16, kv) / 1024}
             for b in batches:
                 r = time_step(gpt, cfg, b, a.context, kv, device, a.iters)

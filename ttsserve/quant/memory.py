@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ttsserve.model.cpu_linear import stored_weight_bytes
 from ttsserve.quant.linear import quant_linears
 from ttsserve.runner.kv_cache import KVCacheSpec, kv_bytes_per_token
 
@@ -30,7 +31,7 @@ class QuantMemorySavings:
 
 def quantization_savings(model, kv_spec: KVCacheSpec, weights_share_budget: bool) -> QuantMemorySavings:
     """model: a ChatTTSModel; kv_spec: the plan in use (its kv_cache_dtype says whether KV is fp8)."""
-    gpt_bytes = sum(t.numel() * t.element_size() for t in model.gpt.state_dict().values())
+    gpt_bytes = stored_weight_bytes(model.gpt)
     dense = gpt_bytes
     for ql in quant_linears(model.gpt):
         dense += ql.dense_bytes(model.dtype) - sum(b.numel() * b.element_size() for b in ql.buffers())
