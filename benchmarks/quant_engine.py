@@ -44,7 +44,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     backend = TTSServeBackend(cfg)
     build_s = time.perf_counter() - t0
-    spec = OfflineSpec(batch_sizes=args.batch_sizes, frames=args.frames)
+    # Warm every chunk shape at every batch size: first-use compilation must not land in one variant's figures.
+    spec = OfflineSpec(batch_sizes=args.batch_sizes, frames=args.frames, warmup_frames=min(args.frames, 128))
     results = run_offline(spec, backend, progress=False)
     row = {"variant": name, "engine_build_s": round(build_s, 2), "memory_report": backend.engine.memory_report(),
            "gpt_weight_bytes": stored_weight_bytes(backend.engine.model.gpt),

@@ -112,3 +112,26 @@ def test_engine_overrides_are_typed_and_checked() -> None:
         engine_overrides(["no_such_field=1"])
     with pytest.raises(ValueError, match="'x' is not a valid"):
         engine_overrides(["max_num_seqs=x"])
+
+
+def test_each_batch_size_is_warmed_at_its_own_size_and_not_timed() -> None:
+    from ttsserve.bench.offline import BatchRun, OfflineSpec, run_offline
+    from ttsserve.bench.results import RequestRecord
+
+    class Recorder:  # a backend that records what it was asked to run
+        name = "recorder"
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int]] = []  # (batch size, max_new_tokens)
+
+        def run_batch(self, sentences, params, split, bar=None) -> BatchRun:
+            self.calls.append((len(sentences), params[0].max_new_tokens))
+            return BatchRun(1.0, [RequestRecord(f"r{i}", s.id) for i, s in enumerate(sentences)])
+
+    rec = Recorder()
+    results = run_offline(OfflineSpec(batch_sizes=(1, 3), frames=20, warmup_frames=5), rec, progress=False)
+    assert rec.calls == [(1, 5), (1, 20), (3, 5), (3, 20)]
+    assert [len(r.requests) for r in results] == [1, 3]  # the warm-up batches are not in the results
+    rec.calls.clear()
+    run_offline(OfflineSpec(batch_sizes=(2,), frames=20, warmup_frames=0), rec, progress=False)
+    assert rec.calls == [(2, 20)]

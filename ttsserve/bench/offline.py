@@ -26,7 +26,10 @@ logger = logging.getLogger(__name__)
 class OfflineSpec:
     """What to run. lengths: "fixed" (every segment generates exactly `frames` frames) or "natural" (until
     EOS, capped at `frames`). split: let the front end split long texts into segments (off: one sequence per
-    request, so the batch size is the GPT batch size). warmup_frames: one untimed request first (0: none)."""
+    request, so the batch size is the GPT batch size). warmup_frames: before each batch size, an untimed
+    batch of that size generating this many frames, so that first-use compilation (torch.compile, Triton)
+    of that batch's shapes is not timed; audio chunks grow to 64 frames, so warm with at least 8 + 16 + 32
+    + 64 frames to cover every chunk shape (0: no warm-up)."""
 
     batch_sizes: Sequence[int] = (1, 8, 32)
     frames: int = 128
@@ -156,11 +159,11 @@ def run_offline(spec: OfflineSpec, backend, progress: bool = True) -> list[RunRe
     """Every batch size of `spec` on one backend (anything with run_batch(sentences, params, split, bar))."""
     from tqdm import tqdm
 
-    if spec.warmup_frames:
-        warm = SamplingParams(min_new_tokens=spec.warmup_frames, max_new_tokens=spec.warmup_frames, seed=0)
-        backend.run_batch(select_texts(1, seed=spec.seed), [warm], spec.split)
     results: list[RunResult] = []
     for b in spec.batch_sizes:
+        if spec.warmup_frames:
+            warm = SamplingParams(min_new_tokens=spec.warmup_frames, max_new_tokens=spec.warmup_frames, seed=0)
+            backend.run_batch(select_texts(b, seed=spec.seed + 7919), [warm] * b, spec.split)
         runs = []
         for batch in spec.batches(b):
             params = [spec.params(i) for i in range(len(batch))]
