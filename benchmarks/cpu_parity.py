@@ -4,8 +4,10 @@ GPT: teacher forcing (ttsserve.quant.quality.compare_models): the fp32 model sam
 each of `--texts` corpus sentences once; every candidate then runs one forward over the same prompt +
 frames, and its code logits are compared with fp32's at every frame-predicting position: per-codebook
 top-1 agreement, KL(fp32 || candidate) and the max / mean |logit difference|, plus the Decoder mel and
-hidden-state relative L2. Candidates: bf16, int8 weights with bf16 activations, int8 weights with fp32
-activations (`torch._weight_int8pack_mm`, the QuantLinear CPU kernel).
+hidden-state relative L2. Candidates, each with its linears packed as the CPU engine serves them
+(ttsserve/model/cpu_linear.py: `pack_linears_`) unless the name ends in "-unpacked": bf16 (oneDNN-packed);
+int8 (W8A8: fbgemm's dynamic int8 x int8 GEMM on the int8 weights, bf16 elsewhere); int8 weight-only with bf16
+or fp32 activations (`torch._weight_int8pack_mm`, the QuantLinear kernel without packing).
 Audio stage: the same fp32 hidden states through Decoder + Vocos in fp32 and with the networks in bf16 (the
 ISTFT stays fp32): waveform relative L2 and SNR.
 
@@ -29,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from ttsserve.config import EngineConfig  # noqa: E402
 from ttsserve.model.chattts import build_model, read_checkpoint  # noqa: E402
+from ttsserve.model.cpu_linear import pack_linears_  # noqa: E402
 
-CANDIDATES = {"bf16": (torch.bfloat16, None), "int8+bf16": (torch.bfloat16, "int8"),
-              "int8+fp32": (torch.float32, "int8")}
+CANDIDATES = {"bf16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"),
+              "int8+bf16-unpacked": (torch.bfloat16, "int8"), "int8+fp32-unpacked": (torch.float32, "int8")}
 
 
 @torch.no_grad()
@@ -92,6 +95,8 @@ def main() -> None:
     for name in a.candidates.split(","):
         dtype, quant = CANDIDATES[name]
         cand = build_model(ckpt, cpu, dtype, quantization=quant)
+        if not name.endswith("-unpacked"):
+            pack_linears_(cand.gpt)
         fid = compare_models(ref, cand, samples)
         worst, mean = logit_diff(ref, cand, samples)
         results[name] = {"top1_agreement": fid.top1_agreement, "kl": fid.kl, "max_abs_logit_diff": worst,
