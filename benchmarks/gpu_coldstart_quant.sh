@@ -2,6 +2,8 @@
 # One device call for issue 8 (GPU cold start, before / after the compile caches are warm) and issue 9
 # (engine throughput and memory with and without quantization). Every step writes under OUT as it goes.
 #   bash benchmarks/gpu_coldstart_quant.sh OUT [DEVICE]
+# The cold-start half starts the real server: the machine needs the package's dependencies (FastAPI, uvicorn,
+# ...; `pip install -e .`). On the lent H200 they were missing, so only the quantization half ran there.
 set -u
 OUT=${1:?usage: $0 OUT [DEVICE]}
 DEVICE=${2:-cuda}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -101,3 +102,18 @@ def test_mounts_as_subcommand_and_runs_as_module():
     out = subprocess.run([sys.executable, "-m", "ttsserve.server.cli_serve", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--gpu-memory-utilization" in out.stdout and "TTSSERVE_API_KEY" in out.stdout
+
+
+def test_a_cpu_server_compiles_its_decode_attention_unless_told_not_to(monkeypatch) -> None:
+    from ttsserve.config import EngineConfig
+    from ttsserve.server.cli_serve import _server_cpu_defaults
+
+    monkeypatch.delenv("TTSSERVE_CPU_COMPILE", raising=False)
+    _server_cpu_defaults(EngineConfig(device="cpu"))
+    assert os.environ["TTSSERVE_CPU_COMPILE"] == "1"
+    monkeypatch.setenv("TTSSERVE_CPU_COMPILE", "0")
+    _server_cpu_defaults(EngineConfig(device="cpu"))
+    assert os.environ["TTSSERVE_CPU_COMPILE"] == "0"  # the user's choice stands
+    monkeypatch.delenv("TTSSERVE_CPU_COMPILE")
+    _server_cpu_defaults(EngineConfig(device="cuda"))
+    assert "TTSSERVE_CPU_COMPILE" not in os.environ

@@ -187,6 +187,20 @@ def _configure_logging(level: str) -> None:
                         stream=sys.stderr)
 
 
+def _server_cpu_defaults(engine_cfg) -> None:
+    """A CPU server compiles its decode attention unless $TTSSERVE_CPU_COMPILE says otherwise: a server lives
+    long, and 2-5 s of start-up (once per process; a C++ compiler is needed, else it falls back) buy ~18% of
+    step time at 8 streams (BENCHMARKS.md, CPU fast path). One-shot `ttsserve say` keeps it off."""
+    import torch
+
+    from ttsserve.attention.torch_ref import COMPILE_ENV
+
+    on_cpu = engine_cfg.device == "cpu" or (engine_cfg.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and COMPILE_ENV not in os.environ:
+        os.environ[COMPILE_ENV] = "1"
+        logger.info("CPU decode attention will be compiled with torch.compile (%s=0 turns it off)", COMPILE_ENV)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine (slow), log how many streams fit, serve until SIGINT/SIGTERM, drain, exit."""
     from ttsserve.deploy.data_parallel import data_parallel_size, run_data_parallel
@@ -204,6 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ttsserve.server.app import create_app
 
     _configure_logging(log_level)
+    _server_cpu_defaults(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     engine = AsyncEngine.from_config(engine_cfg)
     app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
