@@ -140,10 +140,14 @@ class TorchPagedAttention:
     def _decode_compiled(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                          scale: float) -> torch.Tensor | None:
         """The decode step through the compiled kernel; None (and compile_decode off) if it cannot compile."""
-        nb = -(-md.max_seq_len // kv_cache.shape[2])
+        # At least 2 blocks and a contiguous table, as in warmup(): torch.compile specialises a size of 1 and
+        # a table slice's row stride, and either would recompile (seconds) inside a request. Padding ids
+        # are valid blocks and seq_lens masks them out.
+        b, width = md.block_tables.shape
+        nb = min(max(-(-md.max_seq_len // kv_cache.shape[2]), 2), width)
+        tables = md.block_tables.new_empty((b, nb)).copy_(md.block_tables[:, :nb])  # row stride nb, always
         try:
-            out = _compiled_paged_decode()(q.float(), kv_cache[0], kv_cache[1], md.block_tables[:, :nb],
-                                           md.seq_lens, scale)
+            out = _compiled_paged_decode()(q.float(), kv_cache[0], kv_cache[1], tables, md.seq_lens, scale)
         except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: use the eager path
             logger.warning("torch.compile of the CPU decode attention failed (%s: %s); using gather + SDPA",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -157,10 +161,13 @@ class TorchPagedAttention:
         if not (self.compile_decode and kv_cache.device.type == "cpu"):
             return
         block_size, d = kv_cache.shape[2], kv_cache.shape[4]
+        # 1 row (specialised), then 3 rows over 5 blocks: sizes that equal no other dimension, so that the
+        # dynamic graph does not tie the batch or block count to another size ("duck sizing").
+        blocks = list(range(min(5, kv_cache.shape[1])))
         with torch.inference_mode():
-            for b in (1, 2):
+            for b in (1, 3):
                 q = torch.zeros(b, num_heads, d, dtype=kv_cache.dtype)
-                md = make_metadata([[0, 1]] * b, [block_size] * b, [1] * b, block_size)
+                md = make_metadata([blocks] * b, [(len(blocks) - 1) * block_size] * b, [1] * b, block_size)
                 if self._decode_compiled(q, kv_cache, md, d ** -0.5) is None:
                     return
 
