@@ -58,7 +58,8 @@ def _add_offline(sub) -> None:
                    help="fixed: min_new_tokens = max_new_tokens = frames; natural: stop at EOS")
     p.add_argument("--rounds", type=int, default=1, help="batches per batch size")
     p.add_argument("--split", action="store_true", help="split long texts into segments (default: one each)")
-    p.add_argument("--warmup-frames", type=int, default=8, help="before each batch size, an untimed batch of that size with this many frames (0: none)")
+    p.add_argument("--warmup-frames", type=int, default=8,
+                   help="before each batch size, an untimed batch of that size with this many frames (0: none)")
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: $OMP_NUM_THREADS, else the physical cores)")

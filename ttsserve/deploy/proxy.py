@@ -162,11 +162,10 @@ class LoadBalancer:
         try:
             while True:
                 conn = await self._connect(tried)
-                if conn is None:
-                    if not exchange.committed:
-                        client_w.write(_NO_REPLICA % (len(_NO_REPLICA_BODY), _NO_REPLICA_BODY))
-                        with contextlib.suppress(OSError):
-                            await client_w.drain()
+                if conn is None:  # nothing was answered yet: every earlier attempt closed unanswered
+                    client_w.write(_NO_REPLICA % (len(_NO_REPLICA_BODY), _NO_REPLICA_BODY))
+                    with contextlib.suppress(OSError):
+                        await client_w.drain()
                     return
                 b, up_r, up_w = conn
                 b.active += 1

@@ -109,10 +109,10 @@ def cpu_has_int8_dot() -> bool:
 class DynamicInt8Linear(nn.Module):
     """An int8 QuantLinear's own weights (no requantization) run by fbgemm's dynamic int8 GEMM (W8A8): each
     call quantizes the activations per tensor to 8-bit unsigned, multiplies int8 x int8 with int32
-    accumulation (VNNI) and rescales to fp32. On 2 Zen 4 cores the GPT's 80 linears take 8.7 ms at batch 1
-    and 9.1 ms at batch 8, against 12.0 / 32.6 ms for weight-only `torch._weight_int8pack_mm` and 16.8 / 17.1
-    ms for packed bf16. The price is the activation rounding: BENCHMARKS.md has the fidelity next to the
-    speed (`benchmarks/cpu_parity.py`)."""
+    accumulation (VNNI) and rescales to fp32. On 2 Zen 4 cores the GPT's 80 linears take 10.1 ms at batch 1
+    and 11.9 ms at batch 8, against 13.8 / 38.4 ms for weight-only `torch._weight_int8pack_mm` and 16.6 / 17.0
+    ms for packed bf16 (benchmarks/cpu_kernels.py). The price is the activation rounding: BENCHMARKS.md has
+    the fidelity next to the speed (benchmarks/cpu_parity.py)."""
 
     def __init__(self, layer) -> None:
         super().__init__()
