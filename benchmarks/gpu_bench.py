@@ -283,7 +283,8 @@ def sec_streams(ctx: dict) -> dict:
 
 @torch.no_grad()
 def sec_vocoder(ctx: dict) -> dict:
-    from ttsserve.audio.stage import AudioStage, to_device
+    from ttsserve.audio.frame_pool import to_device
+    from ttsserve.audio.stage import AudioStage
 
     m, out = ctx["model"], {}
     stages = {"fp32": AudioStage(m.decoder, None, m.vocos, device=m.device),

@@ -25,16 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
+from ttsserve.audio.frame_pool import FramePool, to_device
 from ttsserve.audio.vocos import Vocos
-
-
-def to_device(values, device: torch.device) -> Tensor:
-    """int64 tensor of a (nested) list on `device` without waiting for queued device work: a blocking H2D
-    copy synchronises the stream, so go through pinned memory (pooled by torch) and copy asynchronously."""
-    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -59,48 +51,6 @@ def context_frames(mel_half_width: int, n_fft: int, hop: int) -> tuple[int, int]
     left = (hop * (w - 1) + half - 1) // spf + 1
     right = (hop * w + half - 1) // spf + 1
     return left, right
-
-
-class _FramePool:
-    """Frames of every request in one device tensor [num_slots, capacity, width], one slot per request.
-
-    Like a KV cache: appends of many requests are one indexed write, windows are one gather.
-    """
-
-    def __init__(self, width: int, dtype: torch.dtype, device: torch.device, capacity: int) -> None:
-        # zeros, not empty: positions past a row's length are read (then masked), and NaN * 0 is NaN
-        self.data = torch.zeros(4, capacity, width, dtype=dtype, device=device)
-        self.free = list(range(3, -1, -1))
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[1]
-
-    def allocate(self) -> int:
-        if not self.free:
-            n = self.data.shape[0]
-            self.data = torch.cat([self.data, torch.zeros_like(self.data)])
-            self.free = list(range(2 * n - 1, n - 1, -1))
-        return self.free.pop()
-
-    def grow(self, capacity: int) -> None:
-        s, c, w = self.data.shape
-        extra = torch.zeros(s, capacity - c, w, dtype=self.data.dtype, device=self.data.device)
-        self.data = torch.cat([self.data, extra], dim=1)
-
-    def shift(self, slot: int, src: int, count: int) -> None:
-        """Move positions [src, src + count) of a slot to [0, count)."""
-        self.data[slot, :count] = self.data[slot, src : src + count].clone()
-
-    def gather(self, slots: list[int], starts: list[int], lengths: list[int]) -> Tensor:
-        """-> [B, max(lengths), width]; row b holds positions starts[b].. of slot b, zero past lengths[b]."""
-        dev = self.data.device
-        n = max(lengths)
-        info = to_device([slots, starts, lengths], dev)
-        pos = info[1][:, None] + torch.arange(n, device=dev)[None, :]
-        valid = torch.arange(n, device=dev)[None, :] < info[2][:, None]
-        rows = self.data[info[0][:, None], pos.clamp(max=self.capacity - 1)]
-        return torch.where(valid[..., None], rows, torch.zeros_like(rows))
 
 
 @dataclass
@@ -190,11 +140,11 @@ class AudioStage:
         self.left_context_frames, exact_right = context_frames(half_width, vocos.n_fft, vocos.hop_length)
         self.right_context_frames = exact_right if lookahead_frames is None else lookahead_frames
         capacity = 2 * (self.left_context_frames + max_chunk_frames + self.right_context_frames)
-        self._pools: dict[bool, _FramePool] = {}
+        self._pools: dict[bool, FramePool] = {}
         if decoder is not None:
-            self._pools[False] = _FramePool(decoder.hidden_size, self.dtype, self.device, capacity)
+            self._pools[False] = FramePool(decoder.hidden_size, self.dtype, self.device, capacity)
         if dvae is not None:
-            self._pools[True] = _FramePool(dvae.num_vq, torch.long, self.device, capacity)
+            self._pools[True] = FramePool(dvae.num_vq, torch.long, self.device, capacity)
         self._streams: dict[str, _Stream] = {}
         self.frames_decoded_total = 0  # real frames in decoded windows (context included)
         self.frames_padded_total = 0  # B * max window length, summed over calls
@@ -275,7 +225,7 @@ class AudioStage:
             kind = "integer codes" if st.use_codes else "float hidden states"
             raise ValueError(f"AudioStage: request {req_id!r} takes {kind}, got {frames.dtype}")
 
-    def _reserve(self, st: _Stream, n: int) -> _FramePool:
+    def _reserve(self, st: _Stream, n: int) -> FramePool:
         """Make room for n more frames in the stream's slot: drop frames no window needs, grow if still short."""
         pool = self._pools[st.use_codes]
         if st.num_frames + n - st.base <= pool.capacity:

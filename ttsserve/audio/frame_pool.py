@@ -1,0 +1,59 @@
+"""The audio stage's frame store: every streaming request's frames in one device tensor (audio/stage.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def to_device(values, device: torch.device) -> Tensor:
+    """int64 tensor of a (nested) list on `device` without waiting for queued device work: a blocking H2D
+    copy synchronises the stream, so go through pinned memory (pooled by torch) and copy asynchronously."""
+    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+
+class FramePool:
+    """Frames of every request in one device tensor [num_slots, capacity, width], one slot per request.
+
+    Like a KV cache: appends of many requests are one indexed write, windows are one gather.
+    """
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device, capacity: int) -> None:
+        # zeros, not empty: positions past a row's length are read (then masked), and NaN * 0 is NaN
+        self.data = torch.zeros(4, capacity, width, dtype=dtype, device=device)
+        self.free = list(range(3, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[1]
+
+    def allocate(self) -> int:
+        if not self.free:
+            n = self.data.shape[0]
+            self.data = torch.cat([self.data, torch.zeros_like(self.data)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
+
+    def grow(self, capacity: int) -> None:
+        s, c, w = self.data.shape
+        extra = torch.zeros(s, capacity - c, w, dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data, extra], dim=1)
+
+    def shift(self, slot: int, src: int, count: int) -> None:
+        """Move positions [src, src + count) of a slot to [0, count)."""
+        self.data[slot, :count] = self.data[slot, src : src + count].clone()
+
+    def gather(self, slots: list[int], starts: list[int], lengths: list[int]) -> Tensor:
+        """-> [B, max(lengths), width]; row b holds positions starts[b].. of slot b, zero past lengths[b]."""
+        dev = self.data.device
+        n = max(lengths)
+        info = to_device([slots, starts, lengths], dev)
+        pos = info[1][:, None] + torch.arange(n, device=dev)[None, :]
+        valid = torch.arange(n, device=dev)[None, :] < info[2][:, None]
+        rows = self.data[info[0][:, None], pos.clamp(max=self.capacity - 1)]
+        return torch.where(valid[..., None], rows, torch.zeros_like(rows))
