@@ -194,3 +194,30 @@ def test_configure_applies_to_torch(monkeypatch) -> None:
         assert policy.source == "OMP_NUM_THREADS" and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_background_warmup_serves_eagerly_until_the_compile_is_done(monkeypatch) -> None:
+    import threading
+
+    import ttsserve.attention.torch_ref as ref
+
+    release, calls = threading.Event(), []
+
+    def slow_compiled(q, k_pages, v_pages, tables, seq_lens, scale):  # a compiler that takes its time
+        calls.append(threading.current_thread().name)
+        release.wait(10)
+        return ref.paged_decode_attention(q, k_pages, v_pages, tables, seq_lens, scale)
+
+    monkeypatch.setattr(ref, "_compiled_paged_decode", lambda: slow_compiled)
+    cache, md, q, k, v, contexts = _decode_case([12, 30], 2, 2, 4, torch.float32, seed=5)
+    backend = TorchPagedAttention(compile_decode=True)
+    backend.warmup(cache.clone(), num_heads=2, background=True)
+    out = backend.forward(q, k, v, cache, md, q.shape[-1] ** -0.5)  # returns while the compile is stuck
+    assert threading.current_thread().name not in calls
+    release.set()
+    assert backend._compiled_ready.wait(10) and backend.compile_decode
+    out2 = backend.forward(q, k, v, cache, md, q.shape[-1] ** -0.5)
+    assert calls[-1] == threading.current_thread().name  # now the compiled kernel serves
+    for i, (kc, vc) in enumerate(contexts):
+        want = attention_f64(q[i], kc, vc)
+        assert (out[i].double() - want).abs().max() < 1e-5 and (out2[i].double() - want).abs().max() < 1e-5

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +98,9 @@ class TorchPagedAttention:
     """PagedAttentionBackend in plain torch (see attention/backend.py for the contract).
 
     compile_decode: run decode-only steps on a CPU cache through torch.compile(paged_decode_attention);
-    None: only when $TTSSERVE_CPU_COMPILE is "1" (opt-in: it costs ~5 s of compilation per process, or
-    ~2 s with inductor's disk cache warm, and pays off at batch >= 8: benchmarks/cpu_kernels.py). Any
+    None: only when $TTSSERVE_CPU_COMPILE is "1" (`ttsserve serve` on a CPU sets it; it costs ~5 s of
+    compilation per process, which warmup(background=True) hides, and pays off at batch >= 8:
+    benchmarks/cpu_kernels.py). Any
     compilation failure (e.g. no C++ compiler) falls back, once and for good, to the eager gather + SDPA
     path: slower, never wrong. Holds scratch buffers reused across layers and steps: one instance per
     engine thread.
@@ -111,6 +114,7 @@ class TorchPagedAttention:
         self.compile_decode = compile_decode
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._step: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor | None] | None = None
+        self._compiled_ready: threading.Event | None = None  # set by a background warmup() when done
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -122,7 +126,8 @@ class TorchPagedAttention:
         """
         write_kv(kv_cache, k, v, md.slot_mapping)
         if md.is_decode_only and q.shape[0] == md.num_seqs:
-            if self.compile_decode and kv_cache.device.type == "cpu":
+            ready = self._compiled_ready is None or self._compiled_ready.is_set()
+            if self.compile_decode and ready and kv_cache.device.type == "cpu":
                 out = self._decode_compiled(q, kv_cache, md, scale)
                 if out is not None:
                     return out
@@ -155,11 +160,32 @@ class TorchPagedAttention:
             return None
         return out.to(q.dtype)
 
-    def warmup(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def warmup(self, kv_cache: torch.Tensor, num_heads: int, background: bool = False) -> None:
         """Compile the decode kernel now (one and several sequences, under inference mode like the engine's
-        steps) rather than in the first request's first step. No-op when compile_decode is off."""
+        steps) rather than in the first request's first step. No-op when compile_decode is off. With
+        `background`, compile in a daemon thread and run the eager path until it is done: a server is ready
+        at once (the compile takes ~5 s even with inductor's cache warm) and gets faster a few seconds later.
+        Only reads `kv_cache`."""
         if not (self.compile_decode and kv_cache.device.type == "cpu"):
             return
+        if not background:
+            self._compile_now(kv_cache, num_heads)
+            return
+        self._compiled_ready = ready = threading.Event()
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._compile_now(kv_cache, num_heads)
+            finally:
+                ready.set()
+            if self.compile_decode:
+                logger.info("CPU decode attention compiled in %.1f s (in the background; eager until then)",
+                            time.perf_counter() - t0)
+
+        threading.Thread(target=run, name="ttsserve-cpu-compile", daemon=True).start()
+
+    def _compile_now(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         block_size, d = kv_cache.shape[2], kv_cache.shape[4]
         # 1 row (specialised), then 3 rows over 5 blocks: sizes that equal no other dimension, so that the
         # dynamic graph does not tie the batch or block count to another size ("duck sizing").

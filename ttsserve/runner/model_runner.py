@@ -142,13 +142,14 @@ class ModelRunner:
 
     def _setup_cpu(self, enforce_eager: bool) -> None:
         """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered); the
-        opt-in ($TTSSERVE_CPU_COMPILE=1) compiled decode attention is compiled now, not in the first request."""
+        compiled decode attention ($TTSSERVE_CPU_COMPILE=1, the CPU server's default) compiles in the
+        background from now on, the eager path serving until it is done."""
         from ttsserve.model.cpu_linear import pack_linears_
 
         pack_linears_(self.model.gpt)
         if enforce_eager:
             self.backend.compile_decode = False
-        self.backend.warmup(self.kv.layers[0], self.cfg.num_heads)
+        self.backend.warmup(self.kv.layers[0], self.cfg.num_heads, background=True)
 
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:

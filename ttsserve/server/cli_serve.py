@@ -189,8 +189,9 @@ def _configure_logging(level: str) -> None:
 
 def _server_cpu_defaults(engine_cfg) -> None:
     """A CPU server compiles its decode attention unless $TTSSERVE_CPU_COMPILE says otherwise: a server lives
-    long, and 2-5 s of start-up (once per process; a C++ compiler is needed, else it falls back) buy ~18% of
-    step time at 8 streams (BENCHMARKS.md, CPU fast path). One-shot `ttsserve say` keeps it off."""
+    long, and ~5 s of background compilation (once per process, after /ready; a C++ compiler is needed, else
+    it falls back to eager) buy ~18% of step time at 8 streams (BENCHMARKS.md, CPU fast path). One-shot
+    `ttsserve say` keeps it off."""
     import torch
 
     from ttsserve.attention.torch_ref import COMPILE_ENV
