@@ -33,7 +33,9 @@ def build_engine(a: argparse.Namespace):
     cfg = EngineConfig(model=a.model, load_format="dummy" if a.model is None else "auto", dummy_size=a.dummy_size,
                        device="cpu", dtype=a.dtype, quantization=a.quantization, swap_space=0,
                        kv_cache_memory=a.kv_cache_memory)
-    return Engine(cfg)
+    engine = Engine(cfg)
+    engine.wait_warm()  # the CPU attention compile (TTSSERVE_CPU_COMPILE=1) runs in the background
+    return engine
 
 
 def submit(engine, batch: int, frames: int, seed: int = 0) -> None:

@@ -58,6 +58,7 @@ def main() -> None:
         else:
             torch.set_num_threads(a.threads)
     engine = Engine(EngineConfig(**kw))
+    engine.wait_warm()  # the CPU attention compile (TTSSERVE_CPU_COMPILE=1) runs in the background
     submit(engine, a.batch, 8, seed=1000)
     while engine.has_unfinished():
         engine.step()

@@ -221,3 +221,18 @@ def test_background_warmup_serves_eagerly_until_the_compile_is_done(monkeypatch)
     for i, (kc, vc) in enumerate(contexts):
         want = attention_f64(q[i], kc, vc)
         assert (out[i].double() - want).abs().max() < 1e-5 and (out2[i].double() - want).abs().max() < 1e-5
+
+
+def test_engine_wait_warm_waits_for_the_background_compile(monkeypatch) -> None:
+    import ttsserve.attention.torch_ref as ref
+    from ttsserve.config import EngineConfig
+    from ttsserve.engine.engine import Engine
+
+    monkeypatch.setenv(ref.COMPILE_ENV, "0")
+    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0,
+                              kv_cache_memory=1 << 22))
+    assert eng.wait_warm(0) and eng.runner.backend._compiled_ready is None  # nothing in the background
+    monkeypatch.setenv(ref.COMPILE_ENV, "1")
+    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0,
+                              kv_cache_memory=1 << 22))
+    assert eng.wait_warm(120) and eng.runner.backend._compiled_ready.is_set()

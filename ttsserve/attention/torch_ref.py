@@ -185,6 +185,11 @@ class TorchPagedAttention:
 
         threading.Thread(target=run, name="ttsserve-cpu-compile", daemon=True).start()
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until a background warmup() has finished (True at once when none runs); False on timeout.
+        Benchmarks call it so that they time the steady state, not the eager start."""
+        return self._compiled_ready is None or self._compiled_ready.wait(timeout)
+
     def _compile_now(self, kv_cache: torch.Tensor, num_heads: int) -> None:
         block_size, d = kv_cache.shape[2], kv_cache.shape[4]
         # 1 row (specialised), then 3 rows over 5 blocks: sizes that equal no other dimension, so that the

@@ -89,6 +89,7 @@ class TTSServeBackend:
             from ttsserve.engine.engine import Engine
 
             engine = Engine(cfg)
+        engine.wait_warm()  # time the steady state: the CPU attention compile runs in the background
         self.engine = engine
         self.device = str(engine.model.device)
         self._ids = itertools.count()

@@ -146,6 +146,10 @@ class Engine:
         return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap,
                              kv_cache_dtype=cfg.kv_cache_dtype)
 
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until start-up work the runner left to the background is done (False on timeout)."""
+        return self.runner.wait_warm(timeout)
+
     def memory_report(self) -> str:
         """How many streams fit, and what weight / KV quantization saved (when used)."""
         from ttsserve.quant.memory import quantization_memory_report

@@ -151,6 +151,10 @@ class ModelRunner:
             self.backend.compile_decode = False
         self.backend.warmup(self.kv.layers[0], self.cfg.num_heads, background=True)
 
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until start-up work left to the background (the CPU attention compile) is done."""
+        return self.backend.wait_compiled(timeout) if self.device.type == "cpu" else True
+
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:
         ids = async_h2d(inputs.ids, self.device)
