@@ -133,6 +133,10 @@ class DynamicInt8Linear(nn.Module):
         y = torch.ops.quantized.linear_dynamic(x2, self.packed, False)  # 8-bit: VNNI
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def dense_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes the same layer takes unquantized in `dtype` (for the memory report)."""
+        return self.in_features * self.out_features * dtype.itemsize
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 x int8 dynamic"
 
