@@ -5,8 +5,6 @@ import numpy as np
 
 from ttsserve.config import EngineConfig
 from ttsserve.engine.engine import Engine
-from ttsserve.model.chattts import build_model
-from ttsserve.model.loader import load_checkpoint
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 TINY = GOLDEN / "assets-tiny"
