@@ -8,11 +8,13 @@ M = number of tokens in the step (the batch size at decode), in each weight form
   int8               torch._weight_int8pack_mm (int8 weights, per-channel scales, bf16 activations)
   w8a8               DynamicInt8Linear (model/cpu_linear.py): fbgemm's dynamic int8 x int8 GEMM, the CPU
                      engine's int8 kernel on VNNI / AMX machines (fp32 in and out)
+  int4               PackedInt4Linear (model/cpu_linear.py): awq-int4 weights (group 128) through
+                     torch._weight_int4pack_mm_for_cpu, bf16 activations
 Attention: 20 layers of one-token decode over B sequences of `ctx` tokens in a paged cache (block 16,
 12 x 64 heads, shuffled blocks), TorchPagedAttention (attention/torch_ref.py) in fp32 and bf16 KV, with the
 torch.compile'd decode kernel and with the eager gather + SDPA path (KV write included in both).
 
-    python3 benchmarks/cpu_kernels.py [--threads N] [--ms 1,4,8,16] [--kinds f32,bf16,bf16pack,int8,w8a8]
+    python3 benchmarks/cpu_kernels.py [--threads N] [--ms 1,4,8,16] [--kinds f32,bf16,bf16pack,int8,w8a8,int4]
 
 Times are the minimum over --reps repetitions of one whole 20-layer pass (min: other work on the machine
 only ever adds time); the load average is printed with every line.
@@ -71,11 +73,19 @@ def linear_fn(kind: str, n: int, k: int, m: int):
 
         x, layer = torch.randn(m, k), DynamicInt8Linear(QuantLinear.from_weight(w, QuantConfig.for_method("int8")))
         return lambda: layer(x)
+    if kind == "int4":
+        from ttsserve.model.cpu_linear import PackedInt4Linear
+        from ttsserve.quant.linear import QuantLinear
+        from ttsserve.quant.quantize import QuantConfig
+
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        layer = PackedInt4Linear(QuantLinear.from_weight(w, QuantConfig.for_method("awq-int4")))
+        return lambda: layer(x)
     raise ValueError(f"unknown kind {kind!r}")
 
 
 def bench_linears(kinds: list[str], ms: list[int], reps: int) -> None:
-    weight_bytes = {"f32": 4, "f32pack": 4, "bf16": 2, "bf16pack": 2, "int8": 1, "w8a8": 1}
+    weight_bytes = {"f32": 4, "f32pack": 4, "bf16": 2, "bf16pack": 2, "int8": 1, "w8a8": 1, "int4": 0.5}
     params = LAYERS * sum(n * k for n, k in SHAPES)
     for m in ms:
         cells = []
@@ -109,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ms", default="1,4,8,16")
-    ap.add_argument("--kinds", default="f32,f32pack,bf16,bf16pack,int8,w8a8")
+    ap.add_argument("--kinds", default="f32,f32pack,bf16,bf16pack,int8,w8a8,int4")
     ap.add_argument("--attention", default="1x200,1x1000,8x200,16x200", help="BxCTX cases; empty: skip")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()

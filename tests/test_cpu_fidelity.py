@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from ttsserve.model.chattts import build_model
-from ttsserve.model.cpu_linear import DynamicInt8Linear, PackedLinear, can_pack_int8, cpu_has_native_bf16, pack_linears_
+from ttsserve.model.cpu_linear import (
+    DynamicInt8Linear,
+    PackedInt4Linear,
+    PackedLinear,
+    can_pack_int8,
+    cpu_has_native_bf16,
+    pack_linears_,
+)
 from ttsserve.model.dummy import make_dummy_checkpoint
 from ttsserve.quant.calibrate import teacher_forced_samples
 from ttsserve.quant.quality import compare_models
@@ -68,18 +75,20 @@ def test_w8a8_linear_matches_its_int8_weights(rows: int) -> None:
         assert 0 < rel < 0.02  # 8-bit activations: ~0.5-1% on Gaussian inputs, never exact
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "awq-int4"])
 def test_engine_generates_in_each_cpu_format(fmt: str) -> None:
     from ttsserve.config import EngineConfig
     from ttsserve.engine.engine import Engine
     from ttsserve.params import SamplingParams, SynthesisRequest
 
     eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", dtype="bfloat16",
-                              quantization="int8" if fmt == "int8" else None, swap_space=0,
+                              quantization=None if fmt == "bf16" else fmt, swap_space=0,
                               kv_cache_memory=1 << 24))
     qkv = eng.model.gpt.layers[0].qkv_proj
     if fmt == "int8":
         assert isinstance(qkv, DynamicInt8Linear) == can_pack_int8(CPU)
+    elif fmt == "awq-int4":
+        assert isinstance(qkv, PackedInt4Linear) == hasattr(torch, "_weight_int4pack_mm_for_cpu")
     else:
         assert isinstance(qkv, PackedLinear) == cpu_has_native_bf16()
     params = SamplingParams(min_new_tokens=20, max_new_tokens=20, seed=1)
@@ -108,3 +117,29 @@ def test_the_memory_report_counts_cpu_packed_int8_weights() -> None:
     assert s.weight_bytes_saved > 0 and s.gpt_dense_bytes > s.gpt_bytes
     if linears:  # int8 weights + fp32 scales in place of bf16 weights
         assert s.weight_bytes_saved == dense_linear_bytes - sum(m.nbytes for m in linears)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_weight_int4pack_mm_for_cpu"), reason="needs torch's CPU int4 kernel")
+def test_packed_int4_computes_with_the_same_weights() -> None:
+    """PackedInt4Linear repacks awq-int4 weights for torch's kernel: in fp32 the product is that of the
+    stored weights (scales are fp16, so nothing rounds); a bf16 model rounds the scales once."""
+    from ttsserve.quant.linear import QuantLinear
+    from ttsserve.quant.quantize import QuantConfig
+
+    g = torch.Generator().manual_seed(0)
+    ql = QuantLinear.from_weight(torch.randn(96, 256, generator=g) * 0.05, QuantConfig.for_method("awq-int4"))
+    x = torch.randn(2, 3, 256, generator=g)
+    want = x @ ql.dequantized_weight().T
+    layer = PackedInt4Linear(ql)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        got = layer(x.to(dtype))
+        assert got.dtype == dtype and got.shape == want.shape
+        assert (got.float() - want).norm() / want.norm() < tol
+
+    ckpt = make_dummy_checkpoint("tiny", 0)
+    unpacked = build_model(ckpt, CPU, torch.float32, quantization="awq-int4")
+    packed = build_model(ckpt, CPU, torch.float32, quantization="awq-int4")
+    pack_linears_(packed.gpt)
+    assert isinstance(packed.gpt.layers[0].down_proj, PackedInt4Linear)
+    fid = compare_models(unpacked, packed, teacher_forced_samples(unpacked, TEXTS, 16, seed=4))
+    assert fid.top1_agreement == [1.0] * 4 and fid.hidden_rel_l2 < 1e-5

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttsserve.model.cpu_linear import DynamicInt8Linear, stored_weight_bytes
+from ttsserve.model.cpu_linear import DynamicInt8Linear, PackedInt4Linear, stored_weight_bytes
 from ttsserve.quant.linear import quant_linears
 from ttsserve.runner.kv_cache import KVCacheSpec, kv_bytes_per_token
 
@@ -35,8 +35,8 @@ def quantization_savings(model, kv_spec: KVCacheSpec, weights_share_budget: bool
     dense = gpt_bytes
     for ql in quant_linears(model.gpt):
         dense += ql.dense_bytes(model.dtype) - sum(b.numel() * b.element_size() for b in ql.buffers())
-    for packed in (m for m in model.gpt.modules() if isinstance(m, DynamicInt8Linear)):  # the CPU's int8
-        dense += packed.dense_bytes(model.dtype) - packed.nbytes
+    for packed in (m for m in model.gpt.modules() if isinstance(m, DynamicInt8Linear | PackedInt4Linear)):
+        dense += packed.dense_bytes(model.dtype) - packed.nbytes  # layers the CPU runner repacked
     per_token_dense = kv_bytes_per_token(model.gpt_config, model.dtype, "auto")
     budget = kv_spec.num_tokens * kv_spec.bytes_per_token
     if weights_share_budget:
