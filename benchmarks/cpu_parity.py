@@ -6,7 +6,8 @@ frames, and its code logits are compared with fp32's at every frame-predicting p
 top-1 agreement, KL(fp32 || candidate) and the max / mean |logit difference|, plus the Decoder mel and
 hidden-state relative L2. Candidates, each with its linears packed as the CPU engine serves them
 (ttsserve/model/cpu_linear.py: `pack_linears_`) unless the name ends in "-unpacked": bf16 (oneDNN-packed);
-int8 (W8A8: fbgemm's dynamic int8 x int8 GEMM on the int8 weights, bf16 elsewhere); int8 weight-only with bf16
+int8 (W8A8: fbgemm's dynamic int8 x int8 GEMM on the int8 weights, bf16 elsewhere); awq-int4 (torch's CPU
+int4 GEMM, round-to-nearest int4 weights of the dummy, no calibration); int8 weight-only with bf16
 or fp32 activations (`torch._weight_int8pack_mm`, the QuantLinear kernel without packing).
 Audio stage: the same fp32 hidden states through Decoder + Vocos in fp32 and with the networks in bf16 (the
 ISTFT stays fp32): waveform relative L2 and SNR.
@@ -33,7 +34,7 @@ from ttsserve.config import EngineConfig  # noqa: E402
 from ttsserve.model.chattts import build_model, read_checkpoint  # noqa: E402
 from ttsserve.model.cpu_linear import pack_linears_  # noqa: E402
 
-CANDIDATES = {"bf16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"),
+CANDIDATES = {"bf16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"), "awq-int4": (torch.bfloat16, "awq-int4"),
               "int8+bf16-unpacked": (torch.bfloat16, "int8"), "int8+fp32-unpacked": (torch.float32, "int8")}
 
 
