@@ -114,6 +114,7 @@ class TorchPagedAttention:
         self.compile_decode = compile_decode
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._step: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor | None] | None = None
+        self._tables: tuple[AttentionMetadata, torch.Tensor] | None = None  # _compiled_tables' step cache
         self._compiled_ready: threading.Event | None = None  # set by a background warmup() when done
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -145,12 +146,7 @@ class TorchPagedAttention:
     def _decode_compiled(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                          scale: float) -> torch.Tensor | None:
         """The decode step through the compiled kernel; None (and compile_decode off) if it cannot compile."""
-        # At least 2 blocks and a contiguous table, as in warmup(): torch.compile specialises a size of 1 and
-        # a table slice's row stride, and either would recompile (seconds) inside a request. Padding ids
-        # are valid blocks and seq_lens masks them out.
-        b, width = md.block_tables.shape
-        nb = min(max(-(-md.max_seq_len // kv_cache.shape[2]), 2), width)
-        tables = md.block_tables.new_empty((b, nb)).copy_(md.block_tables[:, :nb])  # row stride nb, always
+        tables = self._compiled_tables(md, kv_cache.shape[2])
         try:
             out = _compiled_paged_decode()(q.float(), kv_cache[0], kv_cache[1], tables, md.seq_lens, scale)
         except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: use the eager path
@@ -159,6 +155,20 @@ class TorchPagedAttention:
             self.compile_decode = False
             return None
         return out.to(q.dtype)
+
+    def _compiled_tables(self, md: AttentionMetadata, block_size: int) -> torch.Tensor:
+        """The block table the compiled kernel reads, built once per step (every layer shares `md`): at least
+        2 blocks and row stride nb, as in warmup(). torch.compile specialises a size of 1 and a table slice's
+        row stride, and either would recompile (seconds) inside a request. Padding ids are valid blocks and
+        seq_lens masks them out."""
+        cached = self._tables
+        if cached is not None and cached[0] is md:
+            return cached[1]
+        b, width = md.block_tables.shape
+        nb = min(max(-(-md.max_seq_len // block_size), 2), width)
+        tables = md.block_tables.new_empty((b, nb)).copy_(md.block_tables[:, :nb])
+        self._tables = (md, tables)
+        return tables
 
     def warmup(self, kv_cache: torch.Tensor, num_heads: int, background: bool = False) -> None:
         """Compile the decode kernel now (one and several sequences, under inference mode like the engine's
