@@ -62,19 +62,20 @@ class FP8KVCache:
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool = False) -> FP8KVCache:
-        _, num_blocks, block_size, num_kv_heads, _ = shape
-        data = torch.zeros(shape, dtype=FP8_DTYPE, device=device, pin_memory=pin_memory)
-        scales = torch.ones(kv_scales_shape(num_blocks, block_size, num_kv_heads), dtype=torch.float32,
-                            device=device, pin_memory=pin_memory)
-        return cls(data, scales)
+        return cls._allocate(shape, device, pin_memory, torch.zeros, torch.ones)
 
     @classmethod
     def empty(cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool = False) -> FP8KVCache:
         """Uninitialised (for host swap pools, fully written by a swap-out before any read)."""
+        return cls._allocate(shape, device, pin_memory, torch.empty, torch.empty)
+
+    @classmethod
+    def _allocate(cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool, data_fn,
+                  scales_fn) -> FP8KVCache:
         _, num_blocks, block_size, num_kv_heads, _ = shape
-        data = torch.empty(shape, dtype=FP8_DTYPE, device=device, pin_memory=pin_memory)
-        scales = torch.empty(kv_scales_shape(num_blocks, block_size, num_kv_heads), dtype=torch.float32,
-                             device=device, pin_memory=pin_memory)
+        data = data_fn(shape, dtype=FP8_DTYPE, device=device, pin_memory=pin_memory)
+        scales = scales_fn(kv_scales_shape(num_blocks, block_size, num_kv_heads), dtype=torch.float32,
+                           device=device, pin_memory=pin_memory)
         return cls(data, scales)
 
     @property
