@@ -116,6 +116,34 @@ def _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, 
 
 
 @triton.jit
+def _attend_tile(q, k, v, ks, vs, mask, qk_scale, m_i, l_i, acc, FP8: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step over a KV tile, shared by the decode and prefill kernels.
+    q [M, D]; k, v [N, D] (fp8 tiles already cast to q's dtype, their per-token scales in ks / vs [N]);
+    mask [M, N] or [1, N]: the keys each row may see; qk_scale includes log2(e) (exp2 below).
+    Returns the updated running max m_i [M], sum l_i [M] and unnormalised output acc [M, D]."""
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if FP8:
+        qk = qk * ks[None, :]
+    qk = tl.where(mask, qk * qk_scale, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        pw = p * vs[None, :]
+    else:
+        pw = p
+    if IEEE:
+        pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(pw.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr, scale_ptr,
@@ -168,27 +196,10 @@ def paged_decode_kernel(
             vs = tl.load(scale_ptr + sc_v_offset + soff, mask=valid, other=0.0)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            qk = tl.dot(q, tl.trans(k))
-        if FP8:
-            qk = qk * ks[None, :]
-        qk = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            pw = p * vs[None, :]
-        else:
-            pw = p
-        if IEEE:
-            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(pw.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            ks = 1.0  # unused without FP8
+            vs = 1.0
+        m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, valid[None, :], qk_scale, m_i, l_i, acc, FP8, IEEE)
 
     if (lo <= last) & (last < hi):  # this split holds the new token
         k_raw = tl.load(k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh + d)
@@ -336,28 +347,10 @@ def paged_prefill_kernel(
         else:
             k = tl.where(cached[:, None], k_cached, k_in)
             v = tl.where(cached[:, None], v_cached, v_in)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        if FP8:
-            qk = qk * ks[None, :]
+            ks = 1.0  # unused without FP8
+            vs = 1.0
         causal = valid[None, :] & (n[None, :] <= q_pos[:, None])
-        qk = tl.where(causal, qk * qk_scale, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            pw = p * vs[None, :]
-        else:
-            pw = p
-        if IEEE:
-            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(pw.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, causal, qk_scale, m_i, l_i, acc, FP8, IEEE)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
