@@ -189,15 +189,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket (see _capture_all); if the torch.compile'd ops cannot be captured, capture
         again with the same ops uncompiled."""
-        try:
-            self._capture_all()
-        except Exception as exc:
-            if self.ops is None or not self.ops.compiled:
-                raise
-            logger.warning("capturing the compiled decode step failed (%s: %s); capturing it uncompiled",
-                           type(exc).__name__, exc)
-            self.ops = DecodeOps(compile=False)
-            self._capture_all()
+        self._or_uncompiled(self._capture_all, "capturing the compiled decode step")
 
     def _capture_all(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool. Off CUDA nothing is captured and
@@ -230,15 +222,19 @@ class DecodeGraphs:
     def _warm_up(self, bs: int) -> None:
         """Run the body once outside the capture (Triton / torch.compile compile, cuBLAS picks its kernels). A
         torch.compile failure falls back to the same functions uncompiled: slower, never wrong."""
+        self._or_uncompiled(lambda: self._body(bs), "torch.compile of the decode step")
+
+    def _or_uncompiled(self, fn, what: str) -> None:
+        """fn(); if it fails while the ops are torch.compile'd, log and run fn() again with the same ops
+        uncompiled (slower, never wrong). Any other failure propagates."""
         try:
-            self._body(bs)
+            fn()
         except Exception as exc:
             if self.ops is None or not self.ops.compiled:
                 raise
-            logger.warning("torch.compile of the decode step failed (%s: %s); running its ops uncompiled",
-                           type(exc).__name__, exc)
+            logger.warning("%s failed (%s: %s); running its ops uncompiled", what, type(exc).__name__, exc)
             self.ops = DecodeOps(compile=False)
-            self._body(bs)
+            fn()
 
     def run(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for B = len(rows) decode rows -> (tokens [B, num_vq] int64, hidden [B, H] fp32), views of
