@@ -49,14 +49,19 @@ def en_cardinal(s: str) -> str:
     return f"minus {words}" if neg and n else words
 
 
-def en_decimal(s: str) -> str:
-    """"3.14" -> "three point one four"; integers go to en_cardinal. Trailing zeros are read."""
+def _decimal(s: str, cardinal, digits, point: str) -> str:
+    """A decimal string read as cardinal(whole part) + point + digits(fraction); integers as cardinal."""
     s = _digits_only(s)
     if "." not in s:
-        return en_cardinal(s)
+        return cardinal(s)
     whole, frac = s.split(".", 1)
-    head = en_cardinal(whole if whole not in ("", "-", "+") else whole + "0")
-    return f"{head} point {en_digits(frac)}" if frac else head
+    head = cardinal(whole if whole not in ("", "-", "+") else whole + "0")
+    return f"{head}{point}{digits(frac)}" if frac else head
+
+
+def en_decimal(s: str) -> str:
+    """"3.14" -> "three point one four"; integers go to en_cardinal. Trailing zeros are read."""
+    return _decimal(s, en_cardinal, en_digits, " point ")
 
 
 def en_ordinal(n: int) -> str:
@@ -149,12 +154,7 @@ def zh_cardinal(s: str) -> str:
 
 def zh_decimal(s: str) -> str:
     """"3.14" -> "三点一四" (trailing zeros read); integers go to zh_cardinal."""
-    s = _digits_only(s)
-    if "." not in s:
-        return zh_cardinal(s)
-    whole, frac = s.split(".", 1)
-    head = zh_cardinal(whole if whole not in ("", "-", "+") else whole + "0")
-    return f"{head}点{zh_digits(frac)}" if frac else head
+    return _decimal(s, zh_cardinal, zh_digits, "点")
 
 
 def zh_fraction(num: int, den: int) -> str:
