@@ -89,6 +89,7 @@ EN_CASES = [
     ("It grew from 1,234,567 to 2,000,000.",
      "It grew from one million two hundred and thirty four thousand five hundred and sixty seven to two million."),
     ("The temperature fell by -3.5 degrees.", "The temperature fell by minus three point five degrees."),
+    ("It fell by -0.5 degrees.", "It fell by minus zero point five degrees."),  # the sign of a zero whole part
     ("Call 555-123-4567 now.", "Call five five five, one two three, four five six seven now."),
     ("Dial +1 (555) 123-4567.", "Dial plus one, five five five, one two three, four five six seven."),
     ("Agent 007 is here.", "Agent zero zero seven is here."),
@@ -133,6 +134,7 @@ ZH_CASES = [
     ("这辆车时速120 km/h，油耗6.5L。", "这辆车时速一百二十公里每小时，油耗六点五升。"),
     ("我今年25岁，身高175cm，体重65kg。", "我今年二十五岁，身高一百七十五厘米，体重六十五公斤。"),
     ("圆周率约等于3.14。", "圆周率约等于三点一四。"),
+    ("气温降了-0.5度。", "气温降了负零点五度。"),
     ("三分之一可以写成1/3。", "三分之一可以写成三分之一。"),
     ("第3章讲了2个故事，共2页。", "第三章讲了两个故事，共两页。"),
     ("支持2种语言，2月2号发布。", "支持两种语言，二月二号发布。"),

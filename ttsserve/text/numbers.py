@@ -49,19 +49,21 @@ def en_cardinal(s: str) -> str:
     return f"minus {words}" if neg and n else words
 
 
-def _decimal(s: str, cardinal, digits, point: str) -> str:
-    """A decimal string read as cardinal(whole part) + point + digits(fraction); integers as cardinal."""
+def _decimal(s: str, cardinal, digits, point: str, minus: str) -> str:
+    """A decimal string read as cardinal(whole part) + point + digits(fraction); integers as cardinal. The
+    sign is read here, not by cardinal: "-0.5" has a whole part of "0", whose sign a cardinal drops."""
     s = _digits_only(s)
     if "." not in s:
         return cardinal(s)
-    whole, frac = s.split(".", 1)
-    head = cardinal(whole if whole not in ("", "-", "+") else whole + "0")
-    return f"{head}{point}{digits(frac)}" if frac else head
+    body = s.lstrip("+-")
+    whole, frac = body.split(".", 1)
+    words = cardinal(whole or "0") + (f"{point}{digits(frac)}" if frac else "")
+    return minus + words if s.startswith("-") and body.strip("0.") else words
 
 
 def en_decimal(s: str) -> str:
     """"3.14" -> "three point one four"; integers go to en_cardinal. Trailing zeros are read."""
-    return _decimal(s, en_cardinal, en_digits, " point ")
+    return _decimal(s, en_cardinal, en_digits, " point ", "minus ")
 
 
 def en_ordinal(n: int) -> str:
@@ -154,7 +156,7 @@ def zh_cardinal(s: str) -> str:
 
 def zh_decimal(s: str) -> str:
     """"3.14" -> "三点一四" (trailing zeros read); integers go to zh_cardinal."""
-    return _decimal(s, zh_cardinal, zh_digits, "点")
+    return _decimal(s, zh_cardinal, zh_digits, "点", "负")
 
 
 def zh_fraction(num: int, den: int) -> str:
