@@ -1,4 +1,6 @@
-"""AudioStage: streamed chunks == one-shot decode, batched == single, O(n) work, request lifecycle."""
+"""Both streaming stages (windowed AudioStage, IncrementalAudioStage): streamed chunks == one-shot decode,
+batched == single, request lifecycle; the windowed stage's context and lookahead. The incremental stage's own
+properties: tests/test_incremental_stage.py."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from safetensors.torch import load_file
 
 from ttsserve.audio.decoder_net import DVAE, ConvNeXtBlock, ConvNeXtStack, HiddenDecoder
 from ttsserve.audio.gfsq import GFSQ
+from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.stage import AudioChunk, AudioStage, context_frames
+from ttsserve.audio.stream_base import StreamingStage
 from ttsserve.audio.vocos import ISTFTHead, Vocos, VocosBackbone
 
 ASSET = Path(__file__).parent / "golden" / "assets-tiny" / "asset"
+STAGES = [AudioStage, IncrementalAudioStage]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def one_shot(dec, vocos, frames: torch.Tensor, codes: bool = False) -> np.ndarra
     return vocos(mel)[0].numpy()
 
 
-def stream(stage: AudioStage, req_id: str, frames: torch.Tensor, bursts: list[int] | None = None,
+def stream(stage: StreamingStage, req_id: str, frames: torch.Tensor, bursts: list[int] | None = None,
            use_codes: bool = False) -> list[AudioChunk]:
     """Feed frames in bursts (default: one per step), step after each, then finish and flush."""
     stage.add_request(req_id, use_codes=use_codes)
@@ -74,7 +79,7 @@ def stream(stage: AudioStage, req_id: str, frames: torch.Tensor, bursts: list[in
         chunks += stage.step()
     stage.finish(req_id)
     chunks += stage.step()
-    return chunks
+    return chunks + stage.flush()  # deferred stages hand the last decode over here
 
 
 def joined(chunks: list[AudioChunk]) -> np.ndarray:
@@ -87,29 +92,32 @@ def joined(chunks: list[AudioChunk]) -> np.ndarray:
     return np.concatenate([ch.samples for ch in chunks])
 
 
+@pytest.mark.parametrize("stage_cls", STAGES)
 @pytest.mark.parametrize("n", [1, 7, 8, 21, 22, 60, 257])
-def test_stitched_equals_one_shot_tiny(tiny, n) -> None:
+def test_stitched_equals_one_shot_tiny(tiny, n, stage_cls) -> None:
     dec, _, vocos = tiny
     frames = torch.randn(n, 64, generator=torch.Generator().manual_seed(n))
-    wav = joined(stream(AudioStage(dec, None, vocos), "r", frames))
+    wav = joined(stream(stage_cls(dec, None, vocos), "r", frames))
     ref = one_shot(dec, vocos, frames)
     assert wav.shape == (512 * n - 256,)
     assert np.abs(wav - ref).max() < 1e-5
 
 
-def test_stitched_equals_one_shot_dvae_codes(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_stitched_equals_one_shot_dvae_codes(tiny, stage_cls) -> None:
     _, dvae, vocos = tiny
     codes = torch.randint(0, 625, (90, 4), generator=torch.Generator().manual_seed(1))
-    stage = AudioStage(None, dvae, vocos, first_chunk_frames=4, max_chunk_frames=16)
+    stage = stage_cls(None, dvae, vocos, first_chunk_frames=4, max_chunk_frames=16)
     wav = joined(stream(stage, "c", codes, [3] * 30, use_codes=True))
     assert np.abs(wav - one_shot(dvae, vocos, codes, codes=True)).max() < 1e-5
 
 
-def test_stitched_equals_one_shot_real_sizes_in_bursts() -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_stitched_equals_one_shot_real_sizes_in_bursts(stage_cls) -> None:
     dec, _, vocos = random_nets(0, hidden=768, dec_dim=512, dec_layers=2, voc_dim=512, voc_layers=2)
     frames = torch.randn(150, 768, generator=torch.Generator().manual_seed(2))
     bursts = [5, 1, 17, 40, 2, 64, 21]
-    wav = joined(stream(AudioStage(dec, None, vocos, first_chunk_frames=4, max_chunk_frames=32), "r", frames, bursts))
+    wav = joined(stream(stage_cls(dec, None, vocos, first_chunk_frames=4, max_chunk_frames=32), "r", frames, bursts))
     ref = one_shot(dec, vocos, frames)
     assert np.abs(ref).max() > 0.05  # a meaningful signal
     assert np.abs(wav - ref).max() < 1e-4
@@ -205,13 +213,14 @@ def test_lookahead_trades_exactness_for_latency(tiny) -> None:
     assert diffs[13] < 1e-5 < diffs[1]  # 13 = exact right context of the tiny model
 
 
-def test_batched_step_equals_single_requests(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_batched_step_equals_single_requests(tiny, stage_cls) -> None:
     dec, dvae, vocos = tiny
     g = torch.Generator().manual_seed(8)
     lengths = {"a": 70, "b": 3, "c": 41, "d": 0}
     frames = {k: torch.randn(n, 64, generator=g) for k, n in lengths.items()}
     codes = torch.randint(0, 625, (50, 4), generator=g)
-    stage = AudioStage(dec, dvae, vocos)
+    stage = stage_cls(dec, dvae, vocos)
     got: dict[str, list[AudioChunk]] = {k: [] for k in [*lengths, "q"]}
     for k in got:
         stage.add_request(k, use_codes=k == "q")
@@ -230,7 +239,7 @@ def test_batched_step_equals_single_requests(tiny) -> None:
         assert stage.calls_total - calls <= 1  # never one call per request
     assert stage.num_requests == 0
     for k in lengths:  # each request alone, same append schedule
-        single = AudioStage(dec, None, vocos)
+        single = stage_cls(dec, None, vocos)
         alone = stream(single, k, frames[k]) if lengths[k] else stream(single, k, frames[k], [])
         assert [(c.start_sample, len(c.samples), c.is_final) for c in got[k]] == [
             (c.start_sample, len(c.samples), c.is_final) for c in alone]
@@ -275,9 +284,10 @@ def test_short_request_emits_everything_on_finish(tiny) -> None:
     assert stage.num_requests == 0 and stage.step() == []
 
 
-def test_zero_frame_request_emits_one_empty_final_chunk(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_zero_frame_request_emits_one_empty_final_chunk(tiny, stage_cls) -> None:
     dec, _, vocos = tiny
-    stage = AudioStage(dec, None, vocos)
+    stage = stage_cls(dec, None, vocos)
     stage.add_request("z")
     assert stage.step() == []
     stage.finish("z")
@@ -286,9 +296,10 @@ def test_zero_frame_request_emits_one_empty_final_chunk(tiny) -> None:
     assert stage.calls_total == 0 and stage.num_requests == 0
 
 
-def test_abort_frees_state_and_slot(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_abort_frees_state_and_slot(tiny, stage_cls) -> None:
     dec, _, vocos = tiny
-    stage = AudioStage(dec, None, vocos)
+    stage = stage_cls(dec, None, vocos)
     stage.add_request("a")
     stage.append("a", torch.randn(40, 64))
     slot = stage._streams["a"].slot
@@ -301,13 +312,16 @@ def test_abort_frees_state_and_slot(tiny) -> None:
     assert stage._streams["a"].slot == slot and stage._streams["a"].num_frames == 0
 
 
-def test_bad_inputs_raise_value_error(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_bad_inputs_raise_value_error(tiny, stage_cls) -> None:
     dec, dvae, vocos = tiny
     with pytest.raises(ValueError, match="lookahead_frames"):
         AudioStage(dec, None, vocos, lookahead_frames=0)
     with pytest.raises(ValueError, match="first_chunk_frames"):
-        AudioStage(dec, None, vocos, first_chunk_frames=16, max_chunk_frames=8)
-    stage = AudioStage(dec, None, vocos)
+        stage_cls(dec, None, vocos, first_chunk_frames=16, max_chunk_frames=8)
+    with pytest.raises(ValueError, match="needs a decoder or a dvae"):
+        stage_cls(None, None, vocos)
+    stage = stage_cls(dec, None, vocos)
     with pytest.raises(ValueError, match="no DVAE"):
         stage.add_request("q", use_codes=True)
     stage.add_request("r")
@@ -322,17 +336,19 @@ def test_bad_inputs_raise_value_error(tiny) -> None:
         stage.append("r", torch.randn(1, 64))
 
 
-def test_bf16_frame_buffer_decodes_in_the_networks_dtype(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_bf16_frame_buffer_decodes_in_the_networks_dtype(tiny, stage_cls) -> None:
     dec, _, vocos = tiny
     frames = torch.randn(40, 64, generator=torch.Generator().manual_seed(14))
-    stage = AudioStage(dec, None, vocos, dtype=torch.bfloat16)
+    stage = stage_cls(dec, None, vocos, dtype=torch.bfloat16)
     assert stage._pools[False].data.dtype == torch.bfloat16
     wav = joined(stream(stage, "r", frames))
     assert np.abs(wav - one_shot(dec, vocos, frames.bfloat16().float())).max() < 1e-5
 
 
 @pytest.mark.gpu
-def test_cuda_stage_matches_cpu(tiny) -> None:
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_cuda_stage_matches_cpu(tiny, stage_cls) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.backends.cudnn.allow_tf32 = False
@@ -341,7 +357,7 @@ def test_cuda_stage_matches_cpu(tiny) -> None:
     frames = torch.randn(300, 768, generator=torch.Generator().manual_seed(13))
     ref = one_shot(dec, vocos, frames)
     dec_c, voc_c = copy.deepcopy(dec).cuda(), copy.deepcopy(vocos).cuda()
-    stage = AudioStage(dec_c, None, voc_c)
+    stage = stage_cls(dec_c, None, voc_c, deferred=True)
     assert stage.device.type == "cuda"
     wav = joined(stream(stage, "r", frames.cuda(), [1] * 300))
     assert np.abs(wav - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))

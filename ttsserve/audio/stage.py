@@ -16,27 +16,25 @@ Work per frame is bounded: frames older than a - L are dropped, each window is a
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
-from ttsserve.audio.frame_pool import FramePool, to_device
+from ttsserve.audio.frame_pool import to_device
+from ttsserve.audio.stream_base import (
+    AudioChunk,
+    ChunkSpec,
+    Pending,
+    Stream,
+    StreamingStage,
+    crop_rows,
+)
 from ttsserve.audio.vocos import Vocos
 
-
-@dataclass
-class AudioChunk:
-    """New audio of one request. Concatenating a request's chunks in order gives its whole waveform."""
-
-    req_id: str
-    samples: np.ndarray  # float32 [num_samples] at 24 kHz
-    start_sample: int  # position of samples[0] in the request's waveform
-    is_final: bool  # the last chunk of the request (may be empty)
+__all__ = ["AudioChunk", "AudioStage", "context_frames"]
 
 
 def context_frames(mel_half_width: int, n_fft: int, hop: int) -> tuple[int, int]:
@@ -54,32 +52,9 @@ def context_frames(mel_half_width: int, n_fft: int, hop: int) -> tuple[int, int]
 
 
 @dataclass
-class _Stream:
-    use_codes: bool
-    slot: int
-    base: int = 0  # frame index stored at pool position 0
-    num_frames: int = 0  # frames appended
-    num_emitted_frames: int = 0  # frames [0, num_emitted_frames) have been emitted as audio
-    num_chunks: int = 0
-    finished: bool = False
-    final_out: bool = False  # its final chunk is decoded (maybe still in flight): nothing more to plan
-
-
-@dataclass
-class _Pending:
-    """Chunks decoded on the device whose samples are still on their way to the host."""
-
-    windows: list  # [_Window]: crops laid back to back in `flat`
-    sizes: list[int]
-    flat: Tensor  # [sum(sizes)] fp32, pinned host memory on CUDA
-    event: object | None  # torch.cuda.Event recorded after the copy (None: already on the host)
-    empty_finals: list  # [AudioChunk] of zero-frame requests, released in order with this decode
-
-
-@dataclass
 class _Window:
     req_id: str
-    stream: _Stream
+    stream: Stream
     start: int  # first frame decoded (a - L, or 0)
     end: int  # one past the last frame decoded
     emit_start: int  # a
@@ -87,8 +62,8 @@ class _Window:
     is_final: bool
 
 
-class AudioStage:
-    """Batched streaming Decoder(or DVAE)+Vocos over many requests.
+class AudioStage(StreamingStage):
+    """Batched streaming Decoder(or DVAE)+Vocos over many requests, by overlapping windows.
 
     first_chunk_frames / max_chunk_frames: chunk k emits min(first * 2^k, max) frames.
     lookahead_frames: right context; None = exact (from the receptive field). Smaller values lower the time to
@@ -110,140 +85,26 @@ class AudioStage:
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  net_dtype: torch.dtype | None = None, max_windows_per_call: int = 64,
                  deferred: bool = False) -> None:
-        if decoder is None and dvae is None:
-            raise ValueError("AudioStage needs a decoder or a dvae")
-        if not (1 <= first_chunk_frames <= max_chunk_frames):
-            raise ValueError(f"need 1 <= first_chunk_frames <= max_chunk_frames, got {first_chunk_frames}, "
-                             f"{max_chunk_frames}")
         if lookahead_frames is not None and lookahead_frames < 1:
             # a chunk's last sample needs the next frame's first mel frame, so at least one frame
             raise ValueError(f"lookahead_frames must be None or >= 1, got {lookahead_frames}")
-        param = next(vocos.parameters())
-        self.device = torch.device(device) if device is not None else param.device
-        self.dtype = dtype or param.dtype
-        for net in (decoder, dvae, vocos):
-            if net is not None and next(net.parameters()).device.type != self.device.type:
-                raise ValueError(f"AudioStage: {type(net).__name__} is on {next(net.parameters()).device}, "
-                                 f"not on {self.device}")
-        if net_dtype is not None:
-            decoder, dvae, vocos = (None if n is None else copy.deepcopy(n).to(net_dtype)
-                                    for n in (decoder, dvae, vocos))
-        if max_windows_per_call < 1:
-            raise ValueError(f"max_windows_per_call must be >= 1, got {max_windows_per_call}")
-        self.decoder, self.dvae, self.vocos = decoder, dvae, vocos
-        self.max_windows_per_call = max_windows_per_call
-        self.deferred = deferred
-        self._pending: _Pending | None = None
-        self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
-        self.samples_per_frame = 2 * vocos.hop_length
-        half_width = max(net.receptive_field for net in (decoder, dvae) if net is not None) + vocos.receptive_field
-        self.left_context_frames, exact_right = context_frames(half_width, vocos.n_fft, vocos.hop_length)
-        self.right_context_frames = exact_right if lookahead_frames is None else lookahead_frames
-        capacity = 2 * (self.left_context_frames + max_chunk_frames + self.right_context_frames)
-        self._pools: dict[bool, FramePool] = {}
-        if decoder is not None:
-            self._pools[False] = FramePool(decoder.hidden_size, self.dtype, self.device, capacity)
-        if dvae is not None:
-            self._pools[True] = FramePool(dvae.num_vq, torch.long, self.device, capacity)
-        self._streams: dict[str, _Stream] = {}
-        self.frames_decoded_total = 0  # real frames in decoded windows (context included)
-        self.frames_padded_total = 0  # B * max window length, summed over calls
-        self.calls_total = 0  # batched network calls (at most one per step)
-        self.chunks_total = 0
+        nets = [n for n in (decoder, dvae) if n is not None]
+        if not nets:
+            raise ValueError("AudioStage needs a decoder or a dvae")
+        half_width = max(net.receptive_field for net in nets) + vocos.receptive_field
+        left, exact_right = context_frames(half_width, vocos.n_fft, vocos.hop_length)
+        right = exact_right if lookahead_frames is None else lookahead_frames
+        super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
+                         max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
+                         max_windows_per_call=max_windows_per_call, deferred=deferred,
+                         pool_capacity=2 * (left + max_chunk_frames + right))
+        self.left_context_frames, self.right_context_frames = left, right
 
-    # ---- requests ------------------------------------------------------------------------------------
-    @property
-    def num_requests(self) -> int:
-        return len(self._streams)
-
-    def add_request(self, req_id: str, use_codes: bool = False) -> None:
-        """Register a stream; use_codes=True feeds codes [n, 4] through the DVAE instead of hiddens."""
-        if req_id in self._streams:
-            raise ValueError(f"AudioStage: request {req_id!r} already exists")
-        if use_codes not in self._pools:
-            raise ValueError(f"AudioStage: no {'DVAE' if use_codes else 'decoder'} for request {req_id!r}")
-        self._streams[req_id] = _Stream(use_codes, self._pools[use_codes].allocate())
-
-    def append(self, req_id: str, frames: Tensor) -> None:
-        """frames: [n, H] hidden states (fp32, any device) or LongTensor codes [n, 4] for a use_codes request."""
-        st = self._get(req_id)
-        self._check_frames(req_id, st, frames)
-        n = frames.shape[0]
-        if n == 0:
-            return
-        pool = self._reserve(st, n)
-        pos = st.num_frames - st.base
-        pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
-        st.num_frames += n
-
-    def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
-        """One frame for each of many requests in one device write. frames: [len(req_ids), H] (or [.., 4])."""
-        if frames.dim() != 2 or frames.shape[0] != len(req_ids):
-            raise ValueError(f"AudioStage.append_batch: frames must be [{len(req_ids)}, C], got {tuple(frames.shape)}")
-        if not req_ids:
-            return
-        streams = [self._get(r) for r in req_ids]
-        kind = streams[0].use_codes
-        if len(set(req_ids)) != len(req_ids) or any(st.use_codes != kind for st in streams):
-            raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
-        self._check_frames(req_ids[0], streams[0], frames[:1])
-        pool = self._pools[kind]
-        index = np.empty((2, len(streams)), dtype=np.int64)  # (slot, position) of each new frame
-        for i, st in enumerate(streams):
-            if st.finished:
-                raise ValueError(f"AudioStage: request {req_ids[i]!r} is finished; no more frames")
-            if st.num_frames + 1 - st.base > pool.capacity:
-                pool = self._reserve(st, 1)
-            index[0, i], index[1, i] = st.slot, st.num_frames - st.base
-            st.num_frames += 1
-        idx = to_device(index, self.device)
-        pool.data[idx[0], idx[1]] = frames.to(device=self.device, dtype=pool.data.dtype)
-
-    def finish(self, req_id: str) -> None:
-        """No more frames will come: the next step() flushes the tail and emits the final chunk."""
-        self._get(req_id).finished = True
-
-    def abort(self, req_id: str) -> None:
-        """Drop a request and free its buffers (no-op for unknown or already completed requests)."""
-        st = self._streams.pop(req_id, None)
-        if st is not None:
-            self._pools[st.use_codes].free.append(st.slot)
-
-    def _get(self, req_id: str) -> _Stream:
-        st = self._streams.get(req_id)
-        if st is None:
-            raise ValueError(f"AudioStage: unknown request {req_id!r}")
-        return st
-
-    def _check_frames(self, req_id: str, st: _Stream, frames: Tensor) -> None:
-        if st.finished:
-            raise ValueError(f"AudioStage: request {req_id!r} is finished; no more frames")
-        width = self._pools[st.use_codes].data.shape[2]
-        if frames.dim() != 2 or frames.shape[1] != width:
-            raise ValueError(f"AudioStage: frames for {req_id!r} must be [n, {width}], got {tuple(frames.shape)}")
-        if st.use_codes == frames.dtype.is_floating_point:
-            kind = "integer codes" if st.use_codes else "float hidden states"
-            raise ValueError(f"AudioStage: request {req_id!r} takes {kind}, got {frames.dtype}")
-
-    def _reserve(self, st: _Stream, n: int) -> FramePool:
-        """Make room for n more frames in the stream's slot: drop frames no window needs, grow if still short."""
-        pool = self._pools[st.use_codes]
-        if st.num_frames + n - st.base <= pool.capacity:
-            return pool
-        keep_from = max(st.base, st.num_emitted_frames - self.left_context_frames)
-        if keep_from > st.base:
-            pool.shift(st.slot, keep_from - st.base, st.num_frames - keep_from)
-            st.base = keep_from
-        need = st.num_frames + n - st.base
-        if need > pool.capacity:
-            pool.grow(max(2 * pool.capacity, need))
-        return pool
+    def _first_needed_frame(self, st: Stream) -> int:
+        return st.num_emitted_frames - self.left_context_frames
 
     # ---- the step ------------------------------------------------------------------------------------
-    def _chunk_frames(self, k: int) -> int:
-        return min(self.first_chunk_frames << min(k, 32), self.max_chunk_frames)
-
-    def _plan(self, req_id: str, st: _Stream) -> list[_Window]:
+    def _plan(self, req_id: str, st: Stream) -> list[_Window]:
         """Every window of this stream that can be emitted now, in order."""
         windows = []
         a, k, n = st.num_emitted_frames, st.num_chunks, st.num_frames
@@ -281,34 +142,13 @@ class AudioStage:
         for mel in mels:
             self.vocos(mel.to(dtype), 2 * lens)
 
-    def _ready(self, st: _Stream) -> bool:
+    def _ready(self, st: Stream) -> bool:
         """Cheap pre-check of _plan: can this stream emit a window now?"""
         if st.finished:
             return True
         return st.num_frames - st.num_emitted_frames >= self._chunk_frames(st.num_chunks) + self.right_context_frames
 
-    def step(self) -> list[AudioChunk]:
-        """Decode every ready window of every request in batched calls; returns the new chunks, in order per
-        request. A finished request's last chunk has is_final=True (empty for a zero-frame request).
-
-        deferred: this step's decode is only queued; the chunks returned are those of the previous step."""
-        pending = self._launch()
-        if not self.deferred:
-            return self._collect(pending)
-        done = self._collect(self._pending)
-        self._pending = pending
-        return done
-
-    def flush(self) -> list[AudioChunk]:
-        """Chunks still in flight (deferred mode), waiting for the device."""
-        pending, self._pending = self._pending, None
-        return self._collect(pending)
-
-    @property
-    def has_pending(self) -> bool:
-        return self._pending is not None
-
-    def _launch(self) -> _Pending | None:
+    def _launch(self) -> Pending | None:
         windows: list[_Window] = []
         empty: list[AudioChunk] = []
         for req_id, st in self._streams.items():
@@ -319,9 +159,7 @@ class AudioStage:
             if planned and planned[-1].is_final:
                 st.final_out = True
             elif st.finished and st.num_emitted_frames == st.num_frames and not planned:
-                start = max(0, self.samples_per_frame * st.num_frames - self.vocos.hop_length)
-                empty.append(AudioChunk(req_id, np.zeros(0, np.float32), start, True))
-                st.final_out = True
+                empty.append(self._empty_final(req_id, st))
         for w in windows:
             w.stream.num_emitted_frames = w.emit_end
             w.stream.num_chunks += 1
@@ -333,35 +171,8 @@ class AudioStage:
             pieces.append(flat)
             sizes.extend(n)
         flat, event = self._to_host(pieces)
-        return _Pending(windows, sizes, flat, event, empty)
-
-    def _to_host(self, pieces: list[Tensor]) -> tuple[Tensor, object | None]:
-        if not pieces:
-            return torch.zeros(0), None
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        if flat.device.type != "cuda":
-            return flat.cpu(), None
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def _collect(self, pending: _Pending | None) -> list[AudioChunk]:
-        if pending is None:
-            return []
-        if pending.event is not None:
-            pending.event.synchronize()
-        # a copy: the chunks must not pin the (pinned, pooled) transfer buffer
-        pieces = np.split(pending.flat.numpy().copy(), np.cumsum(pending.sizes)[:-1]) if pending.sizes else []
-        spf = self.samples_per_frame
-        chunks = [AudioChunk(w.req_id, p, spf * w.emit_start, w.is_final) for w, p in zip(pending.windows, pieces)]
-        chunks += pending.empty_finals
-        for ch in chunks:
-            if ch.is_final:
-                self.abort(ch.req_id)
-        self.chunks_total += len(chunks)
-        return chunks
+        specs = [ChunkSpec(w.req_id, self.samples_per_frame * w.emit_start, w.is_final) for w in windows]
+        return Pending(specs, sizes, flat, event, empty)
 
     @torch.no_grad()
     def _decode(self, windows: list[_Window]) -> tuple[Tensor, list[int]]:
@@ -395,15 +206,9 @@ class AudioStage:
         return self._crop(windows, wav)
 
     def _crop(self, windows: list[_Window], wav: Tensor) -> tuple[Tensor, list[int]]:
-        """The emitted part of each row, back to back: ([sum(sizes)] fp32 on wav's device, sizes). No sync:
-        the gather index is built on the device from per-row (start, size) with a known output size."""
+        """The emitted part of each row, back to back: ([sum(sizes)] fp32 on wav's device, sizes)."""
         spf, hop = self.samples_per_frame, self.vocos.hop_length
         starts = [spf * (w.emit_start - w.start) for w in windows]
         # a final chunk runs to the utterance's end, spf * n - hop, which is also the window's end
         sizes = [spf * (w.emit_end - w.start) - (hop if w.is_final else 0) - a for w, a in zip(windows, starts)]
-        total = sum(sizes)
-        dev = wav.device
-        info = to_device([starts, sizes, np.cumsum([0] + sizes[:-1]).tolist()], dev)
-        row = torch.repeat_interleave(torch.arange(len(windows), device=dev), info[1], output_size=total)
-        col = torch.arange(total, device=dev) - info[2][row] + info[0][row]
-        return wav.reshape(-1)[row * wav.shape[1] + col].float(), sizes
+        return crop_rows(wav, starts, sizes), sizes

@@ -97,12 +97,12 @@ class Engine:
             max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode), self.kv_manager)
-        from ttsserve.audio.stage import AudioStage
+        from ttsserve.audio.incremental_stage import make_audio_stage
 
-        self.audio = AudioStage(self.model.decoder, None, self.model.vocos, first_chunk_frames=cfg.first_chunk_frames,
-                                max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
-                                device=self.model.device, deferred=self.model.device.type == "cuda",
-                                net_dtype=self._vocoder_dtype())
+        self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
+                                      first_chunk_frames=cfg.first_chunk_frames, max_chunk_frames=cfg.max_chunk_frames,
+                                      lookahead_frames=cfg.lookahead_frames, device=self.model.device,
+                                      deferred=self.model.device.type == "cuda", net_dtype=self._vocoder_dtype())
         if self.model.device.type == "cuda":
             self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
         # A stream hears its first audio once its first chunk plus the right context exist.

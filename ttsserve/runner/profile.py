@@ -95,9 +95,9 @@ def _profile_sampler(model, cfg: EngineConfig, h: torch.Tensor) -> None:
 
 
 def _profile_vocoder(model, cfg: EngineConfig) -> None:
-    from ttsserve.audio.stage import AudioStage
+    from ttsserve.audio.incremental_stage import make_audio_stage
 
-    stage = AudioStage(model.decoder, None, model.vocos, first_chunk_frames=cfg.first_chunk_frames,
-                       max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
-                       device=model.device, deferred=False)
+    stage = make_audio_stage(model.decoder, None, model.vocos, first_chunk_frames=cfg.first_chunk_frames,
+                             max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
+                             device=model.device, deferred=False)
     stage.profile_max_call()

@@ -1,0 +1,245 @@
+"""The incremental vocoder stage: exact streaming audio that decodes every frame once (audio/incremental.py).
+
+Same interface and chunk contract as the windowed `AudioStage`. A request's first call waits for its first chunk
+plus `right_context_frames` (52 for the real model: the conv stack's lag and half an FFT), later calls feed only
+the frames that came since (chunk k: min(first * 2^k, max) frames); a finished request is fed zero frames past
+its end until its last sample is final. Per stream it keeps each conv's input tail (about 0.4 MB for the real
+model in fp32) instead of the L + R = 104 frames of context the windowed stage re-decodes with every chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
+from ttsserve.audio.frame_pool import to_device
+from ttsserve.audio.incremental import (
+    NOT_FINISHED,
+    IncrementalDecoder,
+    IncrementalVocos,
+    Rows,
+    reach,
+)
+from ttsserve.audio.stage import AudioStage
+from ttsserve.audio.stream_base import (
+    AudioChunk,
+    ChunkSpec,
+    Pending,
+    Stream,
+    StreamingStage,
+    crop_rows,
+)
+from ttsserve.audio.vocos import Vocos
+
+
+@dataclass
+class _Feed:
+    """One row of a call: `count` frames of a stream from frame `stream.num_emitted_frames` on (zeros past its end)."""
+
+    req_id: str
+    stream: Stream
+    count: int
+
+
+class IncrementalAudioStage(StreamingStage):
+    """Batched, exact, streaming Decoder(or DVAE)+Vocos that decodes each frame once.
+
+    Arguments as AudioStage's (no lookahead: it is always exact); max_windows_per_call bounds the rows of one
+    call, and a row feeds at most max_chunk_frames + right_context_frames frames.
+    """
+
+    def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
+                 first_chunk_frames: int = 8, max_chunk_frames: int = 64, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, net_dtype: torch.dtype | None = None,
+                 max_windows_per_call: int = 64, deferred: bool = False) -> None:
+        super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
+                         max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
+                         max_windows_per_call=max_windows_per_call, deferred=deferred, pool_capacity=2 * max_chunk_frames)
+        self._decoders: dict[bool, IncrementalDecoder] = {}
+        for kind, net in ((False, self.decoder), (True, self.dvae)):
+            if net is not None:
+                self._decoders[kind] = IncrementalDecoder(net.decoder, net.out_conv, net.coef)
+        self._vocos = IncrementalVocos(self.vocos)
+        hop, half, spf = self.vocos.hop_length, self.vocos.n_fft // 2, self.samples_per_frame
+        # samples [0, s) are final once mel frames up to s/hop + n_fft/(2 hop) + lag reached the input
+        self._lag = {kind: d.lag + self._vocos.lag for kind, d in self._decoders.items()}
+        self.right_context_frames = max(-(-(hop * lag + half) // spf) for lag in self._lag.values())
+        self.left_context_frames = 0
+        self.max_call_frames = max_chunk_frames + self.right_context_frames
+        self._num_slots = 0
+        self._free_slots: list[int] = []
+        self._state_slot: dict[str, int] = {}
+        self._free_slots.append(self._allocate_slot())  # sizes the state tensors (state_bytes_per_request)
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Device memory one request's conv tails and overlap-add tail take (both kinds' decoders counted)."""
+        states = [s for d in self._decoders.values() for s in d.states] + self._vocos.states
+        per_slot = sum(s.cache[0].numel() * s.cache.element_size() for s in states)
+        return per_slot + self._vocos.tails[0].numel() * self._vocos.tails.element_size()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, req_id: str, use_codes: bool = False) -> None:
+        super().add_request(req_id, use_codes)
+        slot = self._allocate_slot()
+        self._vocos.reset(slot)
+        self._state_slot[req_id] = slot
+
+    def abort(self, req_id: str) -> None:
+        super().abort(req_id)
+        slot = self._state_slot.pop(req_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _allocate_slot(self) -> int:
+        if not self._free_slots:
+            n = max(4, 2 * self._num_slots)
+            for net in (*self._decoders.values(), self._vocos):
+                net.resize(n)
+            self._free_slots = list(range(n - 1, self._num_slots - 1, -1))
+            self._num_slots = n
+        return self._free_slots.pop()
+
+    def _first_needed_frame(self, st: Stream) -> int:
+        return st.num_emitted_frames  # frames before it are fed: their trace lives in the conv caches
+
+    # ---- planning ------------------------------------------------------------------------------------
+    def _frames_to_finish(self, st: Stream) -> int:
+        """Frames (real, then zeros) a finished stream must have fed for its last sample to be final."""
+        hop, half = self.vocos.hop_length, self.vocos.n_fft // 2
+        last = hop * (2 * st.num_frames - 1)  # one past the utterance's last sample
+        return -(-(last + half + hop * self._lag[st.use_codes]) // self.samples_per_frame)
+
+    def _feed_count(self, st: Stream) -> int:
+        """Frames to feed this stream now (0: not ready)."""
+        fed, pending = st.num_emitted_frames, st.num_frames - st.num_emitted_frames
+        if st.finished:
+            n = self._frames_to_finish(st) - fed
+        elif fed == 0:
+            n = pending if pending >= self.first_chunk_frames + self.right_context_frames else 0
+        else:
+            n = pending if pending >= self._chunk_frames(st.num_chunks) else 0
+        return min(n, self.max_call_frames)
+
+    def _plan(self) -> tuple[list[_Feed], list[AudioChunk]]:
+        feeds, empty = [], []
+        for req_id, st in self._streams.items():
+            if st.final_out:
+                continue
+            if st.finished and st.num_frames == 0:
+                empty.append(self._empty_final(req_id, st))
+            elif (n := self._feed_count(st)) > 0:
+                feeds.append(_Feed(req_id, st, n))
+        return feeds, empty
+
+    def _launch(self) -> Pending | None:
+        specs, sizes, pieces, empty = [], [], [], []
+        while True:  # a burst of frames can need several calls of at most max_call_frames
+            feeds, new_empty = self._plan()
+            empty += new_empty
+            if not feeds:
+                break
+            feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind
+            for i in range(0, len(feeds), self.max_windows_per_call):
+                flat, part_specs, part_sizes = self._decode(feeds[i : i + self.max_windows_per_call])
+                pieces.append(flat)
+                specs += part_specs
+                sizes += part_sizes
+        if not specs and not empty:
+            return None
+        flat, event = self._to_host(pieces)
+        return Pending(specs, sizes, flat, event, empty)
+
+    # ---- decoding ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _decode(self, feeds: list[_Feed]) -> tuple[Tensor, list[ChunkSpec], list[int]]:
+        """Feed every row, advance its stream, and crop the samples that became final."""
+        mels, lags = [], []
+        for kind in sorted({f.stream.use_codes for f in feeds}):
+            rows = [f for f in feeds if f.stream.use_codes == kind]
+            mels.append(self._decode_mel(kind, rows))
+            lags += [self._decoders[kind].lag] * len(rows)
+        width = max(m.shape[-1] for m in mels)
+        mel = torch.cat([F.pad(m, (0, width - m.shape[-1])) for m in mels])
+        starts = [2 * f.stream.num_emitted_frames - lag for f, lag in zip(feeds, lags)]
+        wav = self._vocos(mel, self._rows(feeds, starts, width, reach(self._vocos.states)))
+        self.calls_total += 1
+        self.frames_decoded_total += sum(f.count for f in feeds)
+        self.frames_padded_total += len(feeds) * (width // 2)
+        return self._emit(feeds, wav)
+
+    def _decode_mel(self, kind: bool, feeds: list[_Feed]) -> Tensor:
+        """The new frames of these rows (zeros past a stream's end) -> mel [B, n_mels, 2 * max count]."""
+        pool, dec = self._pools[kind], self._decoders[kind]
+        real = [min(f.count, f.stream.num_frames - f.stream.num_emitted_frames) for f in feeds]
+        n = max(f.count for f in feeds)
+        if max(real) > 0:
+            x = pool.gather([f.stream.slot for f in feeds],
+                            [f.stream.num_emitted_frames - f.stream.base for f in feeds], real)
+            x = F.pad(x, (0, 0, 0, n - x.shape[1]))
+        else:  # only the zeros past the ends
+            x = pool.data.new_zeros(len(feeds), n, pool.data.shape[2])
+        x = x.transpose(1, 2)  # [B, C, n]
+        x = self.dvae.vq_layer.dequantize(x) if kind else x.to(self.decoder.coef.dtype)
+        starts = [2 * f.stream.num_emitted_frames for f in feeds]
+        mel = dec(halves_to_frames(x), self._rows(feeds, starts, 2 * n, reach(dec.states)))
+        return mel.to(next(self.vocos.parameters()).dtype)
+
+    def _rows(self, feeds: list[_Feed], starts: list[int], width: int, reach_frames: int) -> Rows:
+        limits = [2 * f.stream.num_frames if f.stream.finished else NOT_FINISHED for f in feeds]
+        info = to_device([[self._state_slot[f.req_id] for f in feeds], starts, [2 * f.count for f in feeds], limits],
+                         self.device)
+        return Rows(info[0], info[1], info[2], info[3], width, reach_frames)
+
+    def _emit(self, feeds: list[_Feed], wav: Tensor) -> tuple[Tensor, list[ChunkSpec], list[int]]:
+        """Advance each stream past its fed frames; crop the samples that are final now (row position 0 is
+        sample hop * (2 * fed - lag) - n_fft / 2 of the utterance)."""
+        hop, half = self.vocos.hop_length, self.vocos.n_fft // 2
+        specs, rows, starts, sizes = [], [], [], []
+        for i, f in enumerate(feeds):
+            st = f.stream
+            first = hop * (2 * st.num_emitted_frames - self._lag[st.use_codes]) - half
+            end = first + 2 * hop * f.count
+            if st.finished:
+                end = min(end, hop * (2 * st.num_frames - 1))
+            lo = st.num_emitted_samples
+            st.num_emitted_frames += f.count
+            st.num_chunks += 1
+            st.final_out = st.finished and st.num_emitted_frames >= self._frames_to_finish(st)
+            if end <= lo and not st.final_out:
+                continue  # nothing final yet (a call cut short by max_call_frames): no empty chunk
+            st.num_emitted_samples = max(lo, end)
+            specs.append(ChunkSpec(f.req_id, lo, st.final_out))
+            rows.append(i)
+            starts.append(lo - first)
+            sizes.append(max(0, end - lo))
+        kept = wav if len(rows) == len(feeds) else wav[to_device(rows, wav.device)]
+        return crop_rows(kept, starts, sizes), specs, sizes
+
+    @torch.no_grad()
+    def profile_max_call(self, num_windows: int | None = None) -> None:
+        """Run the largest call this stage makes (max_windows_per_call rows of max_call_frames new frames) in
+        scratch slots: for memory profiling, and as a warm-up of the convolution kernels. Counters untouched."""
+        b, n = num_windows or self.max_windows_per_call, self.max_call_frames
+        counters = self.calls_total, self.frames_decoded_total, self.frames_padded_total
+        for kind in self._decoders:
+            ids = [f"__profile_{int(kind)}_{i}" for i in range(b)]
+            for req_id in ids:
+                self.add_request(req_id, use_codes=kind)
+                self._streams[req_id].num_frames = n  # whatever the pool slot holds stands in for frames
+            self._decode([_Feed(req_id, self._streams[req_id], n) for req_id in ids])
+            for req_id in ids:
+                self.abort(req_id)
+        self.calls_total, self.frames_decoded_total, self.frames_padded_total = counters
+
+
+def make_audio_stage(decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
+                     lookahead_frames: int | None = None, **kwargs) -> StreamingStage:
+    """The engine's stage: incremental when exact (lookahead None), windowed with a shorter lookahead."""
+    if lookahead_frames is None:
+        return IncrementalAudioStage(decoder, dvae, vocos, **kwargs)
+    return AudioStage(decoder, dvae, vocos, lookahead_frames=lookahead_frames, **kwargs)

@@ -1,0 +1,268 @@
+"""What every streaming vocoder stage shares: the request registry, frame appends, and the deferred hand-off.
+
+Two stages build on it (both exact unless a lookahead is set):
+- `AudioStage` (audio/stage.py): decodes overlapping windows, each with L + R frames of context.
+- `IncrementalAudioStage` (audio/incremental_stage.py): every conv keeps the tail of its input per request,
+  so each frame is decoded once. The engine's default for exact streaming.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
+from ttsserve.audio.frame_pool import FramePool, to_device
+from ttsserve.audio.vocos import Vocos
+
+
+@dataclass
+class AudioChunk:
+    """New audio of one request. Concatenating a request's chunks in order gives its whole waveform."""
+
+    req_id: str
+    samples: np.ndarray  # float32 [num_samples] at 24 kHz
+    start_sample: int  # position of samples[0] in the request's waveform
+    is_final: bool  # the last chunk of the request (may be empty)
+
+
+@dataclass
+class Stream:
+    use_codes: bool
+    slot: int
+    base: int = 0  # frame index stored at pool position 0
+    num_frames: int = 0  # frames appended
+    num_emitted_frames: int = 0  # windowed stage: frames emitted; incremental stage: frames fed to the nets
+    num_chunks: int = 0
+    finished: bool = False
+    final_out: bool = False  # its final chunk is decoded (maybe still in flight): nothing more to plan
+    num_emitted_samples: int = 0  # incremental stage: samples emitted so far
+
+
+@dataclass
+class ChunkSpec:
+    """Where a decoded row's crop goes: one AudioChunk once its samples reach the host."""
+
+    req_id: str
+    start_sample: int
+    is_final: bool
+
+
+@dataclass
+class Pending:
+    """Chunks decoded on the device whose samples are still on their way to the host."""
+
+    specs: list[ChunkSpec]  # crops laid back to back in `flat`, in this order
+    sizes: list[int]
+    flat: Tensor  # [sum(sizes)] fp32, pinned host memory on CUDA
+    event: object | None  # torch.cuda.Event recorded after the copy (None: already on the host)
+    empty_finals: list  # [AudioChunk] of zero-frame requests, released in order with this decode
+
+
+def crop_rows(wav: Tensor, starts: list[int], sizes: list[int]) -> Tensor:
+    """Row b's samples [starts[b], starts[b] + sizes[b]) of wav [B, S], back to back, as fp32 on wav's device.
+    No sync: the gather index is built on the device with a known output size."""
+    total, dev = sum(sizes), wav.device
+    info = to_device([starts, sizes, np.cumsum([0] + sizes[:-1]).tolist()], dev)
+    row = torch.repeat_interleave(torch.arange(len(sizes), device=dev), info[1], output_size=total)
+    col = torch.arange(total, device=dev) - info[2][row] + info[0][row]
+    return wav.reshape(-1)[row * wav.shape[1] + col].float()
+
+
+class StreamingStage:
+    """Requests, their frame buffers and the step protocol; subclasses plan and decode (`_launch`)."""
+
+    def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
+                 first_chunk_frames: int, max_chunk_frames: int, device: torch.device | str | None,
+                 dtype: torch.dtype | None, net_dtype: torch.dtype | None, max_windows_per_call: int,
+                 deferred: bool, pool_capacity: int) -> None:
+        if decoder is None and dvae is None:
+            raise ValueError("AudioStage needs a decoder or a dvae")
+        if not (1 <= first_chunk_frames <= max_chunk_frames):
+            raise ValueError(f"need 1 <= first_chunk_frames <= max_chunk_frames, got {first_chunk_frames}, "
+                             f"{max_chunk_frames}")
+        if max_windows_per_call < 1:
+            raise ValueError(f"max_windows_per_call must be >= 1, got {max_windows_per_call}")
+        param = next(vocos.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype or param.dtype
+        for net in (decoder, dvae, vocos):
+            if net is not None and next(net.parameters()).device.type != self.device.type:
+                raise ValueError(f"AudioStage: {type(net).__name__} is on {next(net.parameters()).device}, "
+                                 f"not on {self.device}")
+        if net_dtype is not None:
+            decoder, dvae, vocos = (None if n is None else copy.deepcopy(n).to(net_dtype)
+                                    for n in (decoder, dvae, vocos))
+        self.decoder, self.dvae, self.vocos = decoder, dvae, vocos
+        self.max_windows_per_call = max_windows_per_call
+        self.deferred = deferred
+        self._pending: Pending | None = None
+        self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
+        self.samples_per_frame = 2 * vocos.hop_length
+        self._pools: dict[bool, FramePool] = {}
+        if decoder is not None:
+            self._pools[False] = FramePool(decoder.hidden_size, self.dtype, self.device, pool_capacity)
+        if dvae is not None:
+            self._pools[True] = FramePool(dvae.num_vq, torch.long, self.device, pool_capacity)
+        self._streams: dict[str, Stream] = {}
+        self.frames_decoded_total = 0  # real frames in decoded rows (context included)
+        self.frames_padded_total = 0  # B * max row length, summed over calls
+        self.calls_total = 0  # batched network calls
+        self.chunks_total = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def add_request(self, req_id: str, use_codes: bool = False) -> None:
+        """Register a stream; use_codes=True feeds codes [n, 4] through the DVAE instead of hiddens."""
+        if req_id in self._streams:
+            raise ValueError(f"AudioStage: request {req_id!r} already exists")
+        if use_codes not in self._pools:
+            raise ValueError(f"AudioStage: no {'DVAE' if use_codes else 'decoder'} for request {req_id!r}")
+        self._streams[req_id] = Stream(use_codes, self._pools[use_codes].allocate())
+
+    def append(self, req_id: str, frames: Tensor) -> None:
+        """frames: [n, H] hidden states (fp32, any device) or LongTensor codes [n, 4] for a use_codes request."""
+        st = self._get(req_id)
+        self._check_frames(req_id, st, frames)
+        n = frames.shape[0]
+        if n == 0:
+            return
+        pool = self._reserve(st, n)
+        pos = st.num_frames - st.base
+        pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
+        st.num_frames += n
+
+    def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
+        """One frame for each of many requests in one device write. frames: [len(req_ids), H] (or [.., 4])."""
+        if frames.dim() != 2 or frames.shape[0] != len(req_ids):
+            raise ValueError(f"AudioStage.append_batch: frames must be [{len(req_ids)}, C], got {tuple(frames.shape)}")
+        if not req_ids:
+            return
+        streams = [self._get(r) for r in req_ids]
+        kind = streams[0].use_codes
+        if len(set(req_ids)) != len(req_ids) or any(st.use_codes != kind for st in streams):
+            raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
+        self._check_frames(req_ids[0], streams[0], frames[:1])
+        pool = self._pools[kind]
+        index = np.empty((2, len(streams)), dtype=np.int64)  # (slot, position) of each new frame
+        for i, st in enumerate(streams):
+            if st.finished:
+                raise ValueError(f"AudioStage: request {req_ids[i]!r} is finished; no more frames")
+            if st.num_frames + 1 - st.base > pool.capacity:
+                pool = self._reserve(st, 1)
+            index[0, i], index[1, i] = st.slot, st.num_frames - st.base
+            st.num_frames += 1
+        idx = to_device(index, self.device)
+        pool.data[idx[0], idx[1]] = frames.to(device=self.device, dtype=pool.data.dtype)
+
+    def finish(self, req_id: str) -> None:
+        """No more frames will come: the next step() flushes the tail and emits the final chunk."""
+        self._get(req_id).finished = True
+
+    def abort(self, req_id: str) -> None:
+        """Drop a request and free its buffers (no-op for unknown or already completed requests)."""
+        st = self._streams.pop(req_id, None)
+        if st is not None:
+            self._pools[st.use_codes].free.append(st.slot)
+
+    def _get(self, req_id: str) -> Stream:
+        st = self._streams.get(req_id)
+        if st is None:
+            raise ValueError(f"AudioStage: unknown request {req_id!r}")
+        return st
+
+    def _check_frames(self, req_id: str, st: Stream, frames: Tensor) -> None:
+        if st.finished:
+            raise ValueError(f"AudioStage: request {req_id!r} is finished; no more frames")
+        width = self._pools[st.use_codes].data.shape[2]
+        if frames.dim() != 2 or frames.shape[1] != width:
+            raise ValueError(f"AudioStage: frames for {req_id!r} must be [n, {width}], got {tuple(frames.shape)}")
+        if st.use_codes == frames.dtype.is_floating_point:
+            kind = "integer codes" if st.use_codes else "float hidden states"
+            raise ValueError(f"AudioStage: request {req_id!r} takes {kind}, got {frames.dtype}")
+
+    def _reserve(self, st: Stream, n: int) -> FramePool:
+        """Make room for n more frames in the stream's slot: drop frames no call needs, grow if still short."""
+        pool = self._pools[st.use_codes]
+        if st.num_frames + n - st.base <= pool.capacity:
+            return pool
+        keep_from = max(st.base, self._first_needed_frame(st))
+        if keep_from > st.base:
+            pool.shift(st.slot, keep_from - st.base, st.num_frames - keep_from)
+            st.base = keep_from
+        need = st.num_frames + n - st.base
+        if need > pool.capacity:
+            pool.grow(max(2 * pool.capacity, need))
+        return pool
+
+    def _first_needed_frame(self, st: Stream) -> int:
+        """Frames before this one will never be read again."""
+        raise NotImplementedError
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def _chunk_frames(self, k: int) -> int:
+        return min(self.first_chunk_frames << min(k, 32), self.max_chunk_frames)
+
+    def step(self) -> list[AudioChunk]:
+        """Decode what every request can emit now, in batched calls; returns the new chunks, in order per
+        request. A finished request's last chunk has is_final=True (empty for a zero-frame request).
+
+        deferred: this step's decode is only queued; the chunks returned are those of the previous step."""
+        pending = self._launch()
+        if not self.deferred:
+            return self._collect(pending)
+        done = self._collect(self._pending)
+        self._pending = pending
+        return done
+
+    def flush(self) -> list[AudioChunk]:
+        """Chunks still in flight (deferred mode), waiting for the device."""
+        pending, self._pending = self._pending, None
+        return self._collect(pending)
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def _launch(self) -> Pending | None:
+        raise NotImplementedError
+
+    def _empty_final(self, req_id: str, st: Stream) -> AudioChunk:
+        """The final chunk of a request with nothing left to decode (no frames at all, or all emitted)."""
+        st.final_out = True
+        start = max(0, self.samples_per_frame * st.num_frames - self.vocos.hop_length)
+        return AudioChunk(req_id, np.zeros(0, np.float32), start, True)
+
+    def _to_host(self, pieces: list[Tensor]) -> tuple[Tensor, object | None]:
+        if not pieces:
+            return torch.zeros(0), None
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if flat.device.type != "cuda":
+            return flat.cpu(), None
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _collect(self, pending: Pending | None) -> list[AudioChunk]:
+        if pending is None:
+            return []
+        if pending.event is not None:
+            pending.event.synchronize()
+        # a copy: the chunks must not pin the (pinned, pooled) transfer buffer
+        pieces = np.split(pending.flat.numpy().copy(), np.cumsum(pending.sizes)[:-1]) if pending.sizes else []
+        chunks = [AudioChunk(s.req_id, p, s.start_sample, s.is_final) for s, p in zip(pending.specs, pieces)]
+        chunks += pending.empty_finals
+        for ch in chunks:
+            if ch.is_final:
+                self.abort(ch.req_id)
+        self.chunks_total += len(chunks)
+        return chunks
