@@ -47,14 +47,17 @@ class Rows:
         dev = self.start.device
         frame = self.start[:, None] - self.reach + torch.arange(self.reach + self.width, device=dev)
         self._in_range = ((frame >= 0) & (frame < self.limit[:, None]))[:, None, :]  # [B, 1, reach + width]
+        self._masks: dict[torch.dtype, Tensor] = {}
         self._tails: dict[int, Tensor] = {}
 
     def frame_mask(self, lag: int, cached: int, dtype: torch.dtype) -> Tensor:
-        """[B, 1, cached + width]: 1 where the buffer position's frame lies in [0, limit). Position 0 holds
-        frame start - lag - cached."""
+        """[B, 1, cached + width] (a view): 1 where the buffer position's frame lies in [0, limit). Position 0
+        holds frame start - lag - cached."""
         offset = self.reach - lag - cached
         assert offset >= 0, "a conv reaches further back than the pipeline planned"
-        return self._in_range[..., offset : offset + cached + self.width].to(dtype)
+        if dtype not in self._masks:  # one cast per call, not one per conv: the GPU path is launch-bound
+            self._masks[dtype] = self._in_range.to(dtype)
+        return self._masks[dtype][..., offset : offset + cached + self.width]
 
     def tail_index(self, size: int) -> Tensor:
         """[B, 1, size]: positions count_b .. count_b + size - 1, the last `size` real positions of a buffer that

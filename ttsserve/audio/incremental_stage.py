@@ -49,13 +49,15 @@ class IncrementalAudioStage(StreamingStage):
     """Batched, exact, streaming Decoder(or DVAE)+Vocos that decodes each frame once.
 
     Arguments as AudioStage's (no lookahead: it is always exact); max_windows_per_call bounds the rows of one
-    call, and a row feeds at most max_chunk_frames + right_context_frames frames.
+    call, and a row feeds at most max_chunk_frames + right_context_frames frames (116 against the windowed
+    stage's 168, so twice its rows per call take about as much activation memory: fewer calls, and a call is
+    bound by the host's kernel launches on a GPU).
     """
 
     def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
                  first_chunk_frames: int = 8, max_chunk_frames: int = 64, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, net_dtype: torch.dtype | None = None,
-                 max_windows_per_call: int = 64, deferred: bool = False) -> None:
+                 max_windows_per_call: int = 128, deferred: bool = False) -> None:
         super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
                          max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
                          max_windows_per_call=max_windows_per_call, deferred=deferred, pool_capacity=2 * max_chunk_frames)
