@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,18 @@ from ttsserve.attention.backend import AttentionMetadata
 from ttsserve.attention.dense import causal_sdpa
 
 logger = logging.getLogger(__name__)
-COMPILE_ENV = "TTSSERVE_CPU_COMPILE"  # "1": torch.compile the CPU decode attention by default
+# "1": torch.compile the CPU decode attention, then the whole decode step (runner/cpu_graph.py); "attention":
+# the attention only; "0" / unset: neither
+COMPILE_ENV = "TTSSERVE_CPU_COMPILE"
+COMPILE_LEVELS = ("0", "attention", "1")
+
+
+def compile_level() -> str:
+    """$TTSSERVE_CPU_COMPILE, checked: one of COMPILE_LEVELS (ValueError otherwise)."""
+    level = os.environ.get(COMPILE_ENV, "0")
+    if level not in COMPILE_LEVELS:
+        raise ValueError(f"${COMPILE_ENV} must be one of {', '.join(COMPILE_LEVELS)}, got {level!r}")
+    return level
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -110,7 +122,7 @@ class TorchPagedAttention:
 
     def __init__(self, compile_decode: bool | None = None) -> None:
         if compile_decode is None:
-            compile_decode = os.environ.get(COMPILE_ENV, "0") == "1"
+            compile_decode = compile_level() != "0"
         self.compile_decode = compile_decode
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._step: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor | None] | None = None
@@ -170,12 +182,13 @@ class TorchPagedAttention:
         self._tables = (md, tables)
         return tables
 
-    def warmup(self, kv_cache: torch.Tensor, num_heads: int, background: bool = False) -> None:
+    def warmup(self, kv_cache: torch.Tensor, num_heads: int, background: bool = False,
+               then: Callable[[], None] | None = None) -> None:
         """Compile the decode kernel now (one and several sequences, under inference mode like the engine's
         steps) rather than in the first request's first step. No-op when compile_decode is off. With
         `background`, compile in a daemon thread and run the eager path until it is done: a server is ready
         at once (the compile takes ~5 s even with inductor's cache warm) and gets faster a few seconds later.
-        Only reads `kv_cache`."""
+        `then` runs next in the same thread (compilations one after the other). Only reads `kv_cache`."""
         if not (self.compile_decode and kv_cache.device.type == "cpu"):
             return
         if not background:
@@ -192,6 +205,8 @@ class TorchPagedAttention:
             if self.compile_decode:
                 logger.info("CPU decode attention compiled in %.1f s (in the background; eager until then)",
                             time.perf_counter() - t0)
+            if then is not None:
+                then()
 
         threading.Thread(target=run, name="ttsserve-cpu-compile", daemon=True).start()
 

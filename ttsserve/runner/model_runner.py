@@ -123,9 +123,10 @@ class ModelRunner:
         self.kv = KVCache(self.cfg, kv_spec, self.device, self.dtype)
         self.block_size = kv_spec.block_size
         self.backend, graphable = runner_backend(self.device, self.cfg.head_dim)
+        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        self.cpu_graph = None
         if self.device.type == "cpu":
             self._setup_cpu(enforce_eager)
-        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -141,19 +142,31 @@ class ModelRunner:
             self.graphs.capture()
 
     def _setup_cpu(self, enforce_eager: bool) -> None:
-        """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered); the
-        compiled decode attention ($TTSSERVE_CPU_COMPILE=1, the CPU server's default) compiles in the
-        background from now on, the eager path serving until it is done."""
+        """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With
+        $TTSSERVE_CPU_COMPILE=1 (the CPU server's default) the decode attention, then the whole decode step
+        (runner/cpu_graph.py), compile in one background thread from now on; the eager path serves until
+        each is done."""
+        from ttsserve.attention.torch_ref import compile_level
         from ttsserve.model.cpu_linear import pack_linears_
+        from ttsserve.runner.cpu_graph import CpuDecodeGraph
 
         pack_linears_(self.model.gpt)
         if enforce_eager:
             self.backend.compile_decode = False
-        self.backend.warmup(self.kv.layers[0], self.cfg.num_heads, background=True)
+        if self.backend.compile_decode and compile_level() == "1":
+            self.cpu_graph = CpuDecodeGraph(self.model.gpt, self.kv.layers, self.scale)
+        # one thread compiles both, one after the other (the graph after the quicker attention kernel)
+        graph = self.cpu_graph
+        self.backend.warmup(self.kv.layers[0], self.cfg.num_heads, background=True,
+                            then=None if graph is None else lambda: graph.start(background=False))
 
     def wait_warm(self, timeout: float | None = None) -> bool:
-        """Block until start-up work left to the background (the CPU attention compile) is done."""
-        return self.backend.wait_compiled(timeout) if self.device.type == "cpu" else True
+        """Block until start-up work left to the background (the CPU compilations) is done."""
+        if self.device.type != "cpu":
+            return True
+        if not self.backend.wait_compiled(timeout):
+            return False
+        return self.cpu_graph is None or self.cpu_graph.wait(timeout)
 
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:
@@ -284,7 +297,8 @@ class ModelRunner:
         md, positions = self._metadata(arr)
         rows_t = async_h2d(torch.from_numpy(rows), self.device)
         x = self.model.embed.embed_codes(self.sampling.last_tokens[rows_t])
-        hidden = self._forward(x, md, positions).float()
+        hidden = None if self.cpu_graph is None else self.cpu_graph.run(x, positions, md)
+        hidden = (self._forward(x, md, positions) if hidden is None else hidden).float()
         return self.sample_rows(hidden, rows_t, async_h2d(torch.from_numpy(steps), self.device), "code"), hidden
 
     def sample_rows(self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str,

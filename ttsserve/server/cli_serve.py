@@ -188,10 +188,11 @@ def _configure_logging(level: str) -> None:
 
 
 def _server_cpu_defaults(engine_cfg) -> None:
-    """A CPU server compiles its decode attention unless $TTSSERVE_CPU_COMPILE says otherwise: a server lives
-    long, and ~5 s of background compilation (once per process, after /ready; a C++ compiler is needed, else
-    it falls back to eager) buy ~18% of step time at 8 streams (BENCHMARKS.md, CPU fast path). One-shot
-    `ttsserve say` keeps it off."""
+    """A CPU server compiles its decode attention, then its whole decode step, unless $TTSSERVE_CPU_COMPILE
+    says otherwise ("attention": the attention only; "0": nothing): a server lives long, and a minute or two
+    of background compilation (once per process, after /ready, served eagerly meanwhile; a C++ compiler is
+    needed, else it stays eager) buys a quarter of the step time at 8 streams (BENCHMARKS.md, CPU fast
+    path). One-shot `ttsserve say` keeps it off."""
     import torch
 
     from ttsserve.attention.torch_ref import COMPILE_ENV
@@ -199,7 +200,8 @@ def _server_cpu_defaults(engine_cfg) -> None:
     on_cpu = engine_cfg.device == "cpu" or (engine_cfg.device == "auto" and not torch.cuda.is_available())
     if on_cpu and COMPILE_ENV not in os.environ:
         os.environ[COMPILE_ENV] = "1"
-        logger.info("CPU decode attention will be compiled with torch.compile (%s=0 turns it off)", COMPILE_ENV)
+        logger.info("the CPU decode step will be compiled with torch.compile in the background (%s=0 turns it "
+                    "off, =attention keeps it to the attention)", COMPILE_ENV)
 
 
 def run_serve(args: argparse.Namespace) -> int:
