@@ -81,6 +81,9 @@ def main() -> None:
           f"{a.batch * audio_s / wall:.2f} audio-s/s; cpu {cpu:.2f} s for {wall:.2f} s wall; "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     print("engine phases, ms per step:", phases)
+    g = engine.runner.cpu_graph
+    print("compiled decode step:", "off" if g is None else
+          f"ready (compiled in {g.compile_s:.0f} s)" if g.ready else "failed or not ready (eager)")
 
 
 if __name__ == "__main__":
