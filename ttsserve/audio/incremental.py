@@ -181,14 +181,9 @@ class IncrementalVocos:
     def _overlap_add(self, feats: Tensor, rows: Rows) -> Tensor:
         head: ISTFTHead = self.head
         n_fft, hop, width = head.n_fft, head.hop_length, rows.width
-        x = head.out(feats).transpose(1, 2)
-        x = x.to(torch.promote_types(x.dtype, torch.float32))
-        mag, phase = x.chunk(2, dim=1)
-        mag = torch.exp(mag).clamp(max=100.0)
-        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
-        window = head.window.to(x.dtype)
-        k = torch.arange(width, device=x.device)[None, :]
-        valid = self._spectrum_frames_valid(rows, k).to(x.dtype)  # [B, width]
+        spec, window = head.spectrum(feats)
+        k = torch.arange(width, device=spec.device)[None, :]
+        valid = self._spectrum_frames_valid(rows, k).to(window.dtype)  # [B, width]
         frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None] * valid[:, None, :]
         fold = {"output_size": (1, n_fft + hop * (width - 1)), "kernel_size": (1, n_fft), "stride": (1, hop)}
         b = frames.shape[0]
@@ -197,7 +192,7 @@ class IncrementalVocos:
         acc = torch.stack([z, env], dim=1)  # [B, 2, hop * width + n_fft - hop]
         ov = n_fft - hop
         acc[:, :, :ov] += self.tails.index_select(0, rows.slots).to(acc.dtype)
-        idx = (hop * rows.count[:, None] + torch.arange(ov, device=x.device))[:, None, :].expand(-1, 2, -1)
+        idx = (hop * rows.count[:, None] + torch.arange(ov, device=spec.device))[:, None, :].expand(-1, 2, -1)
         self.tails.index_copy_(0, rows.slots, acc.gather(2, idx).to(self.tails.dtype))
         done = acc[:, :, : hop * width]
         return done[:, 0] / done[:, 1].clamp(min=1e-11)

@@ -68,17 +68,20 @@ class ISTFTHead(nn.Module):
         self.out = nn.Linear(dim, n_fft + 2)
         self.register_buffer("window", torch.hann_window(n_fft))
 
-    def forward(self, x: Tensor, frame_mask: Tensor | None = None) -> Tensor:
-        # the spectrum and the ISTFT run in fp32 (or fp64) whatever the backbone dtype
+    def spectrum(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """features [B, T, dim] -> (complex spectrum [B, n_fft/2+1, T], the window), both in fp32 (or fp64)
+        whatever the backbone dtype."""
         x = self.out(x).transpose(1, 2)
         x = x.to(torch.promote_types(x.dtype, torch.float32))
         mag, phase = x.chunk(2, dim=1)
         mag = torch.exp(mag).clamp(max=100.0)
-        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
-        window = self.window.to(x.dtype)
+        return torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)), self.window.to(x.dtype)
+
+    def forward(self, x: Tensor, frame_mask: Tensor | None = None) -> Tensor:
+        spec, window = self.spectrum(x)
         if frame_mask is None:
             return torch.istft(spec, self.n_fft, self.hop_length, self.n_fft, window, center=True)
-        return istft_rows(spec, window, self.hop_length, frame_mask.to(x.dtype))
+        return istft_rows(spec, window, self.hop_length, frame_mask.to(window.dtype))
 
 
 class Vocos(nn.Module):
