@@ -200,13 +200,13 @@ class TorchPagedAttention:
             t0 = time.perf_counter()
             try:
                 self._compile_now(kv_cache, num_heads)
+                if self.compile_decode:
+                    logger.info("CPU decode attention compiled in %.1f s (in the background; eager until then)",
+                                time.perf_counter() - t0)
             finally:
                 ready.set()
-            if self.compile_decode:
-                logger.info("CPU decode attention compiled in %.1f s (in the background; eager until then)",
-                            time.perf_counter() - t0)
-            if then is not None:
-                then()
+                if then is not None:  # whatever happened here: whoever waits for `then` must not hang
+                    then()
 
         threading.Thread(target=run, name="ttsserve-cpu-compile", daemon=True).start()
 

@@ -9,6 +9,7 @@ model in fp32) instead of the L + R = 104 frames of context the windowed stage r
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,8 @@ class IncrementalAudioStage(StreamingStage):
                  max_windows_per_call: int = 128, deferred: bool = False) -> None:
         super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
                          max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
-                         max_windows_per_call=max_windows_per_call, deferred=deferred, pool_capacity=2 * max_chunk_frames)
+                         max_windows_per_call=max_windows_per_call, deferred=deferred,
+                         pool_capacity=2 * max_chunk_frames)
         self._decoders: dict[bool, IncrementalDecoder] = {}
         for kind, net in ((False, self.decoder), (True, self.dvae)):
             if net is not None:
@@ -159,7 +161,9 @@ class IncrementalAudioStage(StreamingStage):
     # ---- decoding ------------------------------------------------------------------------------------
     @torch.no_grad()
     def _decode(self, feeds: list[_Feed]) -> tuple[Tensor, list[ChunkSpec], list[int]]:
-        """Feed every row, advance its stream, and crop the samples that became final."""
+        """Feed every row, advance its stream, and crop the samples that became final. feeds: hiddens rows
+        first, then codes rows (the order of the decoder passes)."""
+        assert all(not a.stream.use_codes or b.stream.use_codes for a, b in itertools.pairwise(feeds))
         mels, lags = [], []
         for kind in sorted({f.stream.use_codes for f in feeds}):
             rows = [f for f in feeds if f.stream.use_codes == kind]
