@@ -1,9 +1,9 @@
 """The CPU decode step of the GPT as ONE torch.compile graph ($TTSSERVE_CPU_COMPILE=1, the CPU server's default).
 
 Eager, a decode step is ~1,000 small ops and ~9,000 Python calls around the GPT's 80 GEMMs; at 8 streams that
-costs more than the GEMMs (int8 W8A8: 63 ms per GPT forward eager against ~12 ms of GEMM). Compiled as one graph,
-inductor fuses everything between the GEMMs (norms, RoPE, the KV write, the paged attention, residuals, SiLU)
-into a few dozen C++ loops: 20.5 ms at batch 8 and 13.0 ms at batch 1 on 2 Zen 4 cores (BENCHMARKS.md).
+costs more than the GEMMs (int8 W8A8: a 30.6 ms GPT forward against ~12 ms of GEMM). Compiled as one graph,
+inductor fuses everything between the GEMMs (norms, RoPE, the KV write, the paged attention, residuals, SiLU):
+a step at 8 streams drops from 45.7 to 38.1 ms, at 16 from 82.3 to 57.0 ms (BENCHMARKS.md, CPU fast path).
 
 The packed linears (oneDNN bf16/fp32, fbgemm W8A8, int4) are opaque to the tracer, so each runs as the custom op
 `ttsserve::cpu_linear`, which calls the module by handle. One graph serves every batch of >= 2 sequences
@@ -105,7 +105,7 @@ class CpuDecodeGraph:
             with torch.inference_mode():
                 inputs = self._warmup_inputs(caches[0].shape[1])
                 # only the batch, the table width and the cache's block count vary; every other size stays
-                # static, so inductor emits loops over known head sizes (2x faster than all-dynamic)
+                # static, so inductor emits loops over known head sizes
                 for t in inputs:
                     torch._dynamo.mark_dynamic(t, 0)  # (assumed >= 2: a batch of 1 runs as 2)
                 torch._dynamo.mark_dynamic(inputs[3], 1)
