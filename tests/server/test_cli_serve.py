@@ -94,6 +94,13 @@ def test_parse_size():
         parse_size("-1G")
 
 
+def test_run_serve_reports_a_bad_compile_level(capsys, monkeypatch):
+    monkeypatch.setenv("TTSSERVE_CPU_COMPILE", "yes")
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--load-format", "dummy", "--dummy-size", "tiny"])
+    assert run_serve(args) == 2
+    assert "TTSSERVE_CPU_COMPILE must be one of 0, attention, 1, got 'yes'" in capsys.readouterr().err
+
+
 def test_mounts_as_subcommand_and_runs_as_module():
     root = argparse.ArgumentParser(prog="ttsserve")
     add_serve_parser(root.add_subparsers(dest="cmd"))

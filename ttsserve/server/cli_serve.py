@@ -212,6 +212,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if data_parallel_size(args) > 1:  # one engine per GPU behind the built-in balancer
             return run_data_parallel(args)
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
+        from ttsserve.attention.torch_ref import compile_level
+
+        compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
     except ValueError as e:
         print(f"ttsserve serve: error: {e}", file=sys.stderr)
         return 2
