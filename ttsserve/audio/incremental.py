@@ -41,7 +41,7 @@ class Rows:
     count: Tensor
     limit: Tensor
     width: int  # new mel frames per row in the padded batch
-    reach: int  # frames before `start - lag` that any conv buffer covers (set by the pipeline)
+    reach: int  # frames before `start` that some conv buffer of the pipeline covers (its `reach` attribute)
 
     def __post_init__(self) -> None:
         dev = self.start.device
@@ -103,11 +103,6 @@ def _block(block: ConvNeXtBlock, state: ConvState, x: Tensor, rows: Rows) -> Ten
     return buf[:, :, r : r + x.shape[2]] + (y * getattr(block, block.scale_name)).transpose(1, 2)
 
 
-def reach(states: list[ConvState]) -> int:
-    """Frames before a call's first new input frame that some conv buffer of this pipeline covers (Rows.reach)."""
-    return max(s.lag + 2 * s.r for s in states)
-
-
 class IncrementalDecoder:
     """ConvNeXtStack + out_conv (+ coef) of the HiddenDecoder or the DVAE: mel-rate x -> mel, lag = sum(r)."""
 
@@ -124,6 +119,7 @@ class IncrementalDecoder:
         self.lag = lag + self.out_conv.r
         self.coef = coef
         self.states = [*self.conv_in, *(s for _, s in self.blocks), self.out_conv]
+        self.reach = max(s.lag + 2 * s.r for s in self.states)  # Rows.reach of this pipeline
 
     def resize(self, num_slots: int) -> None:
         for s in self.states:
@@ -155,6 +151,7 @@ class IncrementalVocos:
             lag += self.blocks[-1][1].r
         self.lag = lag  # of the spectrum frames
         self.states = [self.embed, *(s for _, s in self.blocks)]
+        self.reach = max(s.lag + 2 * s.r for s in self.states)  # Rows.reach of this pipeline
         self.tails = torch.zeros(0, 2, self.head.n_fft - self.head.hop_length, device=bb.embed.weight.device)
 
     def resize(self, num_slots: int) -> None:

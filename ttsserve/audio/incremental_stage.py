@@ -23,7 +23,6 @@ from ttsserve.audio.incremental import (
     IncrementalDecoder,
     IncrementalVocos,
     Rows,
-    reach,
 )
 from ttsserve.audio.stage import AudioStage
 from ttsserve.audio.stream_base import (
@@ -172,7 +171,7 @@ class IncrementalAudioStage(StreamingStage):
         width = max(m.shape[-1] for m in mels)
         mel = torch.cat([F.pad(m, (0, width - m.shape[-1])) for m in mels])
         starts = [2 * f.stream.num_emitted_frames - lag for f, lag in zip(feeds, lags)]
-        wav = self._vocos(mel, self._rows(feeds, starts, width, reach(self._vocos.states)))
+        wav = self._vocos(mel, self._rows(feeds, starts, width, self._vocos.reach))
         self.calls_total += 1
         self.frames_decoded_total += sum(f.count for f in feeds)
         self.frames_padded_total += len(feeds) * (width // 2)
@@ -192,7 +191,7 @@ class IncrementalAudioStage(StreamingStage):
         x = x.transpose(1, 2)  # [B, C, n]
         x = self.dvae.vq_layer.dequantize(x) if kind else x.to(self.decoder.coef.dtype)
         starts = [2 * f.stream.num_emitted_frames for f in feeds]
-        mel = dec(halves_to_frames(x), self._rows(feeds, starts, 2 * n, reach(dec.states)))
+        mel = dec(halves_to_frames(x), self._rows(feeds, starts, 2 * n, dec.reach))
         return mel.to(next(self.vocos.parameters()).dtype)
 
     def _rows(self, feeds: list[_Feed], starts: list[int], width: int, reach_frames: int) -> Rows:

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ttsserve.quant.linear import DenseSize
+
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -109,7 +111,7 @@ def cpu_has_int8_dot() -> bool:
     return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
-class DynamicInt8Linear(nn.Module):
+class DynamicInt8Linear(DenseSize, nn.Module):
     """An int8 QuantLinear's own weights (no requantization) run by fbgemm's dynamic int8 GEMM (W8A8): each
     call quantizes the activations per tensor to 8-bit unsigned, multiplies int8 x int8 with int32
     accumulation (VNNI) and rescales to fp32. On 2 Zen 4 cores the GPT's 80 linears take 10.1 ms at batch 1
@@ -136,10 +138,6 @@ class DynamicInt8Linear(nn.Module):
         y = torch.ops.quantized.linear_dynamic(x2, self.packed, False)  # 8-bit: VNNI
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def dense_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes the same layer takes unquantized in `dtype` (for the memory report)."""
-        return self.in_features * self.out_features * dtype.itemsize
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 x int8 dynamic"
 
@@ -151,7 +149,7 @@ def can_pack_int4(layer) -> bool:
             and layer.group_size in (32, 64, 128, 256))
 
 
-class PackedInt4Linear(nn.Module):
+class PackedInt4Linear(DenseSize, nn.Module):
     """An awq-int4 QuantLinear served by `torch._weight_int4pack_mm_for_cpu` (weights unpacked from our
     split-halves layout and repacked once). That kernel computes W = (q - 8) * scale + zero per group, so our
     W = (q - qzero) * scale becomes zero = (8 - qzero) * scale: the same weights, exactly in fp32 (scales are
@@ -179,10 +177,6 @@ class PackedInt4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, sz)
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def dense_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes the same layer takes unquantized in `dtype` (for the memory report)."""
-        return self.in_features * self.out_features * dtype.itemsize
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 group "

@@ -70,7 +70,18 @@ def quant_kernels(device_type: str) -> QuantKernels:
     return TorchQuantKernels()
 
 
-class QuantLinear(nn.Module):
+class DenseSize:
+    """dense_bytes() for a quantized linear layer (QuantLinear and its packed CPU forms) of in/out_features."""
+
+    in_features: int
+    out_features: int
+
+    def dense_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes the same layer takes unquantized in `dtype` (for the memory report)."""
+        return self.in_features * self.out_features * dtype.itemsize
+
+
+class QuantLinear(DenseSize, nn.Module):
     """y = x @ W^T (no bias) with W stored in a QuantConfig format as buffers `qweight`, `scales` (and
     `qzeros` for int4). The scales keep their stored dtype (fp32 / fp16) whatever the activation dtype."""
 
@@ -105,10 +116,6 @@ class QuantLinear(nn.Module):
         if self.bits == 8:
             return dequantize_int8(self.qweight, self.scales)
         return dequantize_int4(self.qweight, self.scales, self.qzeros, self.group_size)
-
-    def dense_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes the same layer takes unquantized in `dtype`."""
-        return self.in_features * self.out_features * torch.tensor([], dtype=dtype).element_size()
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
