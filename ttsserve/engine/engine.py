@@ -169,12 +169,17 @@ class Engine:
         dropped = sorted({c for s in segments for c in s.dropped})
         syn = _Synthesis(req, SynthesisTracker(rid, len(segments), dropped), seed, segments)
         self.syntheses[rid] = syn
-        for seg in segments:
-            if req.refine_text:
-                ids, mask = self.frontend.refine_inputs(seg.text, req.refine_prompt)
-                self._add_sequence(rid, seg.index, "text", ids, mask)
-            else:
-                self._add_code_sequence(rid, seg.index, seg.text)
+        try:
+            for seg in segments:
+                if req.refine_text:
+                    ids, mask = self.frontend.refine_inputs(seg.text, req.refine_prompt)
+                    self._add_sequence(rid, seg.index, "text", ids, mask)
+                else:
+                    self._add_code_sequence(rid, seg.index, seg.text)
+        except BaseException:
+            # a later segment was refused: the earlier ones must not stay behind without a consumer
+            self.abort(rid)
+            raise
         return rid
 
     def _add_code_sequence(self, rid: str, seg: int, text: str) -> None:
@@ -214,8 +219,8 @@ class Engine:
         for seq_id in list(syn.seq_ids):
             self.scheduler.abort_request(seq_id)
             self._drop_sequence(seq_id)
-        for seq_id in [k for k in self._finishing if k.startswith(rid + "/")]:
-            del self._finishing[seq_id]
+        for seq_id in [k for k in self._finishing if self._segment_of(k)[0] == rid]:
+            del self._finishing[seq_id]  # exact: another request's id may start with this one's
         self.syntheses.pop(rid, None)
 
     def _drop_sequence(self, seq_id: str) -> None:
@@ -312,7 +317,11 @@ class Engine:
             # Refine finished: hand the refined text to the code stage of the same segment.
             text = self.frontend.decode_refined(list(req.output_token_ids))
             self._drop_sequence(seq_id)
-            self._add_code_sequence(seq.synthesis_id, seq.segment, text or syn.segments[seq.segment].text)
+            try:
+                self._add_code_sequence(seq.synthesis_id, seq.segment, text or syn.segments[seq.segment].text)
+            except ValueError as e:  # the refined prompt is too long: fail this synthesis, not the step
+                syn.tracker.fail(f"segment {seq.segment}: {e}")
+                self._finish_synthesis_on_error(seq.synthesis_id)
             return
         self.audio.finish(seq_id)
         # the segment ends with its final audio chunk, which may leave the (deferred) audio stage later

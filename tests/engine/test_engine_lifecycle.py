@@ -1,0 +1,97 @@
+"""Engine request lifecycle defects (issue 14): a rejected multi-segment request leaves nothing behind, an abort
+touches only its own request, and a refused refine -> code hand-off fails one synthesis, not the step."""
+
+import asyncio
+import time
+
+import pytest
+
+from engine_testutil import run_all
+from ttsserve.config import EngineConfig
+from ttsserve.engine.async_engine import AsyncEngine
+from ttsserve.engine.engine import Engine
+from ttsserve.params import SamplingParams, SynthesisRequest
+
+SHORT = "今天天气很好我们去公园散步吧。"  # one segment of 19 prompt positions on the tiny model
+LONG = "这是一个非常长的句子它包含了很多很多的汉字目的是让提示词的长度超过模型允许的最大长度从而触发错误但是前面的句子已经被加入了引擎之中所以需要回滚" * 2 + "。"  # 124
+
+
+def _engine(**overrides) -> Engine:
+    cfg = dict(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01)
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg))
+
+
+def _assert_empty(eng: Engine) -> None:
+    assert not eng.has_unfinished()
+    assert not eng.requests and not eng.sequences and not eng.runner.states
+    assert eng.audio.num_requests == 0
+
+
+def test_rejected_later_segment_rolls_back_the_earlier_ones():
+    eng = _engine(max_model_len=64)
+    segments = eng.frontend.segments(SynthesisRequest(SHORT + LONG))
+    assert len(segments) >= 2  # the first fits, the second does not
+    with pytest.raises(ValueError, match="segment 1"):
+        eng.add_synthesis(SynthesisRequest(SHORT + LONG, request_id="r"))
+    _assert_empty(eng)
+    eng.step()  # aborts are released by the scheduler's next step
+    assert not eng.scheduler.has_unfinished_requests()
+    assert eng.kv_manager.num_free_blocks == eng.kv_spec.num_blocks
+    # the id is free again and the engine serves
+    eng.add_synthesis(SynthesisRequest(SHORT, request_id="r", code_params=SamplingParams(
+        seed=1, min_new_tokens=4, max_new_tokens=4)))
+    assert run_all(eng)["r"][1].finish_reason == "length"
+
+
+def test_rejected_request_does_not_keep_the_loop_spinning():
+    async def main(eng: AsyncEngine):
+        await eng.start()
+        with pytest.raises(ValueError, match="segment 1"):
+            async for _ in eng.generate(SynthesisRequest(SHORT + LONG)):
+                pass
+        await asyncio.sleep(0.2)
+        before = eng.engine.counters.steps
+        await asyncio.sleep(0.5)
+        return before, eng.engine.counters.steps
+
+    eng = AsyncEngine(_engine(max_model_len=64))
+    before, after = asyncio.run(main(eng))
+    assert after == before, "the engine kept stepping with nothing to do"
+    _assert_empty(eng.engine)
+
+
+def test_abort_leaves_a_request_whose_id_extends_the_aborted_one():
+    eng = _engine()
+    eng.audio.deferred = True  # final chunks leave one step after the sequence ends, as on CUDA
+    params = SamplingParams(seed=3, min_new_tokens=6, max_new_tokens=6)
+    eng.add_synthesis(SynthesisRequest("hello there", code_params=params, request_id="a"))
+    eng.add_synthesis(SynthesisRequest("hello there", code_params=params.replace(max_new_tokens=3,
+                                                                                 min_new_tokens=3),
+                                       request_id="a/b"))
+    for _ in range(200):
+        eng.step()
+        if "a/b/0/code" in eng._finishing:
+            break
+    assert "a/b/0/code" in eng._finishing  # a/b ended, its final chunk is still in flight
+    eng.abort("a")
+    result = run_all(eng, max_steps=200)
+    assert result["a/b"][1].finish_reason == "length" and result["a/b"][1].num_frames == 3
+    assert "a" not in result
+
+
+def test_refine_handoff_too_long_fails_only_that_synthesis():
+    eng = _engine(max_model_len=64)
+    ok = SynthesisRequest("hello there", request_id="ok",
+                          code_params=SamplingParams(seed=1, min_new_tokens=40, max_new_tokens=40))
+    # the refine prompt fits; the code prompt built from the refined text does not
+    refine = SynthesisRequest("hello there", request_id="refined", refine_text=True,
+                              refine_params=SamplingParams.refine_defaults(seed=2, min_new_tokens=60,
+                                                                           max_new_tokens=60))
+    eng.add_synthesis(ok)
+    eng.add_synthesis(refine)
+    started = time.monotonic()
+    result = run_all(eng, max_steps=2000)
+    assert time.monotonic() - started < 120
+    assert result["ok"][1].finish_reason == "length" and result["ok"][1].error is None
+    assert result["refined"][1].finish_reason == "error" and "segment 0" in result["refined"][1].error
