@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from ttsserve.audio.stream_base import (
 )
 from ttsserve.audio.vocos import Vocos
 
+if TYPE_CHECKING:
+    from ttsserve.audio.vocoder_graphs import VocoderGraphs
+
 
 @dataclass
 class _Feed:
@@ -51,13 +55,18 @@ class IncrementalAudioStage(StreamingStage):
     Arguments as AudioStage's (no lookahead: it is always exact); max_windows_per_call bounds the rows of one
     call, and a row feeds at most max_chunk_frames + right_context_frames frames (116 against the windowed
     stage's 168, so twice its rows per call take about as much activation memory: fewer calls, and a call is
-    bound by the host's kernel launches on a GPU).
+    bound by the host's kernel launches on a GPU). cadence k: calls happen on every k-th step() only, each for
+    every stream due by then, so streams that arrived at different times share calls.
     """
 
     def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
                  first_chunk_frames: int = 8, max_chunk_frames: int = 64, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, net_dtype: torch.dtype | None = None,
-                 max_windows_per_call: int = 128, deferred: bool = False) -> None:
+                 max_windows_per_call: int = 128, deferred: bool = False, cadence: int = 1) -> None:
+        if cadence < 1:
+            raise ValueError(f"cadence must be >= 1, got {cadence}")
+        self.cadence = cadence
+        self._steps = 0
         super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
                          max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
                          max_windows_per_call=max_windows_per_call, deferred=deferred,
@@ -74,9 +83,11 @@ class IncrementalAudioStage(StreamingStage):
         self.left_context_frames = 0
         self.max_call_frames = max_chunk_frames + self.right_context_frames
         self._num_slots = 0
+        self.slot_generation = 0  # changes whenever the state tensors are reallocated (graphs capture them)
         self._free_slots: list[int] = []
         self._state_slot: dict[str, int] = {}
         self._free_slots.append(self._allocate_slot())  # sizes the state tensors (state_bytes_per_request)
+        self.graphs: dict[bool, VocoderGraphs] = {}
 
     @property
     def state_bytes_per_request(self) -> int:
@@ -100,12 +111,36 @@ class IncrementalAudioStage(StreamingStage):
 
     def _allocate_slot(self) -> int:
         if not self._free_slots:
-            n = max(4, 2 * self._num_slots)
-            for net in (*self._decoders.values(), self._vocos):
-                net.resize(n)
-            self._free_slots = list(range(n - 1, self._num_slots - 1, -1))
-            self._num_slots = n
+            self._resize_slots(max(4, 2 * self._num_slots))
         return self._free_slots.pop()
+
+    def _resize_slots(self, n: int) -> None:
+        for net in (*self._decoders.values(), self._vocos):
+            net.resize(n)
+        self._free_slots = list(range(n - 1, self._num_slots - 1, -1)) + self._free_slots
+        self._num_slots = n
+        self.slot_generation += 1
+
+    def reserve_scratch_slot(self) -> int:
+        """A state slot no stream will own: padding rows of graphed calls write their state there."""
+        return self._allocate_slot()
+
+    def enable_cuda_graphs(self, max_streams: int, row_buckets: list[int] | None = None,
+                           frame_buckets: list[int] | None = None) -> None:
+        """Capture the calls of every (rows, frames) bucket for each decoder kind, with state slots for
+        max_streams streams allocated first (growing past them re-captures). Off CUDA the graphs' padded
+        static-buffer path runs eagerly (tests)."""
+        from ttsserve.audio.vocoder_graphs import VocoderGraphs, default_frame_buckets, default_row_buckets
+
+        need = max_streams + len(self._decoders) + 1  # the streams, a scratch slot per kind, the profile rows
+        if need > self._num_slots:
+            self._resize_slots(need)
+        rows = row_buckets or default_row_buckets(self.max_windows_per_call)
+        frames = frame_buckets or default_frame_buckets(self.max_call_frames)
+        for kind in self._decoders:
+            self.graphs[kind] = VocoderGraphs(self, kind, rows, frames)
+        for graphs in self.graphs.values():
+            graphs.capture()
 
     def _first_needed_frame(self, st: Stream) -> int:
         return st.num_emitted_frames  # frames before it are fed: their trace lives in the conv caches
@@ -130,6 +165,8 @@ class IncrementalAudioStage(StreamingStage):
 
     def _plan(self) -> tuple[list[_Feed], list[AudioChunk]]:
         feeds, empty = [], []
+        if self._steps % self.cadence:
+            return feeds, empty  # off-cadence step: due streams wait for the next shared call
         for req_id, st in self._streams.items():
             if st.final_out:
                 continue
@@ -140,6 +177,7 @@ class IncrementalAudioStage(StreamingStage):
         return feeds, empty
 
     def _launch(self) -> Pending | None:
+        self._steps += 1
         specs, sizes, pieces, empty = [], [], [], []
         while True:  # a burst of frames can need several calls of at most max_call_frames
             feeds, new_empty = self._plan()
@@ -163,42 +201,72 @@ class IncrementalAudioStage(StreamingStage):
         """Feed every row, advance its stream, and crop the samples that became final. feeds: hiddens rows
         first, then codes rows (the order of the decoder passes)."""
         assert all(not a.stream.use_codes or b.stream.use_codes for a, b in itertools.pairwise(feeds))
+        kinds = sorted({f.stream.use_codes for f in feeds})
+        n = max(f.count for f in feeds)
+        if len(kinds) == 1:  # the engine's case: one pipeline, graphed on CUDA
+            wav = self._decode_one_kind(kinds[0], feeds, n)
+        else:
+            wav = self._decode_mixed(kinds, feeds)
+        self.calls_total += 1
+        self.frames_decoded_total += sum(f.count for f in feeds)
+        self.frames_padded_total += len(feeds) * n
+        return self._emit(feeds, wav)
+
+    def _decode_one_kind(self, kind: bool, feeds: list[_Feed], n: int) -> Tensor:
+        x, info = self._gather(kind, feeds), self._row_info(feeds)
+        graphs = self.graphs.get(kind)
+        if graphs is not None and graphs.fits(len(feeds), n):
+            return graphs.run(x, info)
+        return self.pipeline(kind, x.transpose(1, 2), to_device(info, self.device), n)
+
+    def _decode_mixed(self, kinds: list[bool], feeds: list[_Feed]) -> Tensor:
+        """Rows of both kinds: a decoder pass per kind, one Vocos pass over the padded mels."""
         mels, lags = [], []
-        for kind in sorted({f.stream.use_codes for f in feeds}):
+        for kind in kinds:
             rows = [f for f in feeds if f.stream.use_codes == kind]
-            mels.append(self._decode_mel(kind, rows))
+            n = max(f.count for f in rows)
+            info = to_device(self._row_info(rows), self.device)
+            mels.append(self.mel(kind, self._gather(kind, rows).transpose(1, 2), info, n))
             lags += [self._decoders[kind].lag] * len(rows)
         width = max(m.shape[-1] for m in mels)
         mel = torch.cat([F.pad(m, (0, width - m.shape[-1])) for m in mels])
-        starts = [2 * f.stream.num_emitted_frames - lag for f, lag in zip(feeds, lags)]
-        wav = self._vocos(mel, self._rows(feeds, starts, width, self._vocos.reach))
-        self.calls_total += 1
-        self.frames_decoded_total += sum(f.count for f in feeds)
-        self.frames_padded_total += len(feeds) * (width // 2)
-        return self._emit(feeds, wav)
+        info = to_device(self._row_info(feeds), self.device)
+        return self._vocos(mel, self._rows(info, info[1] - to_device(lags, self.device), width, self._vocos.reach))
 
-    def _decode_mel(self, kind: bool, feeds: list[_Feed]) -> Tensor:
-        """The new frames of these rows (zeros past a stream's end) -> mel [B, n_mels, 2 * max count]."""
-        pool, dec = self._pools[kind], self._decoders[kind]
+    def _gather(self, kind: bool, feeds: list[_Feed]) -> Tensor:
+        """The new frames of these rows -> [B, max count, C] in the pool's dtype (zeros past a stream's end)."""
+        pool = self._pools[kind]
         real = [min(f.count, f.stream.num_frames - f.stream.num_emitted_frames) for f in feeds]
         n = max(f.count for f in feeds)
-        if max(real) > 0:
-            x = pool.gather([f.stream.slot for f in feeds],
-                            [f.stream.num_emitted_frames - f.stream.base for f in feeds], real)
-            x = F.pad(x, (0, 0, 0, n - x.shape[1]))
-        else:  # only the zeros past the ends
-            x = pool.data.new_zeros(len(feeds), n, pool.data.shape[2])
-        x = x.transpose(1, 2)  # [B, C, n]
+        if max(real) <= 0:  # only the zeros past the ends
+            return pool.data.new_zeros(len(feeds), n, pool.data.shape[2])
+        x = pool.gather([f.stream.slot for f in feeds], [f.stream.num_emitted_frames - f.stream.base for f in feeds],
+                        real)
+        return F.pad(x, (0, 0, 0, n - x.shape[1]))
+
+    def _row_info(self, feeds: list[_Feed]) -> list[list[int]]:
+        """[4][B] host ints: state slot, first new mel frame, new mel frames, mel length once finished."""
+        limits = [2 * f.stream.num_frames if f.stream.finished else NOT_FINISHED for f in feeds]
+        return [[self._state_slot[f.req_id] for f in feeds], [2 * f.stream.num_emitted_frames for f in feeds],
+                [2 * f.count for f in feeds], limits]
+
+    @staticmethod
+    def _rows(info: Tensor, start: Tensor, width: int, reach: int) -> Rows:
+        return Rows(info[0], start, info[2], info[3], width, reach)
+
+    def mel(self, kind: bool, x: Tensor, info: Tensor, n: int) -> Tensor:
+        """x [B, C, n] new frames (pool dtype), info [4, B] int64 on the device (_row_info) -> mel
+        [B, n_mels, 2n] in the Vocos dtype. No host sync: graph-capturable."""
+        dec = self._decoders[kind]
         x = self.dvae.vq_layer.dequantize(x) if kind else x.to(self.decoder.coef.dtype)
-        starts = [2 * f.stream.num_emitted_frames for f in feeds]
-        mel = dec(halves_to_frames(x), self._rows(feeds, starts, 2 * n, dec.reach))
+        mel = dec(halves_to_frames(x), self._rows(info, info[1], 2 * n, dec.reach))
         return mel.to(next(self.vocos.parameters()).dtype)
 
-    def _rows(self, feeds: list[_Feed], starts: list[int], width: int, reach_frames: int) -> Rows:
-        limits = [2 * f.stream.num_frames if f.stream.finished else NOT_FINISHED for f in feeds]
-        info = to_device([[self._state_slot[f.req_id] for f in feeds], starts, [2 * f.count for f in feeds], limits],
-                         self.device)
-        return Rows(info[0], info[1], info[2], info[3], width, reach_frames)
+    def pipeline(self, kind: bool, x: Tensor, info: Tensor, n: int) -> Tensor:
+        """mel() then Vocos: x [B, C, n], info [4, B] -> wav [B, hop * 2n] (row position 0 is sample
+        hop * (2 * fed - lag) - n_fft / 2). Graph-capturable; the conv and overlap-add states advance."""
+        start = info[1] - self._decoders[kind].lag
+        return self._vocos(self.mel(kind, x, info, n), self._rows(info, start, 2 * n, self._vocos.reach))
 
     def _emit(self, feeds: list[_Feed], wav: Tensor) -> tuple[Tensor, list[ChunkSpec], list[int]]:
         """Advance each stream past its fed frames; crop the samples that are final now (row position 0 is
@@ -247,4 +315,6 @@ def make_audio_stage(decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vo
     """The engine's stage: incremental when exact (lookahead None), windowed with a shorter lookahead."""
     if lookahead_frames is None:
         return IncrementalAudioStage(decoder, dvae, vocos, **kwargs)
+    if kwargs.pop("cadence", 1) != 1:
+        raise ValueError("vocoder_cadence applies to the exact vocoder only: unset lookahead_frames")
     return AudioStage(decoder, dvae, vocos, lookahead_frames=lookahead_frames, **kwargs)

@@ -101,10 +101,13 @@ class Engine:
 
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
                                       first_chunk_frames=cfg.first_chunk_frames, max_chunk_frames=cfg.max_chunk_frames,
-                                      lookahead_frames=cfg.lookahead_frames, device=self.model.device,
+                                      lookahead_frames=cfg.lookahead_frames, cadence=cfg.vocoder_cadence,
+                                      device=self.model.device,
                                       deferred=self.model.device.type == "cuda", net_dtype=self._vocoder_dtype())
         if self.model.device.type == "cuda":
             self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
+            if not cfg.enforce_eager and hasattr(self.audio, "enable_cuda_graphs"):
+                self.audio.enable_cuda_graphs(cfg.max_num_seqs)  # every (rows, frames) bucket, before /ready
         # A stream hears its first audio once its first chunk plus the right context exist.
         self.first_audio_frames = cfg.first_chunk_frames + self.audio.right_context_frames
         self.controller = BatchSizeController(cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)

@@ -39,11 +39,13 @@ def kv_budget_after_profiling(model, cfg: EngineConfig) -> int:
     torch.cuda.synchronize(dev)
     activations = torch.cuda.max_memory_allocated(dev) - weights - temp
     torch.cuda.empty_cache()
-    budget = int(cfg.gpu_memory_utilization * total - others - weights - activations - GRAPH_RESERVE_BYTES)
+    # the vocoder's graphs keep a pool as large as its largest call for good (audio/vocoder_graphs.py)
+    reserve = GRAPH_RESERVE_BYTES + (0 if cfg.enforce_eager else profile_vocoder_call_bytes(model, cfg))
+    budget = int(cfg.gpu_memory_utilization * total - others - weights - activations - reserve)
     logger.info("memory: %.2f GiB total x %.2f utilization; %.2f GiB used by others (context, processes), "
                 "%.2f GiB weights, %.2f GiB peak activations of a max-size step, %.2f GiB graph reserve "
                 "-> %.2f GiB for the KV cache", total / 2**30, cfg.gpu_memory_utilization, others / 2**30,
-                weights / 2**30, activations / 2**30, GRAPH_RESERVE_BYTES / 2**30, budget / 2**30)
+                weights / 2**30, activations / 2**30, reserve / 2**30, budget / 2**30)
     if budget <= 0:
         raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
                          f"{cfg.gpu_memory_utilization} ({budget / 2**30:.2f} GiB): raise it or free the GPU")
@@ -101,3 +103,18 @@ def _profile_vocoder(model, cfg: EngineConfig) -> None:
                              max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
                              device=model.device, deferred=False)
     stage.profile_max_call()
+
+
+@torch.inference_mode()
+def profile_vocoder_call_bytes(model, cfg: EngineConfig) -> int:
+    """Peak bytes of the vocoder stage's largest call (its state tensors included), measured."""
+    dev = model.device
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    _profile_vocoder(model, cfg)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak

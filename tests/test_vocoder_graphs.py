@@ -1,0 +1,88 @@
+"""The vocoder's graphed call (audio/vocoder_graphs.py) on the CPU: off CUDA the same padded static-buffer body
+runs eagerly, so padding rows, padded frames and the scratch slot are checked here against the one-shot decode.
+tests/gpu/test_gpu_vocoder_graphs.py replays the captured graphs against the eager call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_audio_stage import joined, one_shot, random_nets
+
+from ttsserve.audio.incremental_stage import IncrementalAudioStage
+from ttsserve.audio.vocoder_graphs import default_frame_buckets, default_row_buckets
+
+_NETS = random_nets(3, hidden=64, dec_dim=32, dec_layers=2, voc_dim=32, voc_layers=2)[::2]
+
+
+def _graphed_stage(**kwargs) -> IncrementalAudioStage:
+    dec, vocos = _NETS
+    stage = IncrementalAudioStage(dec, None, vocos, **kwargs)
+    stage.enable_cuda_graphs(max_streams=4, row_buckets=[2, 4], frame_buckets=[4, 16, stage.max_call_frames])
+    return stage
+
+
+def _run(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int) -> dict[int, np.ndarray]:
+    """Streams (length, start step, burst) appended step by step; -> each stream's joined audio."""
+    g = torch.Generator().manual_seed(seed)
+    frames = [torch.randn(n, 64, generator=g) for n, _, _ in specs]
+    fed, got, finished = [0] * len(specs), {i: [] for i in range(len(specs))}, [False] * len(specs)
+    for t in range(300):
+        for i, (n, start, burst) in enumerate(specs):
+            if t == start:
+                stage.add_request(str(i))
+            if start <= t and fed[i] < n:
+                stage.append(str(i), frames[i][fed[i] : fed[i] + burst])
+                fed[i] = min(n, fed[i] + burst)
+            if start <= t and fed[i] == n and not finished[i]:
+                stage.finish(str(i))
+                finished[i] = True
+        for ch in stage.step():
+            got[int(ch.req_id)].append(ch)
+        if t > max(s for _, s, _ in specs) and stage.num_requests == 0:
+            break
+    assert stage.num_requests == 0
+    return {i: (joined(got[i]), frames[i]) for i in got}
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=7),
+       st.integers(1, 8))
+def test_graphed_calls_equal_the_one_shot_decode(specs, first_chunk) -> None:
+    """Up to 7 streams (more than the 4 planned: the slots grow and the graphs are 'captured' again), random
+    starts and bursts; every call is padded to a (rows, frames) bucket and each stream equals its one-shot."""
+    stage = _graphed_stage(first_chunk_frames=first_chunk, max_chunk_frames=first_chunk * 4, max_windows_per_call=4)
+    dec, vocos = _NETS
+    for i, (wav, frames) in _run(stage, specs, len(specs)).items():
+        assert wav.shape == (512 * frames.shape[0] - 256,)
+        assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
+    assert stage.graphs[False].replays == stage.calls_total > 0  # every call took the graphed path
+
+
+def test_padding_rows_write_only_the_scratch_slot() -> None:
+    stage = _graphed_stage(first_chunk_frames=2, max_chunk_frames=8)
+    graphs = stage.graphs[False]
+    owned = set(range(stage._num_slots)) - set(stage._free_slots) - {graphs.scratch_slot}
+    before = {id(s): s.cache.clone() for s in stage._decoders[False].states}
+    stage.add_request("a")
+    stage.append("a", torch.randn(stage.first_chunk_frames + stage.right_context_frames, 64))
+    assert stage.step()  # one row, padded to a bucket of 2
+    slot = stage._state_slot["a"]
+    for s in stage._decoders[False].states:
+        changed = {i for i in range(s.cache.shape[0]) if not torch.equal(s.cache[i], before[id(s)][i])}
+        assert changed <= {slot, graphs.scratch_slot} and not (changed & owned - {slot})
+
+
+def test_buckets() -> None:
+    assert default_row_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert default_row_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert default_frame_buckets(116) == [8, 16, 32, 64, 116]
+    assert default_frame_buckets(8) == [8]
+    stage = _graphed_stage()
+    graphs = stage.graphs[False]
+    assert graphs.bucket(1, 1) == (2, 4) and graphs.bucket(3, 5) == (4, 16)
+    assert graphs.fits(4, stage.max_call_frames) and not graphs.fits(5, 1)
+    with pytest.raises(ValueError, match="positive"):
+        type(graphs)(stage, False, [0], [4])

@@ -1,0 +1,140 @@
+"""CUDA graphs of the incremental vocoder call (Decoder + Vocos) over (rows, frames) buckets.
+
+One incremental call is a few hundred small kernels (every conv gathers and scatters its state tail), so on a
+GPU its cost is the host's launches: 5-10 ms whatever the batch. With streams that arrive at different times
+a call happens nearly every step, and that host time bounded the served throughput (issue 14). A replayed graph
+is one launch.
+
+Static buffers shared by every bucket: x [R, N, C] (the new frames of each row, in the frame pool's dtype) and
+info [4, R] int64 (IncrementalAudioStage._row_info: slot, first new mel frame, new mel frames, mel length once
+finished). A call of B rows and n frames replays the smallest bucket (b, w) >= (B, n): rows past B point at a
+scratch state slot that no stream owns, with 0 new frames; frames past a row's own are zeros, as the eager
+path pads them. Wider rows change nothing a row keeps (audio/incremental.py: junk past a row's count only
+reaches positions past it), so the graphed call returns what the eager call returns.
+
+Graphs hold the addresses of the stage's state tensors: when the stage grows its slots (more streams than
+planned for) they are captured again before the next replay. Off CUDA nothing is captured and run() calls the
+same body on the static buffers, which is how the CPU tests check the padding and bucketing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from ttsserve.audio.frame_pool import to_device
+from ttsserve.audio.incremental import NOT_FINISHED
+
+logger = logging.getLogger(__name__)
+
+
+def default_frame_buckets(max_call_frames: int) -> list[int]:
+    """Powers of two from 8 below max_call_frames, and max_call_frames itself."""
+    sizes, n = [], 8
+    while n < max_call_frames:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_call_frames]
+
+
+def default_row_buckets(max_rows: int) -> list[int]:
+    """Powers of two below max_rows, and max_rows itself."""
+    sizes, b = [], 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_rows]
+
+
+class VocoderGraphs:
+    """Bucketed graphs of `stage.pipeline` for one decoder kind (False: hidden states, True: DVAE codes)."""
+
+    def __init__(self, stage, kind: bool, row_buckets: list[int], frame_buckets: list[int]) -> None:
+        if not row_buckets or not frame_buckets or min(row_buckets) < 1 or min(frame_buckets) < 1:
+            raise ValueError(f"bucket sizes must be positive, got rows {row_buckets}, frames {frame_buckets}")
+        self.stage, self.kind = stage, kind
+        self.row_buckets, self.frame_buckets = sorted(set(row_buckets)), sorted(set(frame_buckets))
+        pool = stage._pools[kind].data
+        rows, frames = self.row_buckets[-1], self.frame_buckets[-1]
+        self.x = torch.zeros(rows, frames, pool.shape[2], dtype=pool.dtype, device=stage.device)
+        self.info = torch.zeros(4, rows, dtype=torch.int64, device=stage.device)
+        self.scratch_slot = stage.reserve_scratch_slot()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self.outputs: dict[tuple[int, int], Tensor] = {}
+        self.pool = None
+        self.generation: int | None = None
+        self.capture_s = 0.0
+        self.replays = 0
+
+    def fits(self, rows: int, frames: int) -> bool:
+        return rows <= self.row_buckets[-1] and frames <= self.frame_buckets[-1]
+
+    def bucket(self, rows: int, frames: int) -> tuple[int, int]:
+        return (next(b for b in self.row_buckets if b >= rows), next(n for n in self.frame_buckets if n >= frames))
+
+    # ---- the captured body ---------------------------------------------------------------------------------
+    def _body(self, b: int, n: int) -> Tensor:
+        info = self.info[:, :b]
+        return self.stage.pipeline(self.kind, self.x[:b, :n].transpose(1, 2), info, n)
+
+    def _fill(self, b: int, n: int, x: Tensor | None, info: list[list[int]]) -> None:
+        """Load a call's rows into the static buffers of bucket (b, n); the rest of the bucket is padding."""
+        rows = len(info[0])
+        pad = b - rows
+        host = [info[0] + [self.scratch_slot] * pad, info[1] + [0] * pad, info[2] + [0] * pad,
+                info[3] + [NOT_FINISHED] * pad]
+        self.info[:, :b].copy_(to_device(host, self.stage.device), non_blocking=True)
+        self.x[:b, :n].zero_()
+        if x is not None:
+            self.x[:rows, : x.shape[1]].copy_(x)
+
+    # ---- capture / replay ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared memory pool (off CUDA: nothing to capture)."""
+        t0 = time.perf_counter()
+        keys = sorted(((b, n) for b in self.row_buckets for n in self.frame_buckets),
+                      key=lambda k: (k[0] * k[1], k), reverse=True)
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+        self.generation = self.stage.slot_generation
+        if self.stage.device.type != "cuda":
+            self.graphs = dict.fromkeys(keys)
+            return
+        torch.cuda.synchronize()
+        for b, n in keys:
+            self._fill(b, n, None, [[], [], [], []])
+            self._body(b, n)  # warm-up: cuDNN / cuFFT pick their kernels and plans outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[(b, n)] = self._body(b, n)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[(b, n)] = graph
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        logger.info("captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s", len(self.graphs),
+                    self.row_buckets[0], self.row_buckets[-1], self.frame_buckets[0], self.frame_buckets[-1],
+                    self.capture_s)
+
+    @torch.no_grad()
+    def run(self, x: Tensor, info: list[list[int]]) -> Tensor:
+        """One call: x [B, n, C] new frames (zeros past each row's), info [4][B] host ints (_row_info) ->
+        wav [b, hop * 2w] of bucket (b, w) >= (B, n); rows >= B are padding. A view of a static buffer, valid
+        until the next replay (stream order keeps a crop queued before it safe)."""
+        if self.generation != self.stage.slot_generation:
+            logger.info("the vocoder's state slots grew: capturing its graphs again")
+            self.capture()
+        b, n = self.bucket(x.shape[0], x.shape[1])
+        self._fill(b, n, x, info)
+        graph = self.graphs[(b, n)]
+        self.replays += 1
+        if graph is None:
+            return self._body(b, n)
+        graph.replay()
+        return self.outputs[(b, n)]
