@@ -157,3 +157,33 @@ def test_step_timings_and_stats(tiny_model):
 def test_default_capture_sizes():
     assert default_capture_sizes(256)[:4] == [1, 2, 4, 8] and default_capture_sizes(256)[-1] == 256
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def _run_staggered(model, reqs, graphs: list[int] | None):
+    """Request i arrives at step 4 * i, with a small token budget: its prefill chunks share steps with the
+    decode rows of the earlier requests."""
+    e = make_engine(model, max_model_len=512, max_num_batched_tokens=24)
+    if graphs is not None:
+        e.runner.graphs = DecodeGraphs(e.runner, graphs)
+        e.runner.graphs.capture()
+    rec = FrameRecorder(e)
+    for step in range(5000):
+        if step % 4 == 0 and step // 4 < len(reqs):
+            e.add_synthesis(reqs[step // 4])
+        e.step()
+        if step // 4 >= len(reqs) and not e.has_unfinished():
+            break
+    return e, rec
+
+
+def test_mixed_prefill_and_decode_steps_replay_the_decode_graph(tiny_model):
+    """Decode rows of a mixed step run through the graph, the prefill chunks eagerly: same codes, hiddens."""
+    reqs = _requests(5, frames=30)
+    _, rec_eager = _run_staggered(tiny_model, reqs, None)
+    e, rec_graph = _run_staggered(tiny_model, reqs, [1, 2, 4, 8])
+    assert e.runner.timings.mixed_graph_steps >= 4
+    assert e.stats()["mixed_graph_steps_total"] == e.runner.timings.mixed_graph_steps
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert rec_graph.frames[seq] == rec_eager.frames[seq]
+        np.testing.assert_allclose(rec_graph.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)

@@ -370,5 +370,6 @@ class Engine:
             "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
             "cuda_graphs": self.runner.graphs is not None,
             "graph_steps_total": self.runner.timings.graph_steps,
+            "mixed_graph_steps_total": self.runner.timings.mixed_graph_steps,
             "step_breakdown_ms": self.timings.as_dict(c.steps),
         }

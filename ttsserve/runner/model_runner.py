@@ -104,7 +104,8 @@ class RunnerTimings:
     the step (launch), forward_ms = waiting for the device (wait), output_ms = the per-request results."""
 
     steps: int = 0
-    graph_steps: int = 0
+    graph_steps: int = 0  # steps whose decode rows replayed a graph
+    mixed_graph_steps: int = 0  # of those, steps that also ran prefill / text rows eagerly
     prepare_ms: float = 0.0
     forward_ms: float = 0.0
     output_ms: float = 0.0
@@ -209,16 +210,18 @@ class ModelRunner:
         rows = self._assign_rows(scheduled, requests)
         tm = self.timings
         tm.steps += 1
-        if all(s.num_new_tokens == 1 and s.will_sample and s.mode == "code"
-               and s.num_computed_tokens >= s.num_prompt_tokens for s in scheduled):
-            starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-            steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
-            if self.graphs is not None and self.graphs.can_run(len(scheduled)):
-                tokens, hidden = self.graphs.run(rows, starts, steps)
-                tm.graph_steps += 1
-            else:
-                tokens, hidden = self._decode_eager(rows, starts, steps)
-            groups = [("code", scheduled, tokens, hidden)]
+        decode = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1 and s.will_sample
+                  and s.mode == "code" and s.num_computed_tokens >= s.num_prompt_tokens]
+        if len(decode) == len(scheduled):
+            groups = [self._decode_group(scheduled, rows)]
+        elif decode and self.graphs is not None and self.graphs.can_run(len(decode)):
+            # A mixed step: the decode rows replay their graph, the prefill / text rows run eagerly after it
+            # (vLLM V1 keeps attention out of its piecewise graphs for the same reason). Off CUDA one forward
+            # over all rows reads the weights once, which is what a CPU step is bound by.
+            rest = sorted(set(range(len(scheduled))) - set(decode))
+            groups = [self._decode_group([scheduled[i] for i in decode], rows[decode])]
+            groups += self._execute_general([scheduled[i] for i in rest], rows[rest], requests)
+            tm.mixed_graph_steps += 1
         else:
             groups = self._execute_general(scheduled, rows, requests)
         flat = [t.reshape(-1) for _, _, t, _ in groups]
@@ -233,6 +236,17 @@ class ModelRunner:
             host = flat
         tm.prepare_ms += (time.perf_counter() - t0) * 1e3
         return _Launched(groups, host, event)
+
+    def _decode_group(self, scheduled: list, rows: np.ndarray) -> tuple:
+        """Code decode rows (one new frame each, past the prompt): a graph replay where one fits, else eager."""
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
+        steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
+        if self.graphs is not None and self.graphs.can_run(len(scheduled)):
+            tokens, hidden = self.graphs.run(rows, starts, steps)
+            self.timings.graph_steps += 1
+        else:
+            tokens, hidden = self._decode_eager(rows, starts, steps)
+        return "code", scheduled, tokens, hidden
 
     def wait(self, launched: _Launched | None) -> RunnerOutput:
         """The sampled tokens of a launched step (the one device-to-host sync of the step)."""
@@ -373,6 +387,7 @@ class ModelRunner:
         """The per-request dicts from the sampled tokens of every group, back to back in `host`."""
         out = RunnerOutput()
         offset = 0
+        hidden_ids, hiddens = [], []
         for mode, group, tokens, hidden in groups:
             n, width = len(group), tokens.shape[1]
             rows = host[offset:offset + n * width].reshape(n, width)
@@ -387,9 +402,13 @@ class ModelRunner:
             out.sampled.update(zip(ids, map(tuple, rows.tolist())))
             out.stopped.update(zip(ids, stop.tolist()))
             if not stop.any():
-                out.hidden_ids, out.hiddens = ids, hidden
+                hidden_ids.append(ids)
+                hiddens.append(hidden)
             elif not stop.all():
                 keep = np.flatnonzero(~stop)
-                out.hidden_ids = [ids[i] for i in keep]
-                out.hiddens = hidden[torch.from_numpy(keep).to(hidden.device)]
+                hidden_ids.append([ids[i] for i in keep])
+                hiddens.append(hidden[torch.from_numpy(keep).to(hidden.device)])
+        if hiddens:  # a mixed step has two code groups: the graphed decode rows and the eager ones
+            out.hidden_ids = [i for ids in hidden_ids for i in ids]
+            out.hiddens = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         return out
