@@ -24,10 +24,12 @@ def _graphed_stage(**kwargs) -> IncrementalAudioStage:
     return stage
 
 
-def _run(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int) -> dict[int, np.ndarray]:
-    """Streams (length, start step, burst) appended step by step; -> each stream's joined audio."""
+def _run(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int,
+         width: int = 64) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+    """Streams (length, start step, burst) of random [n, width] frames appended step by step; -> each stream's
+    (joined audio, frames)."""
     g = torch.Generator().manual_seed(seed)
-    frames = [torch.randn(n, 64, generator=g) for n, _, _ in specs]
+    frames = [torch.randn(n, width, generator=g) for n, _, _ in specs]
     fed, got, finished = [0] * len(specs), {i: [] for i in range(len(specs))}, [False] * len(specs)
     for t in range(300):
         for i, (n, start, burst) in enumerate(specs):
@@ -43,6 +45,8 @@ def _run(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: 
             got[int(ch.req_id)].append(ch)
         if t > max(s for _, s, _ in specs) and stage.num_requests == 0:
             break
+    for ch in stage.flush():  # deferred stages hand the last decode over here
+        got[int(ch.req_id)].append(ch)
     assert stage.num_requests == 0
     return {i: (joined(got[i]), frames[i]) for i in got}
 

@@ -98,6 +98,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--num-requests", type=int, default=32, help="requests per point (at most)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds per point (at most; no new sends after)")
     p.add_argument("--no-stream", action="store_true", help="time whole responses, not chunks")
+    p.add_argument("--response-format", default="pcm", choices=["pcm", "mp3"],
+                   help="pcm: samples = bytes / 2; mp3: samples counted from the frame headers (encoding cost shows)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="frame cap per segment sent with each request")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     _add_common(p)
@@ -232,7 +234,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         spec = ServeSpec(url=a.url, endpoint=a.endpoint, model=a.model_name, voice=a.voice,
                          concurrency=a.concurrency, qps=a.qps, num_requests=a.num_requests, duration=a.duration,
                          stream=not a.no_stream, max_new_tokens=a.max_new_tokens, seed=a.seed, langs=a.langs,
-                         text_lengths=a.text_lengths, timeout=a.timeout, allow_remote=a.allow_remote)
+                         text_lengths=a.text_lengths, timeout=a.timeout, allow_remote=a.allow_remote,
+                         response_format=a.response_format)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

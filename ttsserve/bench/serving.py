@@ -2,8 +2,9 @@
 
 Load: a fixed number of concurrent clients (each sends its next request when the last one ends), or Poisson
 arrivals at a target QPS (open loop). Each point is bounded by `num_requests` and by `duration` seconds.
-Streaming requests ask for raw PCM (`response_format=pcm`: 16-bit little-endian mono), so received bytes / 2
-is exactly the number of samples, and every chunk's arrival time is known:
+Streaming requests ask for raw PCM by default (`response_format=pcm`: 16-bit little-endian mono), so received
+bytes / 2 is exactly the number of samples; with `response_format=mp3` the samples are counted from the MP3
+frame headers as they arrive (bench/mp3frames.py). Every chunk's arrival time is known:
 - ttfa_s: send -> first audio byte; latency_s: send -> last byte.
 - underruns: playback starts at the first byte and consumes 1 s of audio per second; a chunk that arrives
   after the received audio ran out is an underrun, and playback waits for it (stall_s adds the wait).
@@ -45,9 +46,13 @@ class ServeSpec:
     timeout: float = 600.0
     allow_remote: bool = False
     sample_rate: int = SAMPLE_RATE
+    response_format: str = "pcm"
     extra_body: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.response_format not in ("pcm", "mp3"):
+            raise ValueError(f"response_format must be pcm|mp3 (the formats whose samples the client can count "
+                             f"as they arrive), got {self.response_format!r}")
         if self.endpoint not in ("speech", "synthesize"):
             raise ValueError(f"endpoint must be speech|synthesize, got {self.endpoint!r}")
         if not self.concurrency and not self.qps:
@@ -65,10 +70,11 @@ class ServeSpec:
     def body(self, text: str, index: int) -> dict:
         seed = self.seed * 1_000_003 + index
         if self.endpoint == "speech":
-            body = {"model": self.model, "input": text, "voice": self.voice, "response_format": "pcm",
+            body = {"model": self.model, "input": text, "voice": self.voice, "response_format": self.response_format,
                     "stream_format": "audio", "seed": seed}
         else:
-            body = {"text": text, "voice": self.voice, "format": "pcm", "stream": self.stream, "seed": seed}
+            body = {"text": text, "voice": self.voice, "format": self.response_format, "stream": self.stream,
+                    "seed": seed}
         if self.max_new_tokens is not None:
             body["max_new_tokens"] = self.max_new_tokens
         return body | self.extra_body
@@ -115,7 +121,7 @@ async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -
     import httpx
 
     rec = RequestRecord(f"serve-{index}", sentence.id)
-    play, pending = _Playback(spec.sample_rate), b""
+    play, count = _Playback(spec.sample_rate), _sample_counter(spec.response_format)
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", spec.path, json=spec.body(sentence.text, index)) as resp:
@@ -125,9 +131,7 @@ async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -
                 return rec
             async for chunk in resp.aiter_bytes():
                 now = time.perf_counter() - t0
-                pending += chunk
-                n = len(pending) // 2
-                pending = pending[2 * n:]
+                n = count(chunk)
                 if n and rec.ttfa_s is None:
                     rec.ttfa_s = now
                 rec.num_samples += n
@@ -143,6 +147,24 @@ async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -
     rec.underruns, rec.stall_s = play.underruns, play.stall_s
     rec.finish_reason = "stop" if rec.status == "ok" else None
     return rec
+
+
+def _sample_counter(fmt: str):
+    """bytes of a stream, in order -> samples they complete."""
+    if fmt == "mp3":
+        from ttsserve.bench.mp3frames import Mp3FrameCounter
+
+        return Mp3FrameCounter().feed
+    pending = b""
+
+    def pcm(chunk: bytes) -> int:
+        nonlocal pending
+        pending += chunk
+        n = len(pending) // 2
+        pending = pending[2 * n:]
+        return n
+
+    return pcm
 
 
 async def _closed_loop(client, spec: ServeSpec, texts: list[Sentence], concurrency: int, on_done) -> list:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call for issue 14: the GPU tests of the new paths, the staggered closed-loop engine benchmark,
+# then the real HTTP server under `ttsserve bench serve` (closed loop, natural-length corpus, pcm and mp3).
+# Every step writes under OUT as it goes, so a call cut short still returns what it measured.
+#   bash benchmarks/gpu_served.sh OUT
+# Env: TESTS=0 skips the tests, STAG=0 the engine benchmark, SERVE=0 the server; SERVE_ARGS adds server flags,
+#      CONC (default 32,128,256) the served concurrencies, DUR (default 25) seconds per point,
+#      STAG_VARIANTS / STAG_CONC / STAG_SECONDS the engine benchmark's.
+set -u
+OUT=${1:?usage: $0 OUT}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}"
+(date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+ nproc; python3 -c "import torch; print(torch.__version__)") > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider -m gpu ${TEST_FILES:-tests/gpu} \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+fi
+if [ "${STAG:-1}" = 1 ]; then
+    timeout "${STAG_TIMEOUT:-200}" python3 benchmarks/staggered.py --out "$OUT" \
+        --concurrency "${STAG_CONC:-128}" --seconds "${STAG_SECONDS:-15}" \
+        --variants "${STAG_VARIANTS:-eager-vocoder,graphs,graphs-cadence4}" > "$OUT/staggered.txt" 2> "$OUT/staggered.log"
+    echo "staggered rc=$?"; cat "$OUT/staggered.txt"
+fi
+if [ "${SERVE:-1}" = 1 ]; then
+    python3 -m ttsserve.cli serve --device cuda --load-format dummy --dummy-size real --port 8000 \
+        ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 240); do
+        curl -sf localhost:8000/ready > /dev/null 2>&1 && break
+        kill -0 $server 2>/dev/null || break
+        sleep 0.5
+    done
+    echo "server ready after ${SECONDS}s (script clock)"
+    for fmt in ${FORMATS:-pcm}; do
+        timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.cli bench serve --url http://127.0.0.1:8000 \
+            --concurrency "${CONC:-32,128,256}" --duration "${DUR:-25}" --num-requests 100000 --no-plots --no-progress \
+            --response-format "$fmt" --out "$OUT/serve_$fmt" > "$OUT/serve_$fmt.txt" 2>&1
+        echo "bench serve $fmt rc=$?"; tail -20 "$OUT/serve_$fmt.txt"
+    done
+    curl -s localhost:8000/metrics | grep -E "^ttsserve_(step|engine|vocoder|graph)" | head -40 > "$OUT/metrics.txt"
+    kill -INT $server; wait $server
+    tail -5 "$OUT/server.log"
+fi

@@ -1,0 +1,152 @@
+"""Closed-loop engine benchmark with staggered arrivals (issue 14): N clients, each sends its next request as
+soon as the last one finished, natural lengths, no HTTP. Unlike gpu_bench's lockstep sections the streams reach
+their chunk boundaries at different steps, as under real traffic.
+
+Per variant: audio-seconds per second, time to first audio p50/p99, streams that underran (playback from the
+first audio at 1x), and per step: host ms of the runner and of the audio stage, vocoder calls, mixed steps.
+
+Usage: python3 benchmarks/staggered.py --out DIR [--concurrency 128] [--seconds 20]
+       [--variants eager-vocoder,graphs,graphs-cadence4]       (--device cpu --dummy-size tiny: a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gpu_bench as gb  # noqa: E402
+
+from ttsserve.model.chattts import load_model  # noqa: E402
+from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
+
+VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on)
+    "eager-vocoder": ({}, False),
+    "graphs": ({}, True),
+    "graphs-cadence2": ({"vocoder_cadence": 2}, True),
+    "graphs-cadence4": ({"vocoder_cadence": 4}, True),
+}
+
+
+def natural_frames(rng: random.Random) -> int:
+    """3-13 s utterances (the corpus' sentence lengths at 46.9 frames/s), uniform."""
+    return rng.randint(140, 600)
+
+
+def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    recs, live, k = {}, {}, 0
+
+    def submit() -> None:
+        nonlocal k
+        n = natural_frames(rng)
+        p = SamplingParams(seed=seed + k, min_new_tokens=n, max_new_tokens=n)
+        rid = engine.add_synthesis(SynthesisRequest(gb.TEXTS[k % len(gb.TEXTS)], code_params=p, raw_text=True))
+        live[rid] = {"t_submit": time.perf_counter() - t0, "chunks": [], "samples": 0, "ttfa": None, "done": None}
+        k += 1
+
+    for _ in range(concurrency):
+        submit()
+    base = dict(engine.timings.__dict__), engine.counters.steps, engine.audio.calls_total
+    mixed0 = engine.runner.timings.mixed_graph_steps
+    while time.perf_counter() - t0 < seconds:
+        for o in engine.step():
+            r = live.get(o.request_id)
+            if r is None:
+                continue
+            now = time.perf_counter() - t0
+            if o.samples.size:
+                r["samples"] += int(o.samples.size)
+                r["chunks"].append((now, int(o.samples.size)))
+                r["ttfa"] = now if r["ttfa"] is None else r["ttfa"]
+            if o.finished:
+                r["done"] = now
+                recs[o.request_id] = live.pop(o.request_id)
+                submit()
+    elapsed = time.perf_counter() - t0
+    steps = engine.counters.steps - base[1]
+    result = summarize({**recs, **live}, elapsed, steps, engine, base, mixed0)  # live streams' audio counts too
+    result["finished_requests"] = len(recs)
+    for rid in list(live):
+        engine.abort(rid)
+    for _ in range(3):
+        engine.step()
+    return result
+
+
+def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int) -> dict:
+    done = [r for r in recs.values() if r["ttfa"] is not None]
+    for r in done:  # TTFA from submission, and the playback model of gpu_bench.stream_stats per stream
+        r["ttfa"] -= r["t_submit"]
+        r["chunks"] = [(t - r["t_submit"], n) for t, n in r["chunks"]]
+        r["done"] = (r["done"] if r["done"] is not None else elapsed) - r["t_submit"]
+    stalled = 0
+    for r in done:
+        if gb.stream_stats({"x": r})["playback_stalls"]:
+            stalled += 1
+    ttfa = [r["ttfa"] for r in done]
+    tm = {k: (v - base[0][k]) / max(steps, 1) for k, v in engine.timings.__dict__.items()}
+    return {
+        "requests": len(done), "seconds": elapsed, "steps": steps,
+        "audio_s_per_s": sum(r["samples"] for r in done) / gb.SR / elapsed,
+        "ttfa_p50_s": gb.pct(ttfa, 50) if ttfa else None, "ttfa_p99_s": gb.pct(ttfa, 99) if ttfa else None,
+        "stalled_streams": stalled, "step_ms": elapsed * 1e3 / max(steps, 1),
+        "vocoder_calls_per_step": (engine.audio.calls_total - base[2]) / max(steps, 1),
+        "mixed_graph_steps": engine.runner.timings.mixed_graph_steps - mixed0,
+        "step_breakdown_ms": tm,
+    }
+
+
+def run_variant(model, name: str, concurrency: int, seconds: float) -> dict:
+    overrides, graphs = VARIANTS[name]
+    engine = gb.make_engine(model, max_num_seqs=max(concurrency, 8), **overrides)
+    if not graphs:
+        engine.audio.graphs.clear()  # the decode graphs stay: only the vocoder runs eagerly
+    closed_loop(engine, concurrency, min(5.0, seconds / 2), seed=1)  # warm: first-call shapes, allocator
+    result = closed_loop(engine, concurrency, seconds, seed=2)
+    result["vocoder_graph_capture_s"] = sum(g.capture_s for g in engine.audio.graphs.values())
+    del engine
+    gb.gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", default="128")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--variants", default="eager-vocoder,graphs,graphs-cadence4")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dummy-size", default="real")
+    a = ap.parse_args()
+    gb.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
+    model = load_model(gb.model_config())
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"setup": dict(gb.SETUP), "concurrency": a.concurrency, "seconds": a.seconds, "runs": {}}
+    for c in (int(x) for x in a.concurrency.split(",")):
+        for name in a.variants.split(","):
+            r = run_variant(model, name, c, a.seconds)
+            results["runs"][f"{name}@{c}"] = r
+            print(f"{name:>18} @{c:<4} {r['audio_s_per_s']:8.1f} audio-s/s  ttfa p50 {r['ttfa_p50_s']:.3f} "
+                  f"p99 {r['ttfa_p99_s']:.3f} s  stalled {r['stalled_streams']}/{r['requests']}  step "
+                  f"{r['step_ms']:.2f} ms (runner {r['step_breakdown_ms']['runner_ms']:.2f}, audio "
+                  f"{r['step_breakdown_ms']['audio_step_ms']:.2f})  voc calls/step "
+                  f"{r['vocoder_calls_per_step']:.2f}  mixed {r['mixed_graph_steps']}", flush=True)
+            (out / "staggered.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
