@@ -21,7 +21,7 @@ def test_counted_samples_match_the_encoded_duration(seconds):
 
 
 def test_headers():
-    assert frame_info(bytes([0xFF, 0xF3, 0x88, 0xC4])) == (72 * 64000 // 24000, 576)  # MPEG-2 L3 64 kbps 24 kHz
+    assert frame_info(bytes([0xFF, 0xF3, 0x84, 0xC4])) == (72 * 64000 // 24000, 576)  # MPEG-2 L3 64 kbps 24 kHz
     assert frame_info(bytes([0xFF, 0xFB, 0x90, 0x00])) == (144 * 128000 // 44100, 1152)  # MPEG-1 L3 128k 44.1k
     assert frame_info(b"\x00\x00\x00\x00") is None and frame_info(bytes([0xFF, 0xFB, 0xF0, 0])) is None
     assert Mp3FrameCounter().feed(b"garbage without frames") == 0
