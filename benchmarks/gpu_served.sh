@@ -4,7 +4,7 @@
 # Every step writes under OUT as it goes, so a call cut short still returns what it measured.
 #   bash benchmarks/gpu_served.sh OUT
 # Env: TESTS=0 skips the tests, STAG=0 the engine benchmark, SERVE=0 the server; SERVE_ARGS adds server flags,
-#      CONC (default 32,128,256) the served concurrencies, DUR (default 25) seconds per point,
+#      FORMATS (default pcm:32,128,256; e.g. "pcm:128 mp3:128") formats and concurrencies, DUR seconds per point,
 #      STAG_VARIANTS / STAG_CONC / STAG_SECONDS the engine benchmark's.
 set -u
 OUT=${1:?usage: $0 OUT}
@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}
  nproc; python3 -c "import torch; print(torch.__version__)") > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider -m gpu ${TEST_FILES:-tests/gpu} \
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_FILES:-tests/gpu} \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
 fi
@@ -34,9 +34,10 @@ if [ "${SERVE:-1}" = 1 ]; then
         sleep 0.5
     done
     echo "server ready after ${SECONDS}s (script clock)"
-    for fmt in ${FORMATS:-pcm}; do
+    for spec in ${FORMATS:-pcm:32,128,256}; do  # format:concurrencies
+        fmt=${spec%%:*}
         timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.cli bench serve --url http://127.0.0.1:8000 \
-            --concurrency "${CONC:-32,128,256}" --duration "${DUR:-25}" --num-requests 100000 --no-plots --no-progress \
+            --concurrency "${spec#*:}" --duration "${DUR:-25}" --num-requests 100000 --no-plots --no-progress \
             --response-format "$fmt" --out "$OUT/serve_$fmt" > "$OUT/serve_$fmt.txt" 2>&1
         echo "bench serve $fmt rc=$?"; tail -20 "$OUT/serve_$fmt.txt"
     done

@@ -33,6 +33,8 @@ VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on)
     "graphs": ({}, True),
     "graphs-cadence2": ({"vocoder_cadence": 2}, True),
     "graphs-cadence4": ({"vocoder_cadence": 4}, True),
+    "graphs-cadence4-admit4": ({"vocoder_cadence": 4, "admission_interval": 4}, True),
+    "graphs-cadence8-admit8": ({"vocoder_cadence": 8, "admission_interval": 8}, True),
 }
 
 

@@ -30,6 +30,7 @@ def create_scheduler(
     enable_chunked_prefill: bool = True,
     preemption_mode: str = "recompute",
     long_prefill_token_threshold: int = 0,
+    admission_interval: int = 1,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -38,6 +39,7 @@ def create_scheduler(
         max_model_len=max_model_len,
         preemption_mode=preemption_mode,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        admission_interval=admission_interval,
     )
     return Scheduler(cfg, KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks))
 

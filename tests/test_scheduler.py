@@ -4,6 +4,7 @@ test_scheduler_preemption.py."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from scheduler_testutil import (
     FakeRunner,
@@ -108,3 +109,26 @@ def test_without_chunked_prefill_a_prompt_larger_than_the_budget_left_waits():
     outs = [scheduled(step(sched, runner)[0]) for _ in range(2)]
     assert outs[-1] == {"big": (0, 30, True)}
     assert big.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_admission_interval_groups_arrivals_while_requests_run():
+    sched = create_scheduler(admission_interval=3)
+    reqs = create_requests(5, prompt_len=6, max_new_tokens=30)
+    runner = FakeRunner(sched, {r.request_id: r for r in reqs})
+    sched.add_request(reqs[0])
+    out, _ = step(sched, runner)  # step 1: an idle batch admits at once
+    assert set(scheduled(out)) == {"r0"}
+    admitted_at = {}
+    for k in range(2, 9):
+        if k in (2, 3, 4, 5):
+            sched.add_request(reqs[k - 1])  # one arrival per step
+        out, _ = step(sched, runner)
+        for rid, (start, _, _) in scheduled(out).items():
+            if start == 0:
+                admitted_at[rid] = k
+    # while r0 runs, arrivals wait for steps 3, 6, ...: r1 (step 2) and r2 (step 3) together at 3
+    assert admitted_at == {"r1": 3, "r2": 3, "r3": 6, "r4": 6}
+    drain(sched, runner)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    with pytest.raises(ValueError, match="admission_interval"):
+        create_scheduler(admission_interval=0)

@@ -20,7 +20,7 @@ _NETS = random_nets(3, hidden=64, dec_dim=32, dec_layers=2, voc_dim=32, voc_laye
 def _graphed_stage(**kwargs) -> IncrementalAudioStage:
     dec, vocos = _NETS
     stage = IncrementalAudioStage(dec, None, vocos, **kwargs)
-    stage.enable_cuda_graphs(max_streams=4, row_buckets=[2, 4], frame_buckets=[4, 16, stage.max_call_frames])
+    stage.enable_cuda_graphs(max_streams=2, row_buckets=[2, 4], frame_buckets=[4, 16, stage.max_call_frames])
     return stage
 
 
@@ -55,7 +55,7 @@ def _run(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: 
 @given(st.lists(st.tuples(st.integers(1, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=7),
        st.integers(1, 8))
 def test_graphed_calls_equal_the_one_shot_decode(specs, first_chunk) -> None:
-    """Up to 7 streams (more than the 4 planned: the slots grow and the graphs are 'captured' again), random
+    """Up to 7 streams (more than the 6 slots planned: the slots grow and each bucket is 'captured' again), random
     starts and bursts; every call is padded to a (rows, frames) bucket and each stream equals its one-shot."""
     stage = _graphed_stage(first_chunk_frames=first_chunk, max_chunk_frames=first_chunk * 4, max_windows_per_call=4)
     dec, vocos = _NETS
@@ -63,6 +63,20 @@ def test_graphed_calls_equal_the_one_shot_decode(specs, first_chunk) -> None:
         assert wav.shape == (512 * frames.shape[0] - 256,)
         assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
     assert stage.graphs[False].replays == stage.calls_total > 0  # every call took the graphed path
+    assert stage.graphs[False].generation == stage.slot_generation  # never a replay over stale state
+
+
+def test_growing_the_slots_recaptures_only_the_buckets_used() -> None:
+    stage = _graphed_stage(first_chunk_frames=2, max_chunk_frames=8, max_windows_per_call=4)
+    graphs = stage.graphs[False]
+    assert len(graphs.graphs) == 2 * 3  # every bucket at start
+    generation = stage.slot_generation
+    dec, vocos = _NETS
+    specs = [(30, 0, 1)] * 9  # 9 streams at once: more than the 6 slots planned
+    for i, (wav, frames) in _run(stage, specs, 3).items():
+        assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
+    assert stage.slot_generation > generation and graphs.generation == stage.slot_generation
+    assert 0 < len(graphs.graphs) < 2 * 3  # captured again as calls needed them, not all at once
 
 
 def test_padding_rows_write_only_the_scratch_slot() -> None:

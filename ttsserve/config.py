@@ -71,6 +71,7 @@ class EngineConfig:
         one-shot decode); smaller values start audio sooner at the cost of small seams (see BENCHMARKS.md).
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).
+    admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
     cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
         may use (ttsserve/runner/cpu_threads.py).
     """
@@ -99,6 +100,7 @@ class EngineConfig:
     max_chunk_frames: int = 64
     lookahead_frames: int | None = None
     vocoder_cadence: int = 1
+    admission_interval: int = 1
     enforce_eager: bool = False
     max_queue_len: int = 1024
     cpu_threads: int | None = None
@@ -125,6 +127,7 @@ class EngineConfig:
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.lookahead_frames is None or self.lookahead_frames >= 1, "lookahead_frames must be >= 1"),
             (1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
+            (1 <= self.admission_interval <= 64, "admission_interval must be in [1, 64]"),
         ]
         for ok, msg in checks:
             if not ok:

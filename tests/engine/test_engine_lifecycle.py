@@ -95,3 +95,14 @@ def test_refine_handoff_too_long_fails_only_that_synthesis():
     assert time.monotonic() - started < 120
     assert result["ok"][1].finish_reason == "length" and result["ok"][1].error is None
     assert result["refined"][1].finish_reason == "error" and "segment 0" in result["refined"][1].error
+
+
+def test_warm_up_serves_and_leaves_a_clean_engine():
+    eng = _engine()  # on CUDA the constructor runs it; here it is called by hand
+    eng.warm_up()
+    _assert_empty(eng)
+    assert eng.counters.steps == 0 and eng.runner.timings.steps == 0 and eng.audio.calls_total == 0
+    assert eng.kv_manager.num_free_blocks == eng.kv_spec.num_blocks
+    eng.add_synthesis(SynthesisRequest("hello there", request_id="after", code_params=SamplingParams(
+        seed=1, min_new_tokens=5, max_new_tokens=5)))
+    assert run_all(eng)["after"][1].num_frames == 5

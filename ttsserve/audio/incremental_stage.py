@@ -128,11 +128,12 @@ class IncrementalAudioStage(StreamingStage):
     def enable_cuda_graphs(self, max_streams: int, row_buckets: list[int] | None = None,
                            frame_buckets: list[int] | None = None) -> None:
         """Capture the calls of every (rows, frames) bucket for each decoder kind, with state slots for
-        max_streams streams allocated first (growing past them re-captures). Off CUDA the graphs' padded
-        static-buffer path runs eagerly (tests)."""
+        2 * max_streams streams allocated first (growing past them drops the graphs; each bucket is captured
+        again when a call needs it). Off CUDA the graphs' padded static-buffer path runs eagerly (tests)."""
         from ttsserve.audio.vocoder_graphs import VocoderGraphs, default_frame_buckets, default_row_buckets
 
-        need = max_streams + len(self._decoders) + 1  # the streams, a scratch slot per kind, the profile rows
+        # waiting requests and multi-segment texts hold streams too: twice the batch before slots grow
+        need = 2 * max_streams + len(self._decoders) + 1
         if need > self._num_slots:
             self._resize_slots(need)
         rows = row_buckets or default_row_buckets(self.max_windows_per_call)

@@ -13,8 +13,9 @@ path pads them. Wider rows change nothing a row keeps (audio/incremental.py: jun
 reaches positions past it), so the graphed call returns what the eager call returns.
 
 Graphs hold the addresses of the stage's state tensors: when the stage grows its slots (more streams than
-planned for) they are captured again before the next replay. Off CUDA nothing is captured and run() calls the
-same body on the static buffers, which is how the CPU tests check the padding and bucketing.
+planned for) every graph is dropped, and each bucket is captured again when a call first needs it (about 0.2 s
+each on an H200, where capturing all 40 at once stalled the engine for 8 s). Off CUDA nothing is captured and
+run() calls the same body on the static buffers, which is how the CPU tests check the padding and bucketing.
 """
 
 from __future__ import annotations
@@ -92,35 +93,39 @@ class VocoderGraphs:
             self.x[:rows, : x.shape[1]].copy_(x)
 
     # ---- capture / replay ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool (off CUDA: nothing to capture)."""
-        t0 = time.perf_counter()
-        keys = sorted(((b, n) for b in self.row_buckets for n in self.frame_buckets),
-                      key=lambda k: (k[0] * k[1], k), reverse=True)
+    def _drop(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
         self.pool = None
         self.generation = self.stage.slot_generation
-        if self.stage.device.type != "cuda":
-            self.graphs = dict.fromkeys(keys)
-            return
-        torch.cuda.synchronize()
-        for b, n in keys:
-            self._fill(b, n, None, [[], [], [], []])
-            self._body(b, n)  # warm-up: cuDNN / cuFFT pick their kernels and plans outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[(b, n)] = self._body(b, n)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[(b, n)] = graph
-        torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, so that each fits in the pool of the larger ones."""
+        t0 = time.perf_counter()
+        self._drop()
+        for key in sorted(((b, n) for b in self.row_buckets for n in self.frame_buckets),
+                          key=lambda k: (k[0] * k[1], k), reverse=True):
+            self._capture_one(*key)
         self.capture_s = time.perf_counter() - t0
         logger.info("captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s", len(self.graphs),
                     self.row_buckets[0], self.row_buckets[-1], self.frame_buckets[0], self.frame_buckets[-1],
                     self.capture_s)
+
+    def _capture_one(self, b: int, n: int) -> None:
+        """Capture bucket (b, n) into the shared pool (off CUDA: record it as 'run the body eagerly')."""
+        if self.stage.device.type != "cuda":
+            self.graphs[(b, n)] = None
+            return
+        self._fill(b, n, None, [[], [], [], []])
+        self._body(b, n)  # warm-up: cuDNN / cuFFT pick their kernels and plans outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[(b, n)] = self._body(b, n)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(b, n)] = graph
 
     @torch.no_grad()
     def run(self, x: Tensor, info: list[list[int]]) -> Tensor:
@@ -128,9 +133,12 @@ class VocoderGraphs:
         wav [b, hop * 2w] of bucket (b, w) >= (B, n); rows >= B are padding. A view of a static buffer, valid
         until the next replay (stream order keeps a crop queued before it safe)."""
         if self.generation != self.stage.slot_generation:
-            logger.info("the vocoder's state slots grew: capturing its graphs again")
-            self.capture()
+            logger.warning("the vocoder's state slots grew to %d: its graphs are captured again as calls need "
+                           "them (raise max_num_seqs' headroom to avoid this)", self.stage._num_slots)
+            self._drop()
         b, n = self.bucket(x.shape[0], x.shape[1])
+        if (b, n) not in self.graphs:
+            self._capture_one(b, n)  # after _fill below the body reads this call's rows, not the capture's
         self._fill(b, n, x, info)
         graph = self.graphs[(b, n)]
         self.replays += 1
