@@ -254,7 +254,8 @@ class RequestContextMiddleware:
 
     The access line is written when the response starts (`ms`: time to the status line; for a stream the
     synthesis is still running). Syntheses add a `synthesis_done` line when they end (finish_reason,
-    audio_s, frames, ttfa_ms, total_ms). A client that leaves before any response is logged as status 499.
+    audio_s, frames, ttfa_ms, total_ms). A client that leaves before any response is logged as status 499,
+    an unhandled error as 500.
     """
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
@@ -282,6 +283,12 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as e:
+            # An unhandled error: Starlette's outermost middleware answers it with a 500 (our handler's
+            # body) after it has passed through here, so log that status, not a client that left.
+            if not state["logged"]:
+                self._log(scope, rid, 499 if type(e).__name__ == "ClientDisconnect" else 500, started, state)
+            raise
         finally:
             if not state["logged"]:  # no response was sent (client gone before the first byte)
                 self._log(scope, rid, 499, started, state)

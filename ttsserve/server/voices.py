@@ -9,7 +9,6 @@ random-speaker sampler changed. Built-in voices are a fixed seed each, drawn wit
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import sqlite3
@@ -26,7 +25,7 @@ from pydantic import ValidationError
 
 from ttsserve.audio.decode import AudioTooLongError, decode_audio_file
 from ttsserve.params import Voice
-from ttsserve.server.errors import ApiError
+from ttsserve.server.errors import ApiError, parse_json_body
 from ttsserve.server.protocol import (
     VOICE_NAME_PATTERN,
     VoiceCreateJSON,
@@ -297,10 +296,7 @@ async def _create_from_upload(st, request) -> VoiceRecord:
 
 
 async def _create_from_json(st, request) -> VoiceRecord:
-    try:
-        payload = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+    payload = parse_json_body(await request.body())
     try:
         body = VoiceCreateJSON.model_validate(payload)
     except ValidationError as e:
