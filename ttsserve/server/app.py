@@ -12,6 +12,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -118,11 +119,12 @@ class ServerState:
         request.state.log["key"] = ident
         return ident
 
-    def admit_text(self, text: str, ident: str, param: str) -> None:
+    def admit_text(self, text: str, ident: str, param: str) -> Callable[[], None]:
+        """413 for text over the limit, 429 over the rate limits; returns the rate-limit refund."""
         if len(text) > self.cfg.max_input_chars:
             raise ApiError(413, f"{param} has {len(text)} characters; the limit is {self.cfg.max_input_chars}",
                            param=param, code="input_too_long")
-        self.rate.check(ident, len(text))
+        return self.rate.check(ident, len(text))
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -141,8 +143,13 @@ class ServerState:
 
     # ---- synthesis -------------------------------------------------------------------------------
     async def synthesize(self, request: Request, *, endpoint: str, text: str, text_param: str, voice,
-                         opts: ChatTTSOptions, speed: float, instructions: str | None, fmt: str, mode: str):
-        """mode: "audio" (chunked stream), "sse", or "file" (whole file, real status on late failure)."""
+                         opts: ChatTTSOptions, speed: float, instructions: str | None, fmt: str, mode: str,
+                         refund: Callable[[], None]):
+        """mode: "audio" (chunked stream), "sse", or "file" (whole file, real status on late failure).
+
+        refund: gives back the client's rate-limit quota; called when the request is refused with 503
+        (at capacity, engine queue full, not ready, shutting down): a refused request is not charged.
+        """
         try:
             validate_format(fmt)
             req, stretch = build_synthesis_request(
@@ -151,7 +158,10 @@ class ServerState:
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e), text_param, fmt_param=_fmt_param(endpoint))) from None
         rate = opts.sample_rate or 24000
-        release = self.gate.acquire()
+        try:
+            release = self.gate.acquire()
+        except ApiError as e:
+            raise _refunded_if_refused(e, refund) from None
         job = SynthesisJob(request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate,
                            stretch=stretch)
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
@@ -164,7 +174,7 @@ class ServerState:
             await gen.aclose()  # aborts the engine request unless it finished
             release()
             self._settle(job, request, error=e)
-            raise _as_api_error(e, text_param) from None
+            raise _refunded_if_refused(_as_api_error(e, text_param), refund) from None
         if mode == "file":
             await gen.aclose()
             release()
@@ -209,6 +219,13 @@ def _unfinished_reason(error: BaseException | None) -> str:
             isinstance(error, ApiError) and error.status < 500):
         return "rejected"
     return "error"
+
+
+def _refunded_if_refused(err: BaseException, refund: Callable[[], None]) -> BaseException:
+    """`err`, after giving the rate-limit quota back if it is a 503 (the server refused: no work was done)."""
+    if isinstance(err, ApiError) and err.status == 503:
+        refund()
+    return err
 
 
 def _fmt_param(endpoint: str) -> str:
@@ -351,21 +368,21 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                                              **_ERRORS}, response_class=Response, tags=["speech"])
     async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
-        st.admit_text(body.input, ident, "input")
+        refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
         voice = st.resolve_voice(body.voice)
         return await st.synthesize(request, endpoint="speech", text=body.input, text_param="input", voice=voice,
                                    opts=body, speed=body.speed, instructions=body.instructions,
-                                   fmt=body.response_format, mode=body.stream_format)
+                                   fmt=body.response_format, mode=body.stream_format, refund=refund)
 
     @app.post("/synthesize", responses={200: _AUDIO_200, **_ERRORS}, response_class=Response, tags=["speech"])
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
-        st.admit_text(body.text, ident, "text")
+        refund = st.admit_text(body.text, ident, "text")
         voice = st.resolve_voice(body.voice)
         return await st.synthesize(request, endpoint="synthesize", text=body.text, text_param="text", voice=voice,
                                    opts=body, speed=body.speed, instructions=None, fmt=body.format,
-                                   mode="audio" if body.stream else "file")
+                                   mode="audio" if body.stream else "file", refund=refund)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
     async def list_models(_: str = Depends(identity)):
