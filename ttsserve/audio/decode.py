@@ -4,7 +4,8 @@ Compressed silence is tiny: 20 minutes of 16 kHz FLAC silence is about 60 KB, so
 alone admits files that decode to tens of GB. `decode_audio_file` therefore checks the duration the
 container header states before decoding anything, and counts samples while decoding (a header may omit
 the length, as a streamed FLAC does, or understate it), stopping one block past the cap. Memory is then
-bounded by `max_seconds * sample_rate * 4` bytes plus one block, never by the file's real length.
+bounded by about twice `max_seconds * sample_rate * 4` bytes (the mono blocks and their concatenation),
+never by the file's real length.
 
 libsndfile is tried first (WAV, FLAC, OGG, MP3 ...), FFmpeg (PyAV) for everything else and for files
 libsndfile cannot read to the end (a FLAC whose STREAMINFO says total_samples = 0).
