@@ -98,3 +98,23 @@ def same_audio(a: bytes | np.ndarray, b: bytes | np.ndarray, max_lsb: int = SAME
     a = np.frombuffer(a, "<i2") if isinstance(a, bytes) else np.asarray(a)
     b = np.frombuffer(b, "<i2") if isinstance(b, bytes) else np.asarray(b)
     return a.shape == b.shape and (a.size == 0 or int(np.abs(a.astype(np.int32) - b).max()) <= max_lsb)
+
+
+def silent_flac(seconds: float, rate: int = 16000, channels: int = 1, length_in_header: bool = True) -> bytes:
+    """A FLAC of digital silence, written a minute at a time: 20 minutes is ~60 KB of file.
+
+    length_in_header=False zeroes STREAMINFO's total_samples, as a streamed FLAC has it ("unknown").
+    """
+    buf = io.BytesIO()
+    minute = np.zeros((60 * rate, channels), np.int16)
+    with sf.SoundFile(buf, "w", samplerate=rate, channels=channels, format="FLAC", subtype="PCM_16") as f:
+        for _ in range(int(seconds // 60)):
+            f.write(minute)
+        f.write(minute[: round(seconds % 60 * rate)])
+    data = bytearray(buf.getvalue())
+    if not length_in_header:
+        # "fLaC", a 4-byte block header, then STREAMINFO: bytes 18..25 hold rate(20) channels(3) bits(5)
+        # total_samples(36 bits).
+        packed = int.from_bytes(data[18:26], "big")
+        data[18:26] = (packed & ~((1 << 36) - 1)).to_bytes(8, "big")
+    return bytes(data)

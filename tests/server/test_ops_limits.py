@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import time
 
 import httpx
 import openai
@@ -15,6 +16,8 @@ import pytest
 from tests.server.conftest import wait_until
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import parse_sse, same_audio, sse_audio
+from ttsserve.server.errors import ApiError
+from ttsserve.server.limits import RateLimiter
 
 SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm"}
 
@@ -92,7 +95,17 @@ def test_api_keys(serve_real):
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # ops stay open
 
 
+def _clear_of_a_minute_boundary(margin_s: float) -> None:
+    """Wait out the end of the current minute if fewer than margin_s seconds are left: the sliding-window
+    counter weighs the previous minute by the share of it still in the window, so just after a boundary a
+    budget used up just before it counts as slightly less than full and one more request passes."""
+    left = 60 - time.time() % 60
+    if left < margin_s:
+        time.sleep(left + 0.05)
+
+
 def test_rate_limits_per_key(serve_real, serve):
+    _clear_of_a_minute_boundary(10)
     srv, _ = serve_real(api_keys=("a", "b"), requests_per_minute=2, chars_per_minute=1000)
     a = openai.OpenAI(base_url=srv.url + "/v1", api_key="a", max_retries=0)
     for _ in range(2):
@@ -132,6 +145,63 @@ def test_queue_full_gives_503_with_retry_after(serve):
     assert got["status"] == 200
     with srv.client() as c:  # the slot is free again
         assert c.post("/v1/audio/speech", json=SPEECH).status_code == 200
+
+
+def test_refund_gives_back_exactly_what_one_request_used():
+    rate = RateLimiter(requests_per_minute=2, chars_per_minute=100)
+    _clear_of_a_minute_boundary(2)
+    first = rate.check("a", 30)
+    rate.check("a", 30)
+    with pytest.raises(ApiError) as ei:
+        rate.check("a", 1)
+    assert ei.value.status == 429
+    first()
+    first()  # idempotent: the second call gives back nothing
+    refund = rate.check("a", 70)  # one request and 30 + 40 characters were free again, no more
+    with pytest.raises(ApiError):
+        rate.check("a", 1)
+    refund()
+    rate.check("b", 100)  # other identities are untouched throughout
+    rate.check("a", 70)
+
+
+def test_requests_refused_with_503_do_not_count_against_the_rate_limit(serve):
+    _clear_of_a_minute_boundary(5)
+    srv, eng = serve(FakeEngine(max_queue_len=0), requests_per_minute=2, chars_per_minute=50)
+    speech, synth = {**SPEECH, "input": "x" * 20}, {"text": "y" * 20, "format": "pcm"}
+    with srv.client() as c:
+        for path, body in [("/v1/audio/speech", speech), ("/synthesize", synth)] * 3:  # engine queue full
+            r = c.post(path, json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded", r.text
+        eng._accepting = False  # starting / draining
+        assert c.post("/v1/audio/speech", json=speech).status_code == 503
+        eng._accepting, eng.max_queue_len = True, 1024
+        assert c.post("/v1/audio/speech", json=speech).status_code == 200  # the whole budget is still there
+        assert c.post("/synthesize", json=synth).status_code == 200
+        r = c.post("/v1/audio/speech", json=speech)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_requests_refused_at_capacity_do_not_count_against_the_rate_limit(serve):
+    _clear_of_a_minute_boundary(5)
+    srv, eng = serve(FakeEngine(chunk_delay_s=0.02), max_in_flight=1, requests_per_minute=2)
+    got: dict = {}
+
+    def slow():  # holds the one in-flight slot for ~0.4 s; uses one request of the budget
+        with srv.client() as c:
+            got["status"] = c.post("/v1/audio/speech", json={**SPEECH, "input": "x" * 40}).status_code
+
+    t = threading.Thread(target=slow)
+    t.start()
+    assert wait_until(lambda: len(eng.running) == 1)
+    with srv.client() as c:
+        for _ in range(3):
+            r = c.post("/v1/audio/speech", json=SPEECH)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded", r.text
+        t.join(10)
+        assert got["status"] == 200
+        assert c.post("/v1/audio/speech", json=SPEECH).status_code == 200
+        assert c.post("/v1/audio/speech", json=SPEECH).status_code == 429
 
 
 def test_body_limits(serve_real):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import openai
 import pytest
 
-from tests.server.helpers import same_audio, wav_bytes
+from tests.server.helpers import same_audio, silent_flac, wav_bytes
+from ttsserve.engine.voice_encode import MAX_REFERENCE_SECONDS
 from ttsserve.server.voices import BUILTIN_VOICES, VoiceStore
 from ttsserve.text.speaker import encode_speaker
 
@@ -109,6 +112,44 @@ def test_reference_upload_errors(serve_real):
         r = c.post("/v1/audio/voices", content=b"name=a", headers={"content-type": "text/plain"})
         assert r.status_code == 415
         assert [v for v in c.get("/v1/audio/voices").json()["data"] if v["type"] != "builtin"] == []
+
+
+def _upload(c, data: bytes, filename: str, name: str = "ref"):
+    return c.post("/v1/audio/voices", files={"audio_sample": (filename, data, "application/octet-stream")},
+                  data={"name": name, "transcript": "what the recording says"})
+
+
+@pytest.mark.parametrize("length_in_header", [True, False], ids=["header", "no-length"])
+def test_a_long_silent_flac_is_refused_without_decoding_it(serve, length_in_header):
+    srv, eng = serve()
+    data = silent_flac(20 * 60, length_in_header=length_in_header)  # ~60 KB; 77 MB as float32 samples
+    with srv.client() as c:
+        tracemalloc.start()  # the server runs in this process: its numpy allocations are traced too
+        try:
+            r = _upload(c, data, "long.flac")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "audio_too_long" and err["param"] == "audio_sample"
+        assert f"{MAX_REFERENCE_SECONDS:g} s limit" in err["message"]
+        assert peak < 16 << 20  # the cap's worth of samples (1.9 MB) at most, never the 20 minutes
+        assert eng.references == []  # the encoder never saw it
+        assert _upload(c, wav_bytes(1.0), "ok.wav").status_code == 200  # the server is fine afterwards
+
+
+def test_the_reference_length_limit_is_the_engines_everywhere(serve):
+    srv, eng = serve()  # the fake engine has no limit of its own: the server's check is what refuses
+    with srv.client() as c:
+        doc = c.get("/openapi.json").json()["paths"]["/v1/audio/voices"]["post"]["requestBody"]
+        field = doc["content"]["multipart/form-data"]["schema"]["properties"]["audio_sample"]
+        assert field["description"].endswith(f"0.5-{MAX_REFERENCE_SECONDS:g} s")
+        assert _upload(c, wav_bytes(MAX_REFERENCE_SECONDS - 0.5), "a.wav", "under").status_code == 200
+        r = _upload(c, wav_bytes(MAX_REFERENCE_SECONDS + 0.5), "b.wav", "over")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"
+        assert f"{MAX_REFERENCE_SECONDS:g} s limit" in r.json()["error"]["message"]
+    assert [n for n, _ in eng.references] == [round((MAX_REFERENCE_SECONDS - 0.5) * 16000)]
 
 
 def test_store_roundtrip(tmp_path):

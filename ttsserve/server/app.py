@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 
 from ttsserve.audio.encode import FORMATS, content_type, validate_format
+from ttsserve.server.access_log import RequestContextMiddleware, access_logger
 from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
 from ttsserve.server.limits import (
     AdmissionGate,
@@ -52,10 +53,8 @@ from ttsserve.server.streaming import (
 from ttsserve.server.voices import VoiceResolver, VoiceStore, register_voice_routes
 
 logger = logging.getLogger("ttsserve.server")
-access_logger = logging.getLogger("ttsserve.access")
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens", "seed")
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
 _AUDIO_TYPES = {content_type(f): {"schema": {"type": "string", "format": "binary"}} for f in FORMATS}
@@ -118,11 +117,12 @@ class ServerState:
         request.state.log["key"] = ident
         return ident
 
-    def admit_text(self, text: str, ident: str, param: str) -> None:
+    def admit_text(self, text: str, ident: str, param: str) -> Callable[[], None]:
+        """413 for text over the limit, 429 over the rate limits; returns the rate-limit refund."""
         if len(text) > self.cfg.max_input_chars:
             raise ApiError(413, f"{param} has {len(text)} characters; the limit is {self.cfg.max_input_chars}",
                            param=param, code="input_too_long")
-        self.rate.check(ident, len(text))
+        return self.rate.check(ident, len(text))
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -141,8 +141,13 @@ class ServerState:
 
     # ---- synthesis -------------------------------------------------------------------------------
     async def synthesize(self, request: Request, *, endpoint: str, text: str, text_param: str, voice,
-                         opts: ChatTTSOptions, speed: float, instructions: str | None, fmt: str, mode: str):
-        """mode: "audio" (chunked stream), "sse", or "file" (whole file, real status on late failure)."""
+                         opts: ChatTTSOptions, speed: float, instructions: str | None, fmt: str, mode: str,
+                         refund: Callable[[], None]):
+        """mode: "audio" (chunked stream), "sse", or "file" (whole file, real status on late failure).
+
+        refund: gives back the client's rate-limit quota; called when the request is refused with 503
+        (at capacity, engine queue full, not ready, shutting down): a refused request is not charged.
+        """
         try:
             validate_format(fmt)
             req, stretch = build_synthesis_request(
@@ -151,7 +156,10 @@ class ServerState:
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e), text_param, fmt_param=_fmt_param(endpoint))) from None
         rate = opts.sample_rate or 24000
-        release = self.gate.acquire()
+        try:
+            release = self.gate.acquire()
+        except ApiError as e:
+            raise _refunded_if_refused(e, refund) from None
         job = SynthesisJob(request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate,
                            stretch=stretch)
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
@@ -164,7 +172,7 @@ class ServerState:
             await gen.aclose()  # aborts the engine request unless it finished
             release()
             self._settle(job, request, error=e)
-            raise _as_api_error(e, text_param) from None
+            raise _refunded_if_refused(_as_api_error(e, text_param), refund) from None
         if mode == "file":
             await gen.aclose()
             release()
@@ -211,6 +219,13 @@ def _unfinished_reason(error: BaseException | None) -> str:
     return "error"
 
 
+def _refunded_if_refused(err: BaseException, refund: Callable[[], None]) -> BaseException:
+    """`err`, after giving the rate-limit quota back if it is a 503 (the server refused: no work was done)."""
+    if isinstance(err, ApiError) and err.status == 503:
+        refund()
+    return err
+
+
 def _fmt_param(endpoint: str) -> str:
     return "format" if endpoint == "synthesize" else "response_format"
 
@@ -236,64 +251,6 @@ def _as_api_error(e: BaseException, text_param: str) -> BaseException:
     if type(e).__name__ == "EngineOverloadedError":  # ttsserve.engine.async_engine, matched by name
         return ApiError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
     return e
-
-
-# ---- middleware ----------------------------------------------------------------------------------
-def _endpoint_label(path: str) -> str:
-    if path in ("/v1/audio/speech", "/synthesize", "/v1/audio/voices", "/v1/models", "/health", "/ready", "/metrics"):
-        return path
-    for prefix in ("/v1/audio/voices/", "/v1/models/"):
-        if path.startswith(prefix):
-            return prefix + "{id}"
-    return "other"
-
-
-class RequestContextMiddleware:
-    """Pure ASGI (keeps streaming and disconnects intact): X-Request-ID in/out, one JSON access-log line per
-    request, and the requests-by-status metric.
-
-    The access line is written when the response starts (`ms`: time to the status line; for a stream the
-    synthesis is still running). Syntheses add a `synthesis_done` line when they end (finish_reason,
-    audio_s, frames, ttfa_ms, total_ms). A client that leaves before any response is logged as status 499.
-    """
-
-    def __init__(self, app, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _REQUEST_ID_RE.match(given) else uuid.uuid4().hex
-        state = scope.setdefault("state", {})
-        state.update(request_id=rid, log={}, logged=False)
-        started = time.perf_counter()
-        status = 500
-
-        async def send_with_id(msg) -> None:
-            nonlocal status
-            if msg["type"] == "http.response.start":
-                status = msg["status"]
-                hdrs = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"]
-                msg = {**msg, "headers": [*hdrs, (b"x-request-id", rid.encode())]}
-                self._log(scope, rid, status, started, state)
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            if not state["logged"]:  # no response was sent (client gone before the first byte)
-                self._log(scope, rid, 499, started, state)
-
-    def _log(self, scope, rid: str, status: int, started: float, state: dict) -> None:
-        state["logged"] = True
-        self.metrics.observe_request(_endpoint_label(scope["path"]), status)
-        client = scope.get("client")
-        line = {"event": "access", "request_id": rid, "method": scope["method"], "path": scope["path"],
-                "status": status, "ms": round((time.perf_counter() - started) * 1000, 1),
-                "client": client[0] if client else None, **state["log"]}
-        access_logger.info(json.dumps(line, default=str))
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -344,21 +301,21 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                                              **_ERRORS}, response_class=Response, tags=["speech"])
     async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
-        st.admit_text(body.input, ident, "input")
+        refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
         voice = st.resolve_voice(body.voice)
         return await st.synthesize(request, endpoint="speech", text=body.input, text_param="input", voice=voice,
                                    opts=body, speed=body.speed, instructions=body.instructions,
-                                   fmt=body.response_format, mode=body.stream_format)
+                                   fmt=body.response_format, mode=body.stream_format, refund=refund)
 
     @app.post("/synthesize", responses={200: _AUDIO_200, **_ERRORS}, response_class=Response, tags=["speech"])
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
-        st.admit_text(body.text, ident, "text")
+        refund = st.admit_text(body.text, ident, "text")
         voice = st.resolve_voice(body.voice)
         return await st.synthesize(request, endpoint="synthesize", text=body.text, text_param="text", voice=voice,
                                    opts=body, speed=body.speed, instructions=None, fmt=body.format,
-                                   mode="audio" if body.stream else "file")
+                                   mode="audio" if body.stream else "file", refund=refund)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
     async def list_models(_: str = Depends(identity)):

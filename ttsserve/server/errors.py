@@ -7,7 +7,10 @@ unknown routes 404, anything unexpected 500). A response never says 200 while ca
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +75,36 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return ApiError(400, message, param=param, code=code)
 
 
+# What json.loads raises on a hostile body besides JSONDecodeError: RecursionError for nesting deeper than the
+# interpreter's recursion limit ("[" * 100000), ValueError for an integer of more digits than
+# sys.get_int_max_str_digits() ("1" * 100000), UnicodeDecodeError for bytes that are not UTF-8/16/32. All
+# are the client's fault (400), never a 500: an unhandled error also drops the connection.
+JSON_PARSE_ERRORS = (ValueError, RecursionError)
+
+
+def invalid_json(cause: BaseException | None = None) -> ApiError:
+    """The one 400 for a request body that is not JSON the server can read; `cause`: what json.loads raised."""
+    if isinstance(cause, json.JSONDecodeError):
+        why = f": {cause.msg} at character {cause.pos}"
+    elif isinstance(cause, UnicodeDecodeError):
+        why = ": not UTF-8 text"
+    elif isinstance(cause, RecursionError):
+        why = ": nested too deeply"
+    elif isinstance(cause, ValueError):
+        why = f": a number has more than {sys.get_int_max_str_digits()} digits"
+    else:
+        why = ""
+    return bad_request(f"request body is not valid JSON{why}", code="invalid_json")
+
+
+def parse_json_body(body: bytes) -> Any:
+    """json.loads for request bodies: ApiError(400, invalid_json) for anything it cannot parse."""
+    try:
+        return json.loads(body)
+    except JSON_PARSE_ERRORS as e:
+        raise invalid_json(e) from None
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
 
 
@@ -94,8 +127,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     errors = list(exc.errors())
     if not errors:
         return bad_request("invalid request body")
-    if errors[0].get("type") == "json_invalid":
-        return bad_request("request body is not valid JSON", code="invalid_json")
+    if errors[0].get("type") == "json_invalid":  # FastAPI raises it `from` the JSONDecodeError
+        return invalid_json(exc.__cause__)
     specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
     errors = specific or errors
     first = errors[0]
@@ -133,6 +166,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(exc).response(_request_id(request))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, JSON_PARSE_ERRORS):
+            # FastAPI's body parsing turns every json.loads failure but JSONDecodeError into a bare 400
+            # "There was an error parsing the body", raised from the original error.
+            return invalid_json(exc.__cause__).response(_request_id(request))
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         msg = exc.detail if isinstance(exc.detail, str) else "error"
         headers = dict(exc.headers or {})

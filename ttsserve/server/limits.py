@@ -4,11 +4,12 @@ and request body size (413).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from limits import RateLimitItemPerMinute
 from limits.storage import MemoryStorage
@@ -54,8 +55,10 @@ class RateLimiter:
     """Per-identity limits on requests per minute and input characters per minute (0 disables a limit).
 
     Sliding-window counters (O(1) memory per identity, unlike a moving window that stores one entry per
-    character). `check(identity, num_chars)` consumes quota or raises ApiError(429) with Retry-After.
-    A request whose text alone exceeds chars_per_minute can never pass and gets 429 with a message saying so.
+    character). `check(identity, num_chars)` consumes quota or raises ApiError(429) with Retry-After, and
+    returns a refund: calling it gives the quota back (for a request the server then refuses with 503,
+    which did no work for the client). A request whose text alone exceeds chars_per_minute can never pass
+    and gets 429 with a message saying so.
     """
 
     def __init__(self, requests_per_minute: int = 0, chars_per_minute: int = 0) -> None:
@@ -64,22 +67,34 @@ class RateLimiter:
         self._req = RateLimitItemPerMinute(requests_per_minute) if requests_per_minute > 0 else None
         self._chars = RateLimitItemPerMinute(chars_per_minute) if chars_per_minute > 0 else None
 
-    def check(self, identity: str, num_chars: int) -> None:
+    def check(self, identity: str, num_chars: int) -> Callable[[], None]:
         if self._chars is not None and num_chars > self._chars.amount:
             raise ApiError(429, f"input of {num_chars} characters exceeds the limit of {self._chars.amount} "
                            "characters per minute", code="rate_limit_exceeded", headers={"Retry-After": "60"})
-        checks = [(item, cost) for item, cost in ((self._req, 1), (self._chars, num_chars)) if item is not None]
+        checks = [(item, cost) for item, cost in ((self._req, 1), (self._chars, num_chars))
+                  if item is not None and cost > 0]
         # Test all before hitting any, so a request refused on characters does not use up a request slot.
         for item, cost in checks:
-            if cost > 0 and not self._limiter.test(item, identity, cost=cost):
+            if not self._limiter.test(item, identity, cost=cost):
                 stats = self._limiter.get_window_stats(item, identity)
                 retry = max(1, math.ceil(stats.reset_time - time.time()))
                 what = "requests" if item is self._req else "characters"
                 raise ApiError(429, f"rate limit exceeded: {item.amount} {what} per minute",
                                code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+        hits = []
         for item, cost in checks:
-            if cost > 0:
-                self._limiter.hit(item, identity, cost=cost)
+            # The counter of the window this hit lands in: a refund must take it back from there even if
+            # the window has rolled over since (it then counts, weighted, as the previous window).
+            window = self._storage.sliding_window_keys(item.key_for(identity), item.get_expiry(), time.time())[1]
+            if self._limiter.hit(item, identity, cost=cost):
+                hits.append((window, cost))
+        return functools.partial(self._refund, hits)
+
+    def _refund(self, hits: list[tuple[str, int]]) -> None:
+        while hits:  # emptied, so a second call refunds nothing
+            window, cost = hits.pop()
+            if self._storage.get(window) > 0:  # an expired window is gone: nothing left to give back
+                self._storage.decr(window, cost)
 
 
 class AdmissionGate:

@@ -9,8 +9,6 @@ random-speaker sampler changed. Built-in voices are a fixed seed each, drawn wit
 from __future__ import annotations
 
 import asyncio
-import io
-import json
 import os
 import re
 import sqlite3
@@ -25,8 +23,9 @@ from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from ttsserve.audio.decode import AudioTooLongError, decode_audio_file
 from ttsserve.params import Voice
-from ttsserve.server.errors import ApiError
+from ttsserve.server.errors import ApiError, parse_json_body
 from ttsserve.server.protocol import (
     VOICE_NAME_PATTERN,
     VoiceCreateJSON,
@@ -221,60 +220,52 @@ class VoiceResolver:
 
 
 # ---- HTTP routes -----------------------------------------------------------------------------------
-MIN_REFERENCE_S, MAX_REFERENCE_S = 0.5, 60.0
-_VOICE_CREATE_DOC = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/VoiceCreateJSON"}},
-            "multipart/form-data": {"schema": {
-                "type": "object", "required": ["name", "audio_sample", "transcript"],
-                "properties": {
-                    "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": VOICE_NAME_PATTERN},
-                    "audio_sample": {"type": "string", "format": "binary",
-                                     "description": "reference recording (wav, flac, ogg, mp3, ...), 0.5-60 s"},
-                    "transcript": {"type": "string", "minLength": 1, "maxLength": 2000,
-                                   "description": "what is said in the recording"},
-                    "consent": {"type": "string", "description": "accepted for OpenAI SDK compatibility; unused"},
-                }}},
-        },
-    }
-}
+MIN_REFERENCE_S = 0.5
 
 
-def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
-    """An uploaded audio file -> (mono float32 [n], sample rate). ValueError if it cannot be decoded."""
-    import soundfile as sf
+def max_reference_seconds() -> float:
+    """The longest reference recording accepted: the engine's own cap (engine.voice_encode), one number.
 
-    try:
-        x, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-        return x.mean(axis=1).astype(np.float32), int(rate)
-    except Exception:  # not a libsndfile format (mp3/aac/...): try FFmpeg
-        pass
-    import av
+    Why 30 s: the DVAE codes of the recording become prompt positions (46.875 per second, spec 5.4 / 2.6)
+    in front of the transcript and the text, and prompt plus output must fit the model's 4096 positions
+    (spec 0, "Max positions"). 30 s is 1406 positions and leaves room for a full 2048-frame (44 s) segment
+    plus about 640 text tokens; 60 s (2813 positions) would cut every segment to under 1283 frames even
+    with no text at all. Imported here, not at module top, so that importing the server (launchers,
+    config checks) does not import torch.
+    """
+    from ttsserve.engine.voice_encode import MAX_REFERENCE_SECONDS
 
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=stream.rate)
-            parts = [f.to_ndarray().reshape(-1) for frame in container.decode(stream)
-                     for f in resampler.resample(frame)]
-            parts += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
-            rate = stream.rate
-    except Exception as e:  # PyAV raises many error types for garbage input
-        raise ValueError(f"could not decode the audio file ({type(e).__name__})") from None
-    if not parts or not rate:
-        raise ValueError("the audio file holds no audio")
-    return np.concatenate(parts).astype(np.float32), int(rate)
+    return MAX_REFERENCE_SECONDS
+
+
+def _voice_create_doc(max_s: float) -> dict:
+    audio = {"type": "string", "format": "binary",
+             "description": f"reference recording (wav, flac, ogg, mp3, ...), {MIN_REFERENCE_S:g}-{max_s:g} s"}
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/VoiceCreateJSON"}},
+        "multipart/form-data": {"schema": {
+            "type": "object", "required": ["name", "audio_sample", "transcript"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": VOICE_NAME_PATTERN},
+                "audio_sample": audio,
+                "transcript": {"type": "string", "minLength": 1, "maxLength": 2000,
+                               "description": "what is said in the recording"},
+                "consent": {"type": "string", "description": "accepted for OpenAI SDK compatibility; unused"},
+            }}},
+    }}}
 
 
 def _reference_voice(st, name: str, data: bytes, transcript: str) -> VoiceRecord:
-    """Runs in a worker thread: decode, check, DVAE-encode, store."""
+    """Runs in a worker thread: decode (at most the cap), check, DVAE-encode, store.
+
+    AudioTooLongError (a ValueError) for a recording over the cap, found from the header or while decoding.
+    """
     check_voice_name(name)
-    wav, rate = decode_audio_file(data)
+    max_s = max_reference_seconds()
+    wav, rate = decode_audio_file(data, max_s)
     seconds = wav.size / rate
-    if not (MIN_REFERENCE_S <= seconds <= MAX_REFERENCE_S):
-        raise ValueError(f"reference audio must last {MIN_REFERENCE_S}-{MAX_REFERENCE_S} s, got {seconds:.2f} s")
+    if not (MIN_REFERENCE_S <= seconds <= max_s):
+        raise ValueError(f"reference audio must last {MIN_REFERENCE_S:g}-{max_s:g} s, got {seconds:.2f} s")
     if not np.isfinite(wav).all():
         raise ValueError("reference audio contains NaN or infinite samples")
     codes = np.asarray(st.engine.encode_reference_audio(wav, rate))
@@ -297,16 +288,15 @@ async def _create_from_upload(st, request) -> VoiceRecord:
         return await asyncio.to_thread(_reference_voice, st, name, data, transcript.strip())
     except VoiceConflictError as e:
         raise ApiError(409, str(e), param="name", code="voice_exists") from None
+    except AudioTooLongError as e:
+        raise ApiError(400, f"reference {e}", param="audio_sample", code="audio_too_long") from None
     except ValueError as e:
         param = "name" if "name" in str(e) else "audio_sample"
         raise ApiError(400, str(e), param=param) from None
 
 
 async def _create_from_json(st, request) -> VoiceRecord:
-    try:
-        payload = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+    payload = parse_json_body(await request.body())
     try:
         body = VoiceCreateJSON.model_validate(payload)
     except ValidationError as e:
@@ -334,7 +324,7 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
         return {"object": "list", "data": [r.public() for r in builtin_records() + st.store.list()]}
 
     @app.post("/v1/audio/voices", response_model=VoiceObject, responses={**errors, 409: errors[400]},
-              openapi_extra=_VOICE_CREATE_DOC, tags=["voices"])
+              openapi_extra=_voice_create_doc(max_reference_seconds()), tags=["voices"])
     async def create_voice(request: Request, ident: str = Depends(identity)):
         """A named voice from a speaker seed or a ChatTTS speaker string (JSON), or from a reference
         recording plus its transcript (multipart: name, audio_sample, transcript)."""
