@@ -108,9 +108,17 @@ class VocoderGraphs:
                           key=lambda k: (k[0] * k[1], k), reverse=True):
             self._capture_one(*key)
         self.capture_s = time.perf_counter() - t0
-        logger.info("captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s", len(self.graphs),
+        logger.info("captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s%s", len(self.graphs),
                     self.row_buckets[0], self.row_buckets[-1], self.frame_buckets[0], self.frame_buckets[-1],
-                    self.capture_s)
+                    self.capture_s, self._pool_report())
+
+    def _pool_report(self) -> str:
+        if self.stage.device.type != "cuda" or self.pool is None:
+            return ""
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == self.pool]
+        if not segments:  # this torch's snapshot does not name pools
+            return ""
+        return f"; their memory pool holds {sum(s['total_size'] for s in segments) / 2**30:.2f} GiB"
 
     def _capture_one(self, b: int, n: int) -> None:
         """Capture bucket (b, n) into the shared pool (off CUDA: record it as 'run the body eagerly')."""
@@ -125,6 +133,9 @@ class VocoderGraphs:
             self.outputs[(b, n)] = self._body(b, n)
         if self.pool is None:
             self.pool = graph.pool()
+        # a graph's first launch uploads it (an H200 test saw 30 ms of host time for a 64-row call): pay it now
+        graph.replay()
+        torch.cuda.synchronize()
         self.graphs[(b, n)] = graph
 
     @torch.no_grad()

@@ -304,15 +304,9 @@ class ModelRunner:
         return md, async_h2d(torch.from_numpy(arr.positions), self.device)
 
     def _forward(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
-        ctx = PagedAttention(self.backend, self.kv.layers, md, self.scale)
-        ops = None if self.graphs is None else self.graphs.ops
-        if ops is not None and ops.compiled:
-            # the eager rows of a CUDA step (prefill, text) through the decode graphs' compiled ops: the same
-            # arithmetic in about a third of the kernel launches, which bound a mixed step's host time
-            from ttsserve.runner.cuda_graphs import fused_gpt_forward
-
-            return fused_gpt_forward(self.model.gpt, ops, x, positions, ctx)
-        return self.model.gpt(x, positions, ctx)
+        # Not the decode graphs' compiled fused ops: on an H200 the prefill rows' varying lengths made them
+        # recompile under load (the runner's share of a step rose from 3.8 to 6.2 ms, BENCHMARKS.md).
+        return self.model.gpt(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
 
     def _decode_eager(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray):
         arr = self.input_batch.step_arrays(rows, starts, np.ones_like(starts), steps)
