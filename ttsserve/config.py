@@ -72,6 +72,7 @@ class EngineConfig:
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).
     admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
+        Both None: 4 on CUDA (where a call or a prefill costs several decode steps of host time), 1 on the CPU.
     cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
         may use (ttsserve/runner/cpu_threads.py).
     """
@@ -99,8 +100,8 @@ class EngineConfig:
     first_chunk_frames: int = 8
     max_chunk_frames: int = 64
     lookahead_frames: int | None = None
-    vocoder_cadence: int = 1
-    admission_interval: int = 1
+    vocoder_cadence: int | None = None
+    admission_interval: int | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
     cpu_threads: int | None = None
@@ -126,8 +127,9 @@ class EngineConfig:
             (self.max_queue_len >= 1, "max_queue_len must be >= 1"),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.lookahead_frames is None or self.lookahead_frames >= 1, "lookahead_frames must be >= 1"),
-            (1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
-            (1 <= self.admission_interval <= 64, "admission_interval must be in [1, 64]"),
+            (self.vocoder_cadence is None or 1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
+            (self.admission_interval is None or 1 <= self.admission_interval <= 64,
+             "admission_interval must be in [1, 64]"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -135,3 +137,9 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit into one step's budget.
             self.max_num_batched_tokens = self.max_model_len
+
+    def step_intervals(self, device_type: str) -> tuple[int, int]:
+        """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in."""
+        auto = 4 if device_type == "cuda" else 1
+        cadence = self.vocoder_cadence or (1 if self.lookahead_frames is not None else auto)  # windowed: none
+        return cadence, self.admission_interval or auto

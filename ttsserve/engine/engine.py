@@ -91,18 +91,19 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=cfg.enforce_eager)
+        cadence, admission = cfg.step_intervals(self.model.device.type)
         self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, cfg.block_size, self.kv_spec.num_cpu_blocks,
                                          enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode,
-            admission_interval=cfg.admission_interval), self.kv_manager)
+            admission_interval=admission), self.kv_manager)
         from ttsserve.audio.incremental_stage import make_audio_stage
 
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
                                       first_chunk_frames=cfg.first_chunk_frames, max_chunk_frames=cfg.max_chunk_frames,
-                                      lookahead_frames=cfg.lookahead_frames, cadence=cfg.vocoder_cadence,
+                                      lookahead_frames=cfg.lookahead_frames, cadence=cadence,
                                       device=self.model.device,
                                       deferred=self.model.device.type == "cuda", net_dtype=self._vocoder_dtype())
         if self.model.device.type == "cuda":
