@@ -53,6 +53,10 @@ def test_chattts_extras_reach_the_engine(serve):
     with srv2.client() as c:
         c.post("/v1/audio/speech", json={**SPEECH, "max_new_tokens": 100})
         assert eng2.requests[-1].code_params.max_new_tokens == 16
+    srv3, eng3 = serve()  # a cap by default: one request cannot hold a stream for the model's whole context
+    with srv3.client() as c:
+        c.post("/v1/audio/speech", json={**SPEECH, "max_new_tokens": 100000})
+        assert eng3.requests[-1].code_params.max_new_tokens == 2048
 
 
 def test_engine_failures_give_real_statuses(serve):

@@ -66,7 +66,9 @@ class ServerConfig:
     """HTTP-side settings (the engine's are EngineConfig).
 
     max_in_flight: syntheses admitted at once (queued in the engine or streaming); more get 503.
-    max_new_tokens: server-wide cap on frames per text segment (None: the engine's default).
+    max_new_tokens: server-wide cap on frames per text segment; a request asking for more gets the cap (its
+        finish reason says `length`). 2048 frames = 43.7 s, the reference's default: without a cap one request
+        could hold a stream slot for the model's whole context.
     served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
     """
 
@@ -79,7 +81,7 @@ class ServerConfig:
     max_in_flight: int = 1024
     voices_db: str = ":memory:"
     served_model_names: tuple[str, ...] = ()
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = 2048
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
