@@ -88,7 +88,7 @@ _SERVER_FLAGS: list[tuple[str, str, object, object, str]] = [
     ("max_upload_bytes", "--max-upload-bytes", parse_size, 25 << 20, "voice uploads over this get 413"),
     ("voices_db", "--voices-db", str, None, "SQLite file of named voices "
                                             "(default: ~/.local/share/ttsserve/voices.db; ':memory:' = none)"),
-    ("max_new_tokens", "--max-new-tokens", int, None, "server-wide cap on frames per text segment"),
+    ("max_new_tokens", "--max-new-tokens", int, 2048, "server-wide cap on frames per text segment"),
     ("drain_timeout_s", "--drain-timeout", float, 30.0, "seconds to let streams finish on shutdown"),
     ("log_level", "--log-level", str, "info", "debug | info | warning | error"),
 ]
