@@ -1,10 +1,17 @@
 """Prometheus metrics of one server: request outcomes and latencies recorded by the handlers, engine gauges
 read from engine.stats() at scrape time. Each app has its own registry (several apps can live in a process).
+
+With PROMETHEUS_MULTIPROC_DIR set before prometheus_client is imported (`serve --api-server-count N` sets it
+for its API servers) every process writes its counters and histograms to files there, and a scrape of any
+API server renders all of them summed over processes (prometheus_client's multiprocess mode), plus the
+engine gauges once: the engine core is shared, so its stats are the same from every API server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -78,7 +85,9 @@ class ServerMetrics:
                              buckets=_RTF_BUCKETS, registry=r)
         self.aborted = Counter("ttsserve_requests_aborted", "Syntheses aborted because the client went away",
                                registry=r)
-        r.register(_EngineCollector(engine_stats))
+        self._engine = _EngineCollector(engine_stats)
+        r.register(self._engine)
+        self._multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -96,4 +105,11 @@ class ServerMetrics:
                 self.rtf.observe(total_s / audio_s)
 
     def render(self) -> bytes:
+        if self._multiproc_dir:  # every API server's files, summed; this process's own objects would repeat them
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, self._multiproc_dir)
+            registry.register(self._engine)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -278,7 +278,9 @@ class EngineCore:
         now = time.monotonic()
         for ident, b in list(self.batches.items()):
             stats = None
-            if b.stats_version != self._stats_version and now - b.stats_sent_at >= STATS_INTERVAL_S:
+            # Outputs carry the stats of their step (a finished request is gone from them); stats alone are
+            # sent when they changed, at most every STATS_INTERVAL_S.
+            if b.stats_version != self._stats_version and (b.outputs or now - b.stats_sent_at >= STATS_INTERVAL_S):
                 stats, b.stats_version, b.stats_sent_at = self._stats, self._stats_version, now
             if not (b.admitted or b.rejected or b.outputs or stats is not None):
                 continue
