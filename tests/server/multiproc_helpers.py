@@ -42,13 +42,15 @@ def start_core(address: str, **overrides) -> multiprocessing.Process:
     return proc
 
 
-def stop_process(proc: multiprocessing.Process, timeout_s: float = 30) -> None:
+def stop_process(proc: multiprocessing.Process, timeout_s: float = 30) -> int | None:
+    """SIGTERM (the core drains and exits 0), SIGKILL after timeout_s. Returns the exit code."""
     if proc.is_alive():
         proc.terminate()
         proc.join(timeout_s)
     if proc.is_alive():
         proc.kill()
         proc.join(5)
+    return proc.exitcode
 
 
 def free_port() -> int:

@@ -54,7 +54,7 @@ def core_address(tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('core')}/core.sock"
     proc = start_core(address, max_queue_len=2)
     yield address
-    stop_process(proc)
+    assert stop_process(proc, timeout_s=10) == 0  # SIGTERM: a clean, prompt exit
 
 
 def test_wire_format_round_trips():

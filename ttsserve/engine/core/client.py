@@ -161,7 +161,7 @@ class CoreClient:
                 self._post(Abort([rid]))
 
     def stats(self) -> dict:
-        """The core's engine stats (shared by all API servers; at most ~50 ms old), plus num_streams: this
+        """The core's engine stats (shared by all API servers; ~0.1 s old at most), plus num_streams: this
         server's requests in flight. Empty but for num_streams once the core is gone."""
         base = {} if self.dead else self._stats
         return dict(base, num_streams=len(self._streams))

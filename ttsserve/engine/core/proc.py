@@ -140,10 +140,8 @@ class EngineCore:
         self._flush()
         if leftover:
             logger.warning("engine core stopped with %d requests unfinished", len(leftover))
-        self.worker.shutdown(wait=False, cancel_futures=True)
-        self.sock.close(linger=1000)  # let the last messages leave
-        self.results.close(linger=0)
-        self.ctx.term()
+        self.worker.shutdown(wait=True, cancel_futures=True)  # a running encode finishes; its socket is idle
+        self.ctx.destroy(linger=1000)  # every socket, the worker's too; the last messages still leave
 
     # ---- receiving ---------------------------------------------------------------------------------
     def _receive(self, timeout_ms: int) -> None:
