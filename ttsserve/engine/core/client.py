@@ -143,10 +143,11 @@ class CoreClient:
         msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
         stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
         self._streams[rid] = stream
-        finished = False
+        admitted = finished = False
         try:
             self._post(AddRequest(rid, msgspec.Raw(encoder.encode(msg))))
             await stream.admitted
+            admitted = True
             while True:
                 out: AudioOutput = await stream.queue.get()
                 finished = out.finished
@@ -155,9 +156,10 @@ class CoreClient:
                     return
         finally:
             self._streams.pop(rid, None)
-            if not stream.admitted.done():
+            pending = not stream.admitted.done()  # the core may still admit it: abort it all the same
+            if pending:
                 stream.admitted.cancel()
-            if not finished and not self.dead:  # the consumer went away: free the request's blocks in the core
+            if (admitted or pending) and not finished and not self.dead:  # the consumer went away: free its blocks
                 self._post(Abort([rid]))
 
     def stats(self) -> dict:

@@ -185,7 +185,8 @@ class CoreOutputs(msgspec.Struct, tag="outputs", frozen=True):
     admitted: list[str] = []
     rejected: list[Rejection] = []
     outputs: list[RequestOutput] = []
-    stats: dict[str, Any] | None = None  # the engine's stats, when they changed (or as a keep-alive)
+    # the engine's stats when they changed (the core sends them pre-encoded, as a msgspec.Raw of this dict)
+    stats: dict[str, Any] | None = None
 
 
 class UtilityReply(msgspec.Struct, tag="reply", frozen=True):

@@ -97,6 +97,7 @@ class EngineCore:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="ttsserve-utility")
         self._worker_sockets = threading.local()
         self._stats: dict[str, Any] = engine.stats()
+        self._stats_raw = msgspec.Raw(encoder.encode(self._stats))  # encoded once per step, sent to every server
         self._stats_version = 0
         self._stop_deadline: float | None = None
         model = engine.model
@@ -119,17 +120,20 @@ class EngineCore:
     def run(self) -> None:
         try:
             while True:
-                busy = self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()
+                busy = self._busy()
                 if self._stop_deadline is not None and (not busy or time.monotonic() > self._stop_deadline):
                     break
                 self._receive(0 if busy else IDLE_POLL_MS)
                 self._flush()  # admissions and rejections leave before the step
-                # Aborted requests are released by the scheduler's next step, so step while any remain.
-                if self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests():
+                if self._busy():
                     self._step()
                 self._flush()
         finally:
             self._close()
+
+    def _busy(self) -> bool:
+        # Aborted requests are released by the scheduler's next step, so step while any remain.
+        return self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()
 
     def _close(self) -> None:
         leftover = list(self.owner)
@@ -257,6 +261,7 @@ class EngineCore:
             logger.exception("engine step failed")
             outputs = self._fail_all(self.engine, f"internal error: {type(e).__name__}: {e}")
         self._stats = self.engine.stats()
+        self._stats_raw = msgspec.Raw(encoder.encode(self._stats))
         self._stats_version += 1
         for out in outputs:
             ident = self.owner.get(out.request_id)
@@ -279,7 +284,7 @@ class EngineCore:
             # Outputs carry the stats of their step (a finished request is gone from them); stats alone are
             # sent when they changed, at most every STATS_INTERVAL_S.
             if b.stats_version != self._stats_version and (b.outputs or now - b.stats_sent_at >= STATS_INTERVAL_S):
-                stats, b.stats_version, b.stats_sent_at = self._stats, self._stats_version, now
+                stats, b.stats_version, b.stats_sent_at = self._stats_raw, self._stats_version, now
             if not (b.admitted or b.rejected or b.outputs or stats is not None):
                 continue
             msg = CoreOutputs(b.admitted, b.rejected, b.outputs, stats)
