@@ -9,9 +9,8 @@ engine gauges once: the engine core is shared, so its stats are the same from ev
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import os
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
+# prometheus_client picks file-backed values when it is imported with this set; render the same way.
+_MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -87,7 +88,6 @@ class ServerMetrics:
                                registry=r)
         self._engine = _EngineCollector(engine_stats)
         r.register(self._engine)
-        self._multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -105,11 +105,11 @@ class ServerMetrics:
                 self.rtf.observe(total_s / audio_s)
 
     def render(self) -> bytes:
-        if self._multiproc_dir:  # every API server's files, summed; this process's own objects would repeat them
+        if _MULTIPROC_DIR:  # every API server's files, summed; this process's own objects would repeat them
             from prometheus_client.multiprocess import MultiProcessCollector
 
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, self._multiproc_dir)
+            MultiProcessCollector(registry, _MULTIPROC_DIR)
             registry.register(self._engine)
             return generate_latest(registry)
         return generate_latest(self.registry)
