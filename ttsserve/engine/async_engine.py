@@ -20,16 +20,13 @@ import numpy as np
 
 from ttsserve.config import EngineConfig
 from ttsserve.engine.engine import Engine
+from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "AudioOutput", "EngineOverloadedError"]
-
-
-class EngineOverloadedError(RuntimeError):
-    """The request queue is full (max_queue_len); retry later."""
+__all__ = ["AsyncEngine", "AudioOutput", "EngineOverloadedError", "fail_all"]
 
 
 class AsyncEngine:
@@ -180,8 +177,13 @@ class AsyncEngine:
             self.engine.abort(out.request_id)
 
     def _fail_all(self, message: str) -> list[AudioOutput]:
-        outputs = []
-        for rid in list(self.engine.syntheses):
-            self.engine.abort(rid)
-            outputs.append(AudioOutput(rid, np.zeros(0, np.float32), True, finish_reason="error", error=message))
-        return outputs
+        return fail_all(self.engine, message)
+
+
+def fail_all(engine: Engine, message: str) -> list[AudioOutput]:
+    """Abort every synthesis of `engine` (after a failed step) -> one final error output each."""
+    outputs = []
+    for rid in list(engine.syntheses):
+        engine.abort(rid)
+        outputs.append(AudioOutput(rid, np.zeros(0, np.float32), True, finish_reason="error", error=message))
+    return outputs

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI-compatible speech, the simple /synthesize API, voices, models and operations.
 
 `create_app(engine, cfg)` serves any object with the AsyncEngine contract (generate / stats / ready /
-random_speaker / parse_speaker / encode_reference_audio / memory_report / start / shutdown). The app starts
-the engine in its lifespan and drains it on shutdown.
+random_speaker / parse_speaker / encode_reference_audio / memory_report / start / shutdown; optionally
+`dead`, True once the engine is gone for good, which turns /health into a 503). The app starts the engine
+in its lifespan and drains it on shutdown.
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ class ServerConfig:
 class ServerState:
     """Everything the handlers share; one per app."""
 
-    def __init__(self, engine, cfg: ServerConfig) -> None:
+    def __init__(self, engine, cfg: ServerConfig, rate_limiter=None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.api_keys)
-        self.rate = RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
+        self.rate = rate_limiter or RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
         self.gate = AdmissionGate(cfg.max_in_flight)
         self.metrics = ServerMetrics(engine.stats)
         self.store = VoiceStore(cfg.voices_db)
@@ -274,10 +275,14 @@ def _drop_422_from_openapi(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving `engine` (an AsyncEngine or anything with its contract)."""
+def create_app(engine, cfg: ServerConfig | None = None, *, rate_limiter=None) -> FastAPI:
+    """The ASGI app serving `engine` (an AsyncEngine or anything with its contract).
+
+    rate_limiter: anything with RateLimiter's `check(identity, num_chars)` (default: a RateLimiter of this
+    process from cfg's limits); API servers of one engine core share one (server/shared_limits.py).
+    """
     cfg = cfg or ServerConfig()
-    st = ServerState(engine, cfg)
+    st = ServerState(engine, cfg, rate_limiter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -330,8 +335,10 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
 
     register_voice_routes(app, st, identity, _ERRORS)
 
-    @app.get("/health", tags=["ops"])
+    @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health():
+        if getattr(engine, "dead", False):  # a separate engine process exited: this server cannot recover
+            raise ApiError(503, "the engine is gone", code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/ready", tags=["ops"], responses={503: {"model": ErrorResponse}})

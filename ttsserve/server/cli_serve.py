@@ -124,6 +124,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from ttsserve.deploy.data_parallel import add_data_parallel_args
 
     add_data_parallel_args(p)
+    from ttsserve.server.multiproc import add_api_server_args
+
+    add_api_server_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -215,9 +218,14 @@ def run_serve(args: argparse.Namespace) -> int:
         from ttsserve.attention.torch_ref import compile_level
 
         compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
+        from ttsserve.server.multiproc import api_server_count, run_api_servers
+
+        api_servers = api_server_count(args)
     except ValueError as e:
         print(f"ttsserve serve: error: {e}", file=sys.stderr)
         return 2
+    if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (server/multiproc.py)
+        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers)
     import uvicorn
 
     from ttsserve.engine.async_engine import AsyncEngine
@@ -239,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ttsserve serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(parser)
+    from ttsserve.server.multiproc import add_api_server_args
+
+    add_api_server_args(parser)
     return run_serve(parser.parse_args(argv))
 
 

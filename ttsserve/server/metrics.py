@@ -1,9 +1,15 @@
 """Prometheus metrics of one server: request outcomes and latencies recorded by the handlers, engine gauges
 read from engine.stats() at scrape time. Each app has its own registry (several apps can live in a process).
+
+With PROMETHEUS_MULTIPROC_DIR set before prometheus_client is imported (`serve --api-server-count N` sets it
+for its API servers) every process writes its counters and histograms to files there, and a scrape of any
+API server renders all of them summed over processes (prometheus_client's multiprocess mode), plus the
+engine gauges once: the engine core is shared, so its stats are the same from every API server.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -17,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
+# prometheus_client picks file-backed values when it is imported with this set; render the same way.
+_MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -78,7 +86,8 @@ class ServerMetrics:
                              buckets=_RTF_BUCKETS, registry=r)
         self.aborted = Counter("ttsserve_requests_aborted", "Syntheses aborted because the client went away",
                                registry=r)
-        r.register(_EngineCollector(engine_stats))
+        self._engine = _EngineCollector(engine_stats)
+        r.register(self._engine)
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -96,4 +105,11 @@ class ServerMetrics:
                 self.rtf.observe(total_s / audio_s)
 
     def render(self) -> bytes:
+        if _MULTIPROC_DIR:  # every API server's files, summed; this process's own objects would repeat them
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, _MULTIPROC_DIR)
+            registry.register(self._engine)
+            return generate_latest(registry)
         return generate_latest(self.registry)

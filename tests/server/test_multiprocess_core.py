@@ -1,0 +1,208 @@
+"""The engine core in its own process and CoreClients talking to it over ZMQ (no HTTP): the wire format,
+errors crossing the boundary with their messages, the global queue bound, aborts freeing KV blocks, API
+servers that vanish or restart, and a core that dies under its clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from tests.server.multiproc_helpers import start_core, stop_process
+from ttsserve.engine.core.client import CoreClient
+from ttsserve.engine.core.messages import ErrorInfo, RequestOutput, SynthesisMsg, decode_synthesis, encoder
+from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.params import SamplingParams, SynthesisRequest, Voice
+
+LONG = SamplingParams(seed=1, min_new_tokens=3000, max_new_tokens=3000)  # runs until aborted
+
+
+def _req(text: str = "Hello there.", seed: int = 3, rid: str | None = None, params: SamplingParams | None = None):
+    return SynthesisRequest(text, code_params=params or SamplingParams(seed=seed, max_new_tokens=24), request_id=rid)
+
+
+async def _collect(client: CoreClient, req: SynthesisRequest) -> tuple[np.ndarray, AudioOutput]:
+    chunks, final = [], None
+    async for out in client.generate(req):
+        chunks.append(out.samples)
+        final = out
+    return np.concatenate(chunks), final
+
+
+async def _until(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await pred():
+            return True
+        await asyncio.sleep(0.02)
+    return await pred()
+
+
+async def _idle(client: CoreClient) -> bool:
+    stats = await client.call("stats")
+    return stats["num_syntheses"] == 0 and stats["num_running"] == 0 and stats["kv_cache_usage"] == 0
+
+
+@pytest.fixture(scope="module")
+def core_address(tmp_path_factory):
+    address = f"ipc://{tmp_path_factory.mktemp('core')}/core.sock"
+    proc = start_core(address, max_queue_len=2)
+    yield address
+    assert stop_process(proc, timeout_s=10) == 0  # SIGTERM: a clean, prompt exit
+
+
+def test_wire_format_round_trips():
+    voice = Voice(spk_emb=np.arange(8, dtype=np.float16), spk_smp=np.arange(12, dtype=np.int32).reshape(4, 3),
+                  txt_smp="the transcript", name="v")
+    req = SynthesisRequest("text", voice, SamplingParams(temperature=(0.1, 0.2, 0.3, 0.4), seed=5), refine_text=True,
+                           refine_prompt="[oral_2]", code_prompt="[speed_3]", normalize=False, request_id="r")
+    back = decode_synthesis(encoder.encode(SynthesisMsg.of(req)))
+    assert back.voice.spk_emb.dtype == np.float16 and np.array_equal(back.voice.spk_emb, voice.spk_emb)
+    assert back.voice.spk_smp.shape == (4, 3) and np.array_equal(back.voice.spk_smp, voice.spk_smp)
+    assert back.voice.key == voice.key  # the prefix cache sees the same voice
+    assert back == SynthesisRequest(back.text, back.voice, *[getattr(req, f) for f in (
+        "code_params", "refine_text", "refine_params", "refine_prompt", "code_prompt", "normalize", "split",
+        "raw_text", "request_id")])
+    bad = msgspec.structs.replace(SynthesisMsg.of(req), code_params={"temperature": -1.0})
+    with pytest.raises(ValueError, match="temperature must be > 0"):  # the dataclass checks run in the core
+        decode_synthesis(encoder.encode(bad))
+    out = AudioOutput("r", np.linspace(-1, 1, 7, dtype=np.float32), True, 3, "length", [1], None, ["#"])
+    again = RequestOutput.of(out).output()
+    assert np.array_equal(again.samples, out.samples) and again.truncated_segments == [1] and again.dropped_chars == ["#"]
+    assert isinstance(ErrorInfo.of(ValueError("v")).exception(), ValueError)
+    assert isinstance(ErrorInfo.of(EngineOverloadedError("o")).exception(), EngineOverloadedError)
+    assert str(ErrorInfo.of(KeyError("k")).exception()) == "KeyError: 'k'"
+
+
+def test_generate_errors_and_utilities_cross_the_boundary(core_address):
+    from tests.server.conftest import make_real_engine
+
+    async def main():
+        client = CoreClient(core_address, 0)
+        await client.start()
+        assert client.ready and client.sample_rate == 24000 and "KV cache:" in client.memory_report()
+        audio, final = await _collect(client, _req(rid="same"))
+        assert final.finished and final.finish_reason == "length" and final.request_id == "same"
+        with pytest.raises(ValueError, match="nothing speakable"):
+            await _collect(client, _req("!!!"))
+        assert np.array_equal(client.random_speaker(7), await client.call("random_speaker", 7))
+        with pytest.raises(ValueError):
+            client.parse_speaker("not a speaker")
+        with pytest.raises(ValueError):
+            await client.call("parse_speaker", "not a speaker")
+        with pytest.raises(ValueError, match="unknown utility"):
+            await client.call("no_such_method")
+        wav = (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32)
+        codes = await asyncio.to_thread(client.encode_reference_audio, wav, 24000)  # a worker thread, as the app
+        assert codes.dtype == np.int32 and codes.shape[0] == 4 and codes.shape[1] > 0
+        with pytest.raises(RuntimeError, match="worker thread"):
+            client.encode_reference_audio(wav, 24000)
+        await client.shutdown(1)
+        return audio, codes
+
+    audio, codes = asyncio.run(main())
+    local = make_real_engine()
+
+    async def single_process():
+        await local.start()
+        out, _ = await _collect(local, _req(rid="same"))
+        await local.shutdown(1)
+        return out
+
+    assert np.array_equal(audio, asyncio.run(single_process()))  # the same engine, the same bits
+    assert np.array_equal(codes, local.encode_reference_audio(
+        (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32), 24000))
+
+
+def test_two_clients_share_one_core_and_its_queue_bound(core_address):
+    async def main():
+        a, b = CoreClient(core_address, 1), CoreClient(core_address, 2)
+        await a.start()
+        await b.start()
+        solo = await _collect(a, _req(seed=11))
+        # the same X-Request-ID reaching two API servers is two requests, not a clash
+        together = await asyncio.gather(_collect(a, _req(seed=11, rid="x")), _collect(b, _req(seed=12, rid="x")))
+        # batched float math may move a sample by ~1e-7 (tests/server/helpers.py: SAME_AUDIO_LSB)
+        assert np.abs(together[0][0] - solo[0]).max() < 1e-4 and not np.allclose(together[1][0], solo[0], atol=1e-2)
+        # max_queue_len=2 holds across API servers: two long requests through `a` fill the core
+        long_a = [a.generate(_req(rid=f"long{i}", params=LONG)) for i in range(2)]
+        for gen in long_a:
+            await anext(gen)
+        with pytest.raises(EngineOverloadedError, match="too many requests"):
+            await anext(b.generate(_req()))
+        for gen in long_a:
+            await gen.aclose()  # the consumer goes away: the core aborts and frees the blocks
+        assert await _until(lambda: _idle(b))
+        assert (await _collect(b, _req()))[1].finished
+        await a.shutdown(1)
+        await b.shutdown(1)
+
+    asyncio.run(main())
+
+
+def test_vanished_or_restarted_api_server_loses_its_requests(core_address):
+    async def main():
+        gone = CoreClient(core_address, 3)
+        await gone.start()
+        await anext(gone.generate(_req(params=LONG)))
+        await _crash(gone)  # no abort ever comes; the core's next send finds nobody
+        watcher = CoreClient(core_address, 4)
+        await watcher.start()
+        assert await _until(lambda: _idle(watcher))
+        first = CoreClient(core_address, 5)
+        await first.start()
+        await anext(first.generate(_req(params=LONG)))
+        first._tasks[0].cancel()  # a hung process: its connection stays up, so only a new Hello can tell
+        restarted = CoreClient(core_address, 5)
+        await restarted.start()  # the same identity takes over and says Hello: the old requests are aborted
+        assert await _until(lambda: _idle(watcher))
+        await _crash(first)
+        await watcher.shutdown(1)
+        await restarted.shutdown(1)
+
+    asyncio.run(main())
+
+
+def test_core_death_fails_in_flight_requests(tmp_path):
+    proc = start_core(f"ipc://{tmp_path}/core.sock")
+
+    async def main():
+        client = CoreClient(f"ipc://{tmp_path}/core.sock", 0)
+        await client.start()
+        gen = client.generate(_req(params=LONG))
+        await anext(gen)
+        os.kill(proc.pid, signal.SIGKILL)
+        final = await asyncio.wait_for(_last(gen), 10)
+        assert final.finished and final.finish_reason == "error" and "engine core" in final.error
+        assert client.dead and not client.ready and client.stats() == {"num_streams": 0}
+        with pytest.raises(EngineOverloadedError, match="engine core"):
+            await anext(client.generate(_req()))
+        with pytest.raises(RuntimeError, match="engine core"):
+            await client.call("stats")
+        await asyncio.wait_for(client.shutdown(5), 5)  # nothing waits on a dead core
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop_process(proc)
+
+
+async def _crash(client: CoreClient) -> None:
+    """What a killed API-server process leaves behind: a closed connection and nothing else."""
+    for t in client._tasks:
+        t.cancel()
+    await asyncio.gather(*client._tasks, return_exceptions=True)
+    client._ctx.destroy(linger=0)
+
+
+async def _last(gen):
+    out = None
+    async for out in gen:
+        pass
+    return out

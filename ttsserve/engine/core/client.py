@@ -1,0 +1,282 @@
+"""CoreClient: the AsyncEngine contract inside an API-server process, served by an engine core over ZMQ.
+
+One DEALER socket (identity `api-<index>`) to the core's ROUTER, used only from the event loop's thread;
+a receive task routes the core's batched outputs to one asyncio.Queue per request. A socket monitor
+watches the connection: when the core process dies, every in-flight request ends with an error output
+(or EngineOverloadedError if it was not admitted yet), pending utility calls fail, `ready` turns False and
+`dead` True. Nothing waits on a dead core.
+
+random_speaker / parse_speaker run here, from the speaker statistics the core sends in its CoreInfo: the
+app calls them synchronously on the event loop, where a round trip would wait behind an engine step. They
+give the same vectors as the core's utility calls of the same names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ttsserve.engine.core.messages import (
+    Abort,
+    AddRequest,
+    ArrayMsg,
+    CoreInfo,
+    CoreOutputs,
+    Hello,
+    SynthesisMsg,
+    UtilityCall,
+    UtilityReply,
+    core_decoder,
+    encoder,
+)
+from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.params import SynthesisRequest
+
+logger = logging.getLogger("ttsserve.core_client")
+
+HANDSHAKE_TIMEOUT_S = 60.0
+UTILITY_TIMEOUT_S = 300.0  # the DVAE encoder on a minute of reference audio, on a busy CPU
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue  # AudioOutput, in order
+    admitted: asyncio.Future  # None once the core admitted the request; the core's error if it refused
+    public_id: str | None  # the request_id the caller gave (outputs carry it back)
+
+
+class CoreClient:
+    """The engine as seen from one API server. `index` must be unique among the core's API servers."""
+
+    sample_rate = 24000
+    model_name = "chattts"
+
+    def __init__(self, address: str, index: int = 0) -> None:
+        self.address = address
+        self.index = index
+        self.dead = False  # the core process is gone (for good: nothing reconnects)
+        self.dead_reason: str | None = None
+        self._info: CoreInfo | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._stats: dict = {}
+        self._accepting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._hello: asyncio.Future | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect and handshake. RuntimeError if the core does not answer within HANDSHAKE_TIMEOUT_S."""
+        if self._sock is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        sock = self._sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"api-{self.index}".encode())
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core's queue is the bound
+        sock.setsockopt(zmq.RCVHWM, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        self._hello = self._loop.create_future()
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="core-client-recv"),
+                       asyncio.create_task(self._watch(monitor), name="core-client-watch")]
+        self._post(Hello(self.index, os.getpid()))
+        try:
+            info: CoreInfo = await asyncio.wait_for(self._hello, HANDSHAKE_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"the engine core at {self.address} did not answer in {HANDSHAKE_TIMEOUT_S:.0f} s") from None
+        self.sample_rate, self.model_name = info.sample_rate, info.model_name
+        self._stats = dict(info.stats)
+        self._info = info
+        self._accepting = True
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admitting, let this server's in-flight requests finish (up to the timeout), abort the rest,
+        close the connection. The core keeps running for the other API servers."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and not self.dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams and not self.dead:
+            self._post(Abort(list(self._streams)))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=500)  # the abort above still leaves
+        self._sock = None
+
+    @property
+    def ready(self) -> bool:
+        return self._info is not None and self._accepting and not self.dead
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
+        """Stream the audio of `req`. ValueError (bad input, with the core's message) and EngineOverloadedError
+        are raised before the first output; a core that dies mid-stream ends it with an error output."""
+        if not self.ready:
+            raise EngineOverloadedError(self.dead_reason or "the engine is not accepting requests "
+                                        "(starting or shutting down)")
+        if len(self._streams) >= self._info.max_queue_len:
+            raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)})")
+        # Ids are namespaced by API server: two servers may well be handed the same X-Request-ID.
+        rid = f"{req.request_id}@api{self.index}" if req.request_id else f"api{self.index}-{next(self._request_ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
+        stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
+        self._streams[rid] = stream
+        admitted = finished = False
+        try:
+            self._post(AddRequest(rid, msgspec.Raw(encoder.encode(msg))))
+            await stream.admitted
+            admitted = True
+            while True:
+                out: AudioOutput = await stream.queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            pending = not stream.admitted.done()  # the core may still admit it: abort it all the same
+            if pending:
+                stream.admitted.cancel()
+            if (admitted or pending) and not finished and not self.dead:  # the consumer went away: free its blocks
+                self._post(Abort([rid]))
+
+    def stats(self) -> dict:
+        """The core's engine stats (shared by all API servers; ~0.1 s old at most), plus num_streams: this
+        server's requests in flight. Empty but for num_streams once the core is gone."""
+        base = {} if self.dead else self._stats
+        return dict(base, num_streams=len(self._streams))
+
+    def memory_report(self) -> str:
+        return self._info.memory_report if self._info is not None else "engine core not connected"
+
+    # ---- voices ------------------------------------------------------------------------------------
+    def random_speaker(self, seed: int) -> np.ndarray:
+        from ttsserve.text.speaker import sample_random_speaker
+
+        info = self._connected_info()
+        return sample_random_speaker(info.spk_std.array(), info.spk_mean.array(), seed)
+
+    def parse_speaker(self, s: str) -> np.ndarray:
+        from ttsserve.text.speaker import decode_speaker
+
+        return decode_speaker(s, dim=self._connected_info().hidden_size)
+
+    def encode_reference_audio(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
+        """A reference recording -> int32 [num_vq, P] audio-code prompt, computed by the core. Blocking: call
+        it from a worker thread (the app does, with asyncio.to_thread). ValueError for unusable audio."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("the core client is not started")
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            raise RuntimeError("encode_reference_audio blocks; call it from a worker thread")
+        coro = self.call("encode_reference_audio", ArrayMsg.of(np.asarray(wav, np.float32)), int(sample_rate))
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(UTILITY_TIMEOUT_S + 5)
+
+    async def call(self, method: str, *args, timeout_s: float = UTILITY_TIMEOUT_S):
+        """Run a utility method in the core (stats, memory_report, random_speaker, parse_speaker,
+        encode_reference_audio). Arrays come back as numpy arrays; errors keep their kind and message."""
+        if self._sock is None or self.dead:
+            raise RuntimeError(self.dead_reason or "the core client is not started")
+        call_id = next(self._call_ids)
+        fut = self._calls[call_id] = self._loop.create_future()
+        self._post(UtilityCall(call_id, method, list(args)))
+        try:
+            reply: UtilityReply = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+        if reply.error is not None:
+            raise reply.error.exception()
+        return reply.result.array() if isinstance(reply.result, ArrayMsg) else reply.result
+
+    # ---- the connection ----------------------------------------------------------------------------
+    def _connected_info(self) -> CoreInfo:
+        if self._info is None:
+            raise RuntimeError("the core client is not started")
+        return self._info
+
+    def _post(self, msg) -> None:
+        # No high-water mark: the send completes at once, so callers (finally blocks included) never await.
+        if self._sock is not None and not self._sock.closed:
+            self._sock.send(encoder.encode(msg))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                msg = core_decoder.decode(frame)
+            except msgspec.DecodeError as e:
+                logger.error("dropped an undecodable message from the engine core: %s", e)
+                continue
+            if isinstance(msg, CoreOutputs):
+                self._on_outputs(msg)
+            elif isinstance(msg, UtilityReply):
+                fut = self._calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, CoreInfo) and self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg)
+
+    def _on_outputs(self, msg: CoreOutputs) -> None:
+        if msg.stats is not None:
+            self._stats = msg.stats
+        for rid in msg.admitted:
+            s = self._streams.get(rid)
+            if s is not None and not s.admitted.done():
+                s.admitted.set_result(None)
+        for rej in msg.rejected:
+            s = self._streams.get(rej.request_id)
+            if s is not None and not s.admitted.done():
+                s.admitted.set_exception(rej.error.exception())
+        for o in msg.outputs:
+            s = self._streams.get(o.request_id)
+            if s is not None:  # None: this server aborted it already
+                s.queue.put_nowait(o.output(s.public_id))
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._core_gone("the engine core process is gone")
+                    return
+        finally:
+            monitor.close(linger=0)
+
+    def _core_gone(self, reason: str) -> None:
+        self.dead, self.dead_reason = True, reason
+        logger.error("%s: failing %d in-flight requests", reason, len(self._streams))
+        for rid, s in self._streams.items():
+            if not s.admitted.done():
+                s.admitted.set_exception(EngineOverloadedError(reason))
+            else:
+                s.queue.put_nowait(AudioOutput(s.public_id or rid, np.zeros(0, np.float32), True,
+                                               finish_reason="error", error=reason))
+        for fut in [*self._calls.values(), self._hello]:
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(reason))

@@ -1,0 +1,211 @@
+"""The wire protocol between API servers and the engine core: typed msgspec Structs, msgpack-encoded.
+
+API server -> core (one DEALER per API server, identity `api-<index>`, to the core's ROUTER):
+    Hello         first message of a client: the core forgets requests of an earlier incarnation, replies CoreInfo
+    AddRequest    one synthesis; answered in the next CoreOutputs (admitted or rejected)
+    Abort         request ids whose consumer went away
+    UtilityCall   stats / memory_report / random_speaker / parse_speaker / encode_reference_audio; UtilityReply
+
+core -> API server:
+    CoreInfo      reply to Hello: what the client serves from memory (sample rate, memory report, speaker stats)
+    CoreOutputs   per engine step, one message per API server: admissions, rejections, audio, the latest stats
+    UtilityReply  result or error of one UtilityCall
+
+Arrays travel as raw little-endian bytes with dtype and shape (ArrayMsg), never as lists. Errors travel as
+(kind, message): kind "value" is re-raised as ValueError, "overloaded" as EngineOverloadedError, anything
+else as RuntimeError, so a bad input still becomes the server's 400 with the core's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.params import SamplingParams, SynthesisRequest, Voice
+
+ErrorKind = Literal["value", "overloaded", "runtime"]
+
+
+class ArrayMsg(msgspec.Struct, array_like=True, frozen=True):
+    """A numpy array: dtype string (e.g. '<f2'), shape, the C-order bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, a) -> ArrayMsg:
+        a = np.ascontiguousarray(a)
+        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        return cls(a.dtype.str, tuple(int(n) for n in a.shape), a.tobytes())
+
+    def array(self) -> np.ndarray:
+        """A writable copy (these arrays are small and end up in torch, which wants writable memory)."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape).copy()
+
+
+class ErrorInfo(msgspec.Struct, array_like=True, frozen=True):
+    kind: ErrorKind
+    message: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> ErrorInfo:
+        if isinstance(e, EngineOverloadedError):
+            return cls("overloaded", str(e))
+        if isinstance(e, ValueError):
+            return cls("value", str(e))
+        return cls("runtime", f"{type(e).__name__}: {e}")
+
+    def exception(self) -> Exception:
+        if self.kind == "value":
+            return ValueError(self.message)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message)
+        return RuntimeError(self.message)
+
+
+class VoiceMsg(msgspec.Struct, array_like=True, frozen=True):
+    spk_emb: ArrayMsg | None  # float16 [hidden]
+    spk_smp: ArrayMsg | None  # int32 [num_vq, P]
+    txt_smp: str | None
+    name: str
+
+
+class SynthesisMsg(msgspec.Struct, frozen=True):
+    """SynthesisRequest on the wire (the params are the frozen dataclasses; decoding re-runs their checks)."""
+
+    text: str
+    voice: VoiceMsg
+    code_params: SamplingParams
+    refine_text: bool
+    refine_params: SamplingParams
+    refine_prompt: str
+    code_prompt: str
+    normalize: bool
+    split: bool
+    raw_text: bool
+    request_id: str | None
+
+    @classmethod
+    def of(cls, req: SynthesisRequest) -> SynthesisMsg:
+        v = req.voice
+        voice = VoiceMsg(None if v.spk_emb is None else ArrayMsg.of(np.asarray(v.spk_emb)),
+                         None if v.spk_smp is None else ArrayMsg.of(np.asarray(v.spk_smp)), v.txt_smp, v.name)
+        return cls(req.text, voice, req.code_params, req.refine_text, req.refine_params, req.refine_prompt,
+                   req.code_prompt, req.normalize, req.split, req.raw_text, req.request_id)
+
+    def request(self) -> SynthesisRequest:
+        """ValueError for a request the engine's dataclasses reject."""
+        v = self.voice
+        voice = Voice(None if v.spk_emb is None else v.spk_emb.array(),
+                      None if v.spk_smp is None else v.spk_smp.array(), v.txt_smp, v.name)
+        return SynthesisRequest(self.text, voice, self.code_params, self.refine_text, self.refine_params,
+                                self.refine_prompt, self.code_prompt, self.normalize, self.split, self.raw_text,
+                                self.request_id)
+
+
+# ---- API server -> core ---------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    api_server_index: int
+    pid: int
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    """request_id: the core's key for the request (also request.request_id). `request` is an encoded
+    SynthesisMsg decoded by the core on its own, so a request that fails its checks is rejected by id."""
+
+    request_id: str
+    request: msgspec.Raw
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_ids: list[str]
+
+
+UtilityArg = int | float | str | ArrayMsg | None
+
+
+class UtilityCall(msgspec.Struct, tag="call", frozen=True):
+    call_id: int
+    method: str
+    args: list[UtilityArg]
+
+
+ClientMessage = Hello | AddRequest | Abort | UtilityCall
+
+
+# ---- core -> API server ---------------------------------------------------------------------------
+class CoreInfo(msgspec.Struct, tag="info", frozen=True):
+    pid: int
+    sample_rate: int
+    model_name: str
+    memory_report: str
+    hidden_size: int
+    spk_std: ArrayMsg  # float16 [hidden]: the model's speaker statistics, for random_speaker on the client
+    spk_mean: ArrayMsg
+    max_queue_len: int
+    stats: dict[str, Any]
+
+
+class Rejection(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    error: ErrorInfo
+
+
+class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
+    """AudioOutput on the wire; samples: float32 little-endian [n] at the core's sample rate."""
+
+    request_id: str
+    samples: bytes
+    finished: bool
+    num_frames: int
+    finish_reason: str | None
+    truncated_segments: list[int]
+    error: str | None
+    dropped_chars: list[str]
+
+    @classmethod
+    def of(cls, out: AudioOutput) -> RequestOutput:
+        samples = np.ascontiguousarray(out.samples, dtype="<f4")
+        return cls(out.request_id, samples.tobytes(), out.finished, out.num_frames, out.finish_reason,
+                   list(out.truncated_segments), out.error, list(out.dropped_chars))
+
+    def output(self, request_id: str | None = None) -> AudioOutput:
+        """samples: a read-only view of the message's bytes (no copy; the encoders only read them)."""
+        return AudioOutput(request_id or self.request_id, np.frombuffer(self.samples, dtype="<f4"), self.finished,
+                           self.num_frames, self.finish_reason, list(self.truncated_segments), self.error,
+                           list(self.dropped_chars))
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", frozen=True):
+    admitted: list[str] = []
+    rejected: list[Rejection] = []
+    outputs: list[RequestOutput] = []
+    # the engine's stats when they changed (the core sends them pre-encoded, as a msgspec.Raw of this dict)
+    stats: dict[str, Any] | None = None
+
+
+class UtilityReply(msgspec.Struct, tag="reply", frozen=True):
+    call_id: int
+    result: ArrayMsg | str | dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+
+
+CoreMessage = CoreInfo | CoreOutputs | UtilityReply
+
+encoder = msgspec.msgpack.Encoder()
+client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+core_decoder = msgspec.msgpack.Decoder(CoreMessage)
+synthesis_decoder = msgspec.msgpack.Decoder(SynthesisMsg)
+
+
+def decode_synthesis(raw: msgspec.Raw | bytes) -> SynthesisRequest:
+    """An AddRequest's payload -> SynthesisRequest; ValueError (with the reason) for anything malformed."""
+    try:
+        return synthesis_decoder.decode(raw).request()
+    except (msgspec.ValidationError, TypeError) as e:
+        raise ValueError(str(e)) from None

@@ -1,0 +1,338 @@
+"""The engine-core process: owns the Engine and its step loop; API servers reach it over one ZMQ ROUTER socket.
+
+One thread runs everything that touches the engine: receive (adds, aborts, utility calls), flush admissions,
+step, flush outputs. Each flush sends at most one CoreOutputs per API server, so a step's audio for 100
+streams of one API server is one message. The loop is guarded: a request that fails its checks is rejected
+by id (ValueError -> the server's 400), a failing step fails that step's requests and the loop keeps serving,
+a utility call that raises answers its caller with the error. Only the DVAE reference encoder (slow, rare)
+runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
+
+Sockets: ROUTER bound at the ipc address, ROUTER_MANDATORY (a send to an API server that is gone raises, and
+its requests are aborted), ROUTER_HANDOVER (a restarted API server reconnecting with its identity takes it
+over; its Hello aborts what its predecessor left) and no high-water mark (audio is never dropped; a stalled API server costs core
+memory, not other streams' progress).
+
+This module imports torch only inside run_engine_core / EngineCore, after the OpenMP environment is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from ttsserve.engine.core.messages import (
+    Abort,
+    AddRequest,
+    ArrayMsg,
+    CoreInfo,
+    CoreOutputs,
+    ErrorInfo,
+    Hello,
+    Rejection,
+    RequestOutput,
+    UtilityCall,
+    UtilityReply,
+    client_decoder,
+    decode_synthesis,
+    encoder,
+)
+from ttsserve.engine.errors import EngineOverloadedError
+
+logger = logging.getLogger("ttsserve.core")
+
+IDLE_POLL_MS = 50  # how long an idle loop sleeps in poll(); new messages wake it at once
+STATS_INTERVAL_S = 0.05  # changed stats reach each API server at most this often
+MAX_MESSAGES_PER_ITERATION = 4096  # a flood of messages cannot starve the running streams of steps
+_RESULTS_ADDRESS = "inproc://ttsserve-utility-results"
+
+
+@dataclass
+class _Batch:
+    """What one API server gets in the next CoreOutputs."""
+
+    admitted: list[str] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stats_version: int = -1  # the stats version it last received
+    stats_sent_at: float = 0.0
+
+
+class EngineCore:
+    """The step loop of one Engine, serving any number of API servers (see the module docstring)."""
+
+    def __init__(self, engine, address: str, drain_timeout_s: float = 30.0) -> None:
+        from ttsserve.engine.async_engine import AsyncEngine, fail_all
+
+        self.engine = engine
+        self.sample_rate = AsyncEngine.sample_rate
+        self._fail_all = fail_all
+        self.drain_timeout_s = drain_timeout_s
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted API server takes its identity over at once
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(address)
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.bind(_RESULTS_ADDRESS)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.results, zmq.POLLIN)
+        self.owner: dict[str, bytes] = {}  # request id -> identity of the API server that added it
+        self.batches: dict[bytes, _Batch] = {}  # one per API server that said Hello
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="ttsserve-utility")
+        self._worker_sockets = threading.local()
+        self._stats: dict[str, Any] = engine.stats()
+        self._stats_raw = msgspec.Raw(encoder.encode(self._stats))  # encoded once per step, sent to every server
+        self._stats_version = 0
+        self._stop_deadline: float | None = None
+        model = engine.model
+        std, mean = model.spk_stat if model.spk_stat is not None else (
+            np.ones(model.hidden_size, np.float16), np.zeros(model.hidden_size, np.float16))
+        self._spk_std, self._spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
+        self._methods: dict[str, Callable[..., Any]] = {
+            "stats": lambda: self._stats, "memory_report": engine.memory_report,
+            "random_speaker": self._random_speaker, "parse_speaker": self._parse_speaker,
+            "encode_reference_audio": self._encode_reference_audio,
+        }
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop admitting; the loop ends once in-flight requests finish or the drain timeout passes.
+        Safe to call from a signal handler."""
+        if self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + self.drain_timeout_s
+
+    def run(self) -> None:
+        try:
+            while True:
+                busy = self._busy()
+                if self._stop_deadline is not None and (not busy or time.monotonic() > self._stop_deadline):
+                    break
+                self._receive(0 if busy else IDLE_POLL_MS)
+                self._flush()  # admissions and rejections leave before the step
+                if self._busy():
+                    self._step()
+                self._flush()
+        finally:
+            self._close()
+
+    def _busy(self) -> bool:
+        # Aborted requests are released by the scheduler's next step, so step while any remain.
+        return self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()
+
+    def _close(self) -> None:
+        leftover = list(self.owner)
+        for rid in leftover:  # the drain timeout passed: tell their API servers instead of going silent
+            self.engine.abort(rid)
+            self._batch(self.owner.pop(rid)).outputs.append(RequestOutput(
+                rid, b"", True, 0, "error", [], "the engine core shut down", []))
+        self._flush()
+        if leftover:
+            logger.warning("engine core stopped with %d requests unfinished", len(leftover))
+        self.worker.shutdown(wait=True, cancel_futures=True)  # a running encode finishes; its socket is idle
+        self.ctx.destroy(linger=1000)  # every socket, the worker's too; the last messages still leave
+
+    # ---- receiving ---------------------------------------------------------------------------------
+    def _receive(self, timeout_ms: int) -> None:
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.results in ready:
+            while self.results.poll(0):
+                ident, payload = self.results.recv_multipart()
+                self._send(ident, payload)
+        if self.sock not in ready:
+            return
+        for _ in range(MAX_MESSAGES_PER_ITERATION):
+            try:
+                ident, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(ident, payload)
+
+    def _handle(self, ident: bytes, payload: bytes) -> None:
+        try:
+            msg = client_decoder.decode(payload)
+        except msgspec.DecodeError as e:  # not from our client: nobody to answer
+            logger.error("dropped an undecodable message from %r: %s", ident, e)
+            return
+        if isinstance(msg, AddRequest):
+            self._add(ident, msg)
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                if self.owner.get(rid) == ident:
+                    self.engine.abort(rid)
+                    del self.owner[rid]
+        elif isinstance(msg, UtilityCall):
+            self._utility(ident, msg)
+        elif isinstance(msg, Hello):
+            self._hello(ident, msg)
+
+    def _hello(self, ident: bytes, msg: Hello) -> None:
+        self._abort_owned_by(ident)  # requests of an earlier process with this identity have no reader
+        self.batches[ident] = _Batch(stats_version=self._stats_version, stats_sent_at=time.monotonic())
+        logger.info("API server %d (pid %d) connected", msg.api_server_index, msg.pid)
+        model = self.engine.model
+        info = CoreInfo(os.getpid(), self.sample_rate, "chattts", self.engine.memory_report(), model.hidden_size,
+                        ArrayMsg.of(self._spk_std), ArrayMsg.of(self._spk_mean), self.engine.cfg.max_queue_len,
+                        self._stats)
+        self._send(ident, encoder.encode(info))
+
+    def _add(self, ident: bytes, msg: AddRequest) -> None:
+        rid = msg.request_id
+        batch = self._batch(ident)
+        try:
+            if self._stop_deadline is not None:
+                raise EngineOverloadedError("the engine core is shutting down")
+            if len(self.engine.syntheses) >= self.engine.cfg.max_queue_len:
+                raise EngineOverloadedError(f"too many requests in flight ({len(self.engine.syntheses)})")
+            if rid in self.owner:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            req = dataclasses.replace(decode_synthesis(msg.request), request_id=rid)
+            self.engine.add_synthesis(req)
+        except (ValueError, EngineOverloadedError) as e:
+            batch.rejected.append(Rejection(rid, ErrorInfo.of(e)))
+            return
+        except Exception as e:  # a front-end bug must reject this request, not kill the loop
+            logger.exception("add_synthesis failed for %s", rid)
+            batch.rejected.append(Rejection(rid, ErrorInfo("runtime", f"internal error: {type(e).__name__}: {e}")))
+            return
+        self.owner[rid] = ident
+        batch.admitted.append(rid)
+
+    # ---- utility calls -----------------------------------------------------------------------------
+    def _utility(self, ident: bytes, call: UtilityCall) -> None:
+        if call.method == "encode_reference_audio":  # the DVAE encoder: long, keep the streams stepping
+            self.worker.submit(self._utility_in_worker, ident, call)
+        else:
+            self._send(ident, encoder.encode(self._call(call)))
+
+    def _call(self, call: UtilityCall) -> UtilityReply:
+        method = self._methods.get(call.method)
+        if method is None:
+            return UtilityReply(call.call_id, error=ErrorInfo("value", f"unknown utility method {call.method!r}"))
+        try:
+            return UtilityReply(call.call_id, result=method(*call.args))
+        except Exception as e:  # the caller gets the error (ValueError stays ValueError); the loop goes on
+            if not isinstance(e, ValueError):
+                logger.exception("utility call %s failed", call.method)
+            return UtilityReply(call.call_id, error=ErrorInfo.of(e))
+
+    def _utility_in_worker(self, ident: bytes, call: UtilityCall) -> None:
+        sock = getattr(self._worker_sockets, "sock", None)
+        if sock is None:  # sockets are per thread; this one only ever talks to the loop's PULL
+            sock = self._worker_sockets.sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(_RESULTS_ADDRESS)
+        sock.send_multipart([ident, encoder.encode(self._call(call))])
+
+    def _random_speaker(self, seed: int) -> ArrayMsg:
+        from ttsserve.text.speaker import sample_random_speaker
+
+        return ArrayMsg.of(sample_random_speaker(self._spk_std, self._spk_mean, int(seed)))
+
+    def _parse_speaker(self, s: str) -> ArrayMsg:
+        from ttsserve.text.speaker import decode_speaker
+
+        return ArrayMsg.of(decode_speaker(s, dim=self.engine.model.hidden_size))
+
+    def _encode_reference_audio(self, wav: ArrayMsg, sample_rate: int) -> ArrayMsg:
+        from ttsserve.engine.voice_encode import encode_reference
+
+        return ArrayMsg.of(encode_reference(self.engine.model, wav.array(), int(sample_rate)))
+
+    # ---- stepping and sending ----------------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # one guarded place: fail this step's requests, keep serving
+            logger.exception("engine step failed")
+            outputs = self._fail_all(self.engine, f"internal error: {type(e).__name__}: {e}")
+        self._stats = self.engine.stats()
+        self._stats_raw = msgspec.Raw(encoder.encode(self._stats))
+        self._stats_version += 1
+        for out in outputs:
+            ident = self.owner.get(out.request_id)
+            if ident is None:  # aborted meanwhile
+                continue
+            if out.finished:
+                del self.owner[out.request_id]
+            self._batch(ident).outputs.append(RequestOutput.of(out))
+
+    def _batch(self, ident: bytes) -> _Batch:
+        batch = self.batches.get(ident)
+        if batch is None:  # a request from a client that skipped Hello (or reconnected): serve it anyway
+            batch = self.batches[ident] = _Batch()
+        return batch
+
+    def _flush(self) -> None:
+        now = time.monotonic()
+        for ident, b in list(self.batches.items()):
+            stats = None
+            # Outputs carry the stats of their step (a finished request is gone from them); stats alone are
+            # sent when they changed, at most every STATS_INTERVAL_S.
+            if b.stats_version != self._stats_version and (b.outputs or now - b.stats_sent_at >= STATS_INTERVAL_S):
+                stats, b.stats_version, b.stats_sent_at = self._stats_raw, self._stats_version, now
+            if not (b.admitted or b.rejected or b.outputs or stats is not None):
+                continue
+            msg = CoreOutputs(b.admitted, b.rejected, b.outputs, stats)
+            b.admitted, b.rejected, b.outputs = [], [], []
+            self._send(ident, encoder.encode(msg))
+
+    def _send(self, ident: bytes, payload: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, payload], copy=len(payload) < 65536)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._drop_client(ident)
+
+    def _drop_client(self, ident: bytes) -> None:
+        n = self._abort_owned_by(ident)
+        self.batches.pop(ident, None)
+        (logger.warning if n else logger.info)("API server %r is gone: aborted its %d requests", ident, n)
+
+    def _abort_owned_by(self, ident: bytes) -> int:
+        rids = [rid for rid, owner in self.owner.items() if owner == ident]
+        for rid in rids:
+            self.engine.abort(rid)
+            del self.owner[rid]
+        return len(rids)
+
+
+def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float = 30.0) -> int:
+    """The core process's main: build the Engine from `cfg` (EngineConfig), bind `address`, report on
+    `ready` ("ready", pid) or ("error", message), then serve until SIGTERM (drain, then return 0).
+
+    SIGINT is ignored: the launcher owns Ctrl-C and stops the core after the API servers have drained.
+    """
+    from ttsserve.runner.cpu_threads import openmp_env_defaults
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    openmp_env_defaults()  # before torch loads: spinning OpenMP waits starve the API servers' cores
+    from ttsserve.engine.engine import Engine
+
+    try:
+        core = EngineCore(Engine(cfg), address, drain_timeout_s)
+    except Exception as e:  # reported to the launcher, which exits with a one-line reason
+        logger.exception("the engine core failed to start")
+        ready.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
+    ready.send(("ready", os.getpid()))
+    ready.close()
+    core.run()
+    logger.info("engine core stopped")
+    return 0

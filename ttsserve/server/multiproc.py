@@ -1,0 +1,303 @@
+"""`ttsserve serve --api-server-count N`: one engine-core process and N API-server processes on one port.
+
+Why: HTTP handling and container encoding (mp3 at ~30-60x real time per core) share the GIL with the
+engine's step loop in a single process. Split, the engine core steps undisturbed and each API server is its
+own interpreter.
+
+Processes (all `spawn`ed; the children get their own process group, so Ctrl-C reaches only the launcher,
+and die with the launcher even if it is SIGKILLed):
+  launcher         binds the listening socket once (listen() only once the core is ready: until then a
+                   connection is refused rather than left hanging), starts and supervises the others,
+                   hosts the shared rate limiter (server/shared_limits.py), owns SIGTERM / SIGINT
+  engine core      engine/core/proc.py: the Engine and its step loop, at ipc://<run dir>/core.sock
+  API server i     uvicorn + the FastAPI app around a CoreClient, accepting on the inherited socket; every
+                   response carries `X-API-Server: i`
+
+Shared state: voices in one SQLite file (a `:memory:` store becomes a file in the run directory, so a voice
+made through one API server is visible to all), Prometheus counters in PROMETHEUS_MULTIPROC_DIR (a scrape
+of any API server sums all of them), rate limits in the launcher. Request ids are namespaced per API server.
+
+Lifecycle: SIGTERM / SIGINT -> the API servers drain (uvicorn's graceful shutdown, then the client waits for
+its streams, up to --drain-timeout), then the core stops; exit status 0. A second signal kills everything
+at once. An API server that dies is restarted (backoff 1 s doubling to 30 s); its requests are aborted in the
+core. If the core dies, every in-flight request fails, /ready and /health answer 503 for CORE_DEATH_LINGER_S,
+then the launcher stops the API servers and exits with status 1, for a supervisor to restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+logger = logging.getLogger("ttsserve.launcher")
+ENV_COUNT = "TTSSERVE_API_SERVER_COUNT"
+CORE_DEATH_LINGER_S = 5.0
+_BACKLOG = 2048  # uvicorn's default
+_LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
+
+
+def add_api_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("API-server processes (the engine core in its own process)")
+    g.add_argument("--api-server-count", dest="api_server_count", default=None, metavar="N",
+                   help=f"N > 0: run the engine core in its own process and N HTTP/encoding processes on the "
+                        f"port; 0 = one process [env {ENV_COUNT}; default 0]")
+
+
+def api_server_count(args: argparse.Namespace, env: dict[str, str] | None = None) -> int:
+    """The flag, else $TTSSERVE_API_SERVER_COUNT, else 0. ValueError unless a non-negative integer."""
+    env = os.environ if env is None else env
+    raw = getattr(args, "api_server_count", None)
+    source = "--api-server-count"
+    if raw is None:
+        raw, source = env.get(ENV_COUNT) or "0", ENV_COUNT
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{source} must be a non-negative integer, got {raw!r}")
+    return n
+
+
+def run_api_servers(engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int) -> int:
+    """The launcher's main (count >= 1). Returns the exit status (see the module docstring)."""
+    _configure_logging(log_level, "launcher")
+    run_dir = tempfile.mkdtemp(prefix="ttsserve-")
+    try:
+        return _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir).run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class _Launcher:
+    def __init__(self, engine_cfg, server_cfg, host, port, log_level, count, run_dir) -> None:
+        import dataclasses
+
+        if server_cfg.voices_db == ":memory:":  # per-process memory stores would disagree
+            server_cfg = dataclasses.replace(server_cfg, voices_db=os.path.join(run_dir, "voices.db"))
+        self.engine_cfg, self.server_cfg = engine_cfg, server_cfg
+        self.host, self.port, self.log_level, self.count = host, port, log_level, count
+        self.run_dir = run_dir
+        self.core_address = f"ipc://{run_dir}/core.sock"
+        limited = server_cfg.requests_per_minute > 0 or server_cfg.chars_per_minute > 0
+        self.limits_address = f"ipc://{run_dir}/limits.sock" if limited else None
+        self.mp = multiprocessing.get_context("spawn")
+        self.signals = 0
+        self.core = None
+        self.servers: list = [None] * count
+        self.restart_at = [0.0] * count
+        self.backoff = [1.0] * count
+        self.sock: socket.socket | None = None
+        self.limiter = None
+
+    # ---- the launcher's life -----------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.sock = _bind(self.host, self.port)
+        except OSError as e:
+            logger.error("cannot bind %s:%d: %s", self.host, self.port, e)
+            return 1
+        metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.makedirs(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
+        status = 1
+        try:
+            if self._start_core():
+                self.sock.listen(_BACKLOG)
+                self._start_limiter()
+                for i in range(self.count):
+                    self._start_server(i)
+                logger.info("serving on http://%s:%d with %d API servers", self.host, self.port, self.count)
+                status = self._supervise()
+            elif self.signals:
+                status = 0
+        finally:
+            stop_status = self._stop_all()
+        return status or stop_status
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals += 1
+        if self.signals > 1:  # the second Ctrl-C: no more waiting
+            for p in [self.core, *self.servers]:
+                if p is not None and p.is_alive():
+                    p.kill()
+
+    def _start_core(self) -> bool:
+        """Start the engine core and wait until it has built its Engine. False if it failed or we were told to stop."""
+        ready_r, ready_w = self.mp.Pipe(duplex=False)
+        # not daemonic: a daemonic process may not start processes of its own (torch.compile's workers)
+        self.core = self.mp.Process(
+            target=_core_main, name="ttsserve-core", daemon=False,
+            args=(self.engine_cfg, self.core_address, ready_w, self.server_cfg.drain_timeout_s, self.log_level,
+                  os.getpid()))
+        self.core.start()
+        ready_w.close()  # the core holds the only write end now: its death reads as EOF
+        logger.info("engine core: pid %d, loading the model", self.core.pid)
+        while not self.signals:
+            if not multiprocessing.connection.wait([ready_r, self.core.sentinel], timeout=0.5):
+                continue
+            try:
+                status, detail = ready_r.recv()
+            except EOFError:
+                logger.error("the engine core exited while starting (status %s)", self.core.exitcode)
+                return False
+            if status == "ready":
+                ready_r.close()
+                return True
+            logger.error("the engine core failed to start: %s", detail)
+            return False
+        return False
+
+    def _start_limiter(self) -> None:
+        if self.limits_address is None:
+            return
+        from ttsserve.server.limits import RateLimiter
+        from ttsserve.server.shared_limits import RateLimitService
+
+        cfg = self.server_cfg
+        self.limiter = RateLimitService(RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute),
+                                        self.limits_address).start()
+
+    def _start_server(self, i: int) -> None:
+        p = self.mp.Process(
+            target=_api_server_main, name=f"ttsserve-api-{i}", daemon=False,
+            args=(i, self.sock, self.server_cfg, self.core_address, self.limits_address, self.log_level,
+                  os.getpid()))
+        p.start()
+        self.servers[i] = p
+        logger.info("API server %d: pid %d", i, p.pid)
+
+    def _supervise(self) -> int:
+        """Until a signal (-> 0) or the core's death (-> 1); restarts API servers that die."""
+        while not self.signals:
+            waiting = [self.core.sentinel] + [p.sentinel for p in self.servers if p is not None]
+            multiprocessing.connection.wait(waiting, timeout=0.5)
+            if not self.core.is_alive():
+                logger.error("the engine core exited (status %s); stopping in %.0f s", self.core.exitcode,
+                             CORE_DEATH_LINGER_S)
+                deadline = time.monotonic() + CORE_DEATH_LINGER_S
+                while time.monotonic() < deadline and not self.signals:
+                    time.sleep(0.1)  # meanwhile /ready and /health say 503: balancers and probes notice
+                return 1
+            now = time.monotonic()
+            for i, p in enumerate(self.servers):
+                if p is not None and not p.is_alive():
+                    logger.error("API server %d exited (status %s); restarting in %.0f s", i, p.exitcode,
+                                 self.backoff[i])
+                    self.servers[i], self.restart_at[i] = None, now + self.backoff[i]
+                    self.backoff[i] = min(self.backoff[i] * 2, 30.0)
+                elif p is None and now >= self.restart_at[i]:
+                    self._start_server(i)
+        return 0
+
+    def _stop_all(self) -> int:
+        """API servers first (they drain), then the core. 0 when everything exited cleanly."""
+        if self.sock is not None:
+            self.sock.close()  # our copy: once the API servers close theirs, new connections are refused
+        clean = True
+        servers = [p for p in self.servers if p is not None and p.is_alive()]
+        for p in servers:
+            p.terminate()
+        grace = self.server_cfg.drain_timeout_s + 10
+        for p in servers:
+            clean &= _join(p, grace) in (0, -signal.SIGTERM)
+        if self.core is not None and self.core.pid is not None:
+            if self.core.is_alive():
+                self.core.terminate()
+            clean &= _join(self.core, 15) == 0
+        if self.limiter is not None:
+            self.limiter.stop()
+        logger.info("stopped" if clean else "stopped, not cleanly")
+        return 0 if clean else 1
+
+
+def _join(p, timeout_s: float) -> int | None:
+    p.join(timeout_s)
+    if p.is_alive():
+        logger.error("%s (pid %d) did not stop in %.0f s: killing it", p.name, p.pid, timeout_s)
+        p.kill()
+        p.join(5)
+    return p.exitcode
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    return sock
+
+
+def _configure_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT.format(role=role), stream=sys.stderr)
+
+
+def _child_setup(parent_pid: int, log_level: str, role: str) -> None:
+    from ttsserve.engine.core.parent_death import die_with_parent
+
+    os.setpgrp()  # terminal signals go to the launcher, which orders the shutdown
+    die_with_parent(parent_pid)
+    _configure_logging(log_level, role)
+
+
+# ---- the children ----------------------------------------------------------------------------------
+def _core_main(engine_cfg, address: str, ready, drain_timeout_s: float, log_level: str, parent_pid: int) -> None:
+    _child_setup(parent_pid, log_level, "core")
+    from ttsserve.runner.cpu_threads import openmp_env_defaults
+
+    openmp_env_defaults()  # before torch loads (the next import): idle OpenMP threads must sleep, not spin
+    from ttsserve.engine.core.proc import run_engine_core
+    from ttsserve.server.cli_serve import _server_cpu_defaults
+
+    _server_cpu_defaults(engine_cfg)
+    sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s))
+
+
+def _api_server_main(index: int, sock: socket.socket, server_cfg, core_address: str, limits_address: str | None,
+                     log_level: str, parent_pid: int) -> None:
+    _child_setup(parent_pid, log_level, f"api{index}")
+    import uvicorn
+
+    from ttsserve.engine.core.client import CoreClient
+    from ttsserve.server.app import create_app
+
+    rate = None
+    if limits_address is not None:
+        from ttsserve.server.shared_limits import SharedRateLimiter
+
+        rate = SharedRateLimiter(limits_address)
+    app = create_app(CoreClient(core_address, index), server_cfg, rate_limiter=rate)
+    config = uvicorn.Config(ApiServerHeader(app, index), log_level=log_level.lower(), access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=server_cfg.drain_timeout_s)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class ApiServerHeader:
+    """Pure ASGI: `X-API-Server: <index>` on every response, so logs and clients can tell which process answered."""
+
+    def __init__(self, app, index: int) -> None:
+        self.app = app
+        self.header = (b"x-api-server", str(index).encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(msg) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), self.header]}
+            await send(msg)
+
+        await self.app(scope, receive, send_with_header)
