@@ -72,7 +72,8 @@ class EngineConfig:
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).
     admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
-        Both None: 4 on CUDA (where a call or a prefill costs several decode steps of host time), 1 on the CPU.
+        Both None: 8 on CUDA (where a call or a prefill costs several decode steps of host time; 8 beat 4 and 1
+        on the H200, BENCHMARKS.md), 1 on the CPU.
     cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
         may use (ttsserve/runner/cpu_threads.py).
     """
@@ -140,6 +141,6 @@ class EngineConfig:
 
     def step_intervals(self, device_type: str) -> tuple[int, int]:
         """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in."""
-        auto = 4 if device_type == "cuda" else 1
+        auto = 8 if device_type == "cuda" else 1
         cadence = self.vocoder_cadence or (1 if self.lookahead_frames is not None else auto)  # windowed: none
         return cadence, self.admission_interval or auto

@@ -99,13 +99,13 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode,
             admission_interval=admission), self.kv_manager)
-        from ttsserve.audio.incremental_stage import make_audio_stage
+        from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
 
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
                                       first_chunk_frames=cfg.first_chunk_frames, max_chunk_frames=cfg.max_chunk_frames,
                                       lookahead_frames=cfg.lookahead_frames, cadence=cadence,
                                       device=self.model.device,
-                                      deferred=self.model.device.type == "cuda", net_dtype=self._vocoder_dtype())
+                                      deferred=self.model.device.type == "cuda", net_dtype=vocoder_net_dtype(self.model))
         if self.model.device.type == "cuda":
             self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
             if not cfg.enforce_eager and hasattr(self.audio, "enable_cuda_graphs"):
@@ -144,20 +144,6 @@ class Engine:
         self.audio.calls_total = self.audio.frames_decoded_total = self.audio.frames_padded_total = 0
         self.audio.chunks_total = 0
         logger.info("warmed up in %.1f s", time.perf_counter() - t0)
-
-    def _vocoder_dtype(self) -> torch.dtype | None:
-        """With a 16-bit GPT on CUDA the Decoder / Vocos run in fp16: on an H200 3.7x faster than fp32 and as
-        fast as bf16, with 0.22% relative L2 error on the waveform against bf16's 1.8% (53 vs 35 dB SNR,
-        benchmarks/results/gpu/run2_graphs_fused.json). The fp32 GPT (the parity path) keeps fp32 networks."""
-        if self.model.device.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16):
-            return torch.float16
-        if self.model.device.type == "cpu" and self.model.dtype == torch.bfloat16:
-            from ttsserve.model.cpu_linear import cpu_has_native_bf16
-
-            # CPUs with native bf16 dot products (AVX512_BF16 / AMX): 2x faster than fp32 at 35 dB SNR
-            # (benchmarks/cpu_parity.py); elsewhere oneDNN emulates bf16 and fp32 is faster
-            return torch.bfloat16 if cpu_has_native_bf16() else None
-        return None
 
     # ---- memory ------------------------------------------------------------------------------------
     def _plan_kv(self) -> KVCacheSpec:

@@ -96,23 +96,26 @@ def _profile_sampler(model, cfg: EngineConfig, h: torch.Tensor) -> None:
     sample(model.embed.text_logits(h)[:, None, :], state.batch(rows, steps, 1, 0))
 
 
-def _profile_vocoder(model, cfg: EngineConfig) -> None:
+def _profile_vocoder(model, cfg: EngineConfig, net_dtype: torch.dtype | None = None) -> None:
     from ttsserve.audio.incremental_stage import make_audio_stage
 
     stage = make_audio_stage(model.decoder, None, model.vocos, first_chunk_frames=cfg.first_chunk_frames,
                              max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
-                             device=model.device, deferred=False)
+                             device=model.device, deferred=False, net_dtype=net_dtype)
     stage.profile_max_call()
 
 
 @torch.inference_mode()
 def profile_vocoder_call_bytes(model, cfg: EngineConfig) -> int:
-    """Peak bytes of the vocoder stage's largest call (its state tensors included), measured."""
+    """Peak bytes of the vocoder stage's largest call in the networks' serving dtype (what its graphs'
+    pool keeps), measured."""
+    from ttsserve.audio.incremental_stage import vocoder_net_dtype
+
     dev = model.device
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    _profile_vocoder(model, cfg)
+    _profile_vocoder(model, cfg, vocoder_net_dtype(model))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     gc.collect()
