@@ -92,6 +92,33 @@ def joined(chunks: list[AudioChunk]) -> np.ndarray:
     return np.concatenate([ch.samples for ch in chunks])
 
 
+def run_schedule(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int,
+         width: int = 64) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+    """Streams (length, start step, burst) of random [n, width] frames appended step by step; -> each stream's
+    (joined audio, frames)."""
+    g = torch.Generator().manual_seed(seed)
+    frames = [torch.randn(n, width, generator=g) for n, _, _ in specs]
+    fed, got, finished = [0] * len(specs), {i: [] for i in range(len(specs))}, [False] * len(specs)
+    for t in range(300):
+        for i, (n, start, burst) in enumerate(specs):
+            if t == start:
+                stage.add_request(str(i))
+            if start <= t and fed[i] < n:
+                stage.append(str(i), frames[i][fed[i] : fed[i] + burst])
+                fed[i] = min(n, fed[i] + burst)
+            if start <= t and fed[i] == n and not finished[i]:
+                stage.finish(str(i))
+                finished[i] = True
+        for ch in stage.step():
+            got[int(ch.req_id)].append(ch)
+        if t > max(s for _, s, _ in specs) and stage.num_requests == 0:
+            break
+    for ch in stage.flush():  # deferred stages hand the last decode over here
+        got[int(ch.req_id)].append(ch)
+    assert stage.num_requests == 0
+    return {i: (joined(got[i]), frames[i]) for i in got}
+
+
 @pytest.mark.parametrize("stage_cls", STAGES)
 @pytest.mark.parametrize("n", [1, 7, 8, 21, 22, 60, 257])
 def test_stitched_equals_one_shot_tiny(tiny, n, stage_cls) -> None:

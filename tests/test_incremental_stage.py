@@ -16,6 +16,7 @@ from test_audio_stage import (  # noqa: F401
     joined,
     one_shot,
     random_nets,
+    run_schedule,
     stream,
     tiny,
 )
@@ -171,29 +172,12 @@ def test_any_schedule_of_many_streams_is_exact(specs, first_chunk, extra_max) ->
     dec, vocos = _TINY_NETS
     stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=first_chunk,
                                   max_chunk_frames=first_chunk << extra_max, max_windows_per_call=3)
-    g = torch.Generator().manual_seed(len(specs))
-    frames = [torch.randn(n, 64, generator=g) for n, _, _ in specs]
-    fed, got = [0] * len(specs), {i: [] for i in range(len(specs))}
-    for t in range(200):
-        for i, (n, start, burst) in enumerate(specs):
-            if t == start:
-                stage.add_request(str(i))
-            if start <= t and fed[i] < n:
-                stage.append(str(i), frames[i][fed[i] : fed[i] + burst])
-                fed[i] = min(n, fed[i] + burst)
-                if fed[i] == n:
-                    stage.finish(str(i))
-            elif t == start and n == 0:
-                stage.finish(str(i))
-        for ch in stage.step():
-            got[int(ch.req_id)].append(ch)
-        if t > max(s for _, s, _ in specs) and stage.num_requests == 0:
-            break
+    results = run_schedule(stage, specs, seed=len(specs))
     for i, (n, _, _) in enumerate(specs):
-        wav = joined(got[i])
+        wav, frames = results[i]
         assert wav.shape == (max(0, 512 * n - 256),)
         if n:
-            assert np.abs(wav - one_shot(dec, vocos, frames[i])).max() < 1e-5
+            assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5
 
 
 _TINY_NETS = random_nets(3, hidden=64, dec_dim=32, dec_layers=2, voc_dim=32, voc_layers=2)[::2]

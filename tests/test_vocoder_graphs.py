@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_audio_stage import joined, one_shot, random_nets
+from test_audio_stage import one_shot, random_nets, run_schedule
 
 from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.vocoder_graphs import default_frame_buckets, default_row_buckets
@@ -24,33 +24,6 @@ def _graphed_stage(**kwargs) -> IncrementalAudioStage:
     return stage
 
 
-def _run(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int,
-         width: int = 64) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
-    """Streams (length, start step, burst) of random [n, width] frames appended step by step; -> each stream's
-    (joined audio, frames)."""
-    g = torch.Generator().manual_seed(seed)
-    frames = [torch.randn(n, width, generator=g) for n, _, _ in specs]
-    fed, got, finished = [0] * len(specs), {i: [] for i in range(len(specs))}, [False] * len(specs)
-    for t in range(300):
-        for i, (n, start, burst) in enumerate(specs):
-            if t == start:
-                stage.add_request(str(i))
-            if start <= t and fed[i] < n:
-                stage.append(str(i), frames[i][fed[i] : fed[i] + burst])
-                fed[i] = min(n, fed[i] + burst)
-            if start <= t and fed[i] == n and not finished[i]:
-                stage.finish(str(i))
-                finished[i] = True
-        for ch in stage.step():
-            got[int(ch.req_id)].append(ch)
-        if t > max(s for _, s, _ in specs) and stage.num_requests == 0:
-            break
-    for ch in stage.flush():  # deferred stages hand the last decode over here
-        got[int(ch.req_id)].append(ch)
-    assert stage.num_requests == 0
-    return {i: (joined(got[i]), frames[i]) for i in got}
-
-
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=7),
        st.integers(1, 8))
@@ -59,7 +32,7 @@ def test_graphed_calls_equal_the_one_shot_decode(specs, first_chunk) -> None:
     starts and bursts; every call is padded to a (rows, frames) bucket and each stream equals its one-shot."""
     stage = _graphed_stage(first_chunk_frames=first_chunk, max_chunk_frames=first_chunk * 4, max_windows_per_call=4)
     dec, vocos = _NETS
-    for i, (wav, frames) in _run(stage, specs, len(specs)).items():
+    for i, (wav, frames) in run_schedule(stage, specs, len(specs)).items():
         assert wav.shape == (512 * frames.shape[0] - 256,)
         assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
     assert stage.graphs[False].replays == stage.calls_total > 0  # every call took the graphed path
@@ -73,7 +46,7 @@ def test_growing_the_slots_recaptures_only_the_buckets_used() -> None:
     generation = stage.slot_generation
     dec, vocos = _NETS
     specs = [(30, 0, 1)] * 9  # 9 streams at once: more than the 6 slots planned
-    for i, (wav, frames) in _run(stage, specs, 3).items():
+    for i, (wav, frames) in run_schedule(stage, specs, 3).items():
         assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
     assert stage.slot_generation > generation and graphs.generation == stage.slot_generation
     assert 0 < len(graphs.graphs) < 2 * 3  # captured again as calls needed them, not all at once

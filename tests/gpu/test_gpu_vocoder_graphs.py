@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_audio_stage import random_nets  # noqa: E402
-from test_vocoder_graphs import _run  # noqa: E402
+from test_audio_stage import run_schedule as _run  # noqa: E402
 
 from ttsserve.audio.incremental_stage import IncrementalAudioStage  # noqa: E402
 

@@ -32,22 +32,23 @@ from ttsserve.audio.incremental import NOT_FINISHED
 logger = logging.getLogger(__name__)
 
 
-def default_frame_buckets(max_call_frames: int) -> list[int]:
-    """Powers of two from 8 below max_call_frames, and max_call_frames itself."""
-    sizes, n = [], 8
-    while n < max_call_frames:
+def _doubling(first: int, last: int) -> list[int]:
+    """first, 2 * first, ... below last, and last itself."""
+    sizes, n = [], first
+    while n < last:
         sizes.append(n)
         n *= 2
-    return sizes + [max_call_frames]
+    return sizes + [last]
+
+
+def default_frame_buckets(max_call_frames: int) -> list[int]:
+    """Powers of two from 8 below max_call_frames, and max_call_frames itself."""
+    return _doubling(8, max_call_frames)
 
 
 def default_row_buckets(max_rows: int) -> list[int]:
     """Powers of two below max_rows, and max_rows itself."""
-    sizes, b = [], 1
-    while b < max_rows:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_rows]
+    return _doubling(1, max_rows)
 
 
 class VocoderGraphs:
