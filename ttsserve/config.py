@@ -111,6 +111,7 @@ class EngineConfig:
         checks = [
             (self.load_format in ("auto", "safetensors", "dummy"), "load_format must be auto|safetensors|dummy"),
             (self.dummy_size in ("real", "tiny"), "dummy_size must be real|tiny"),
+            (0 <= self.seed < 2**63, "seed (of the dummy weights) must be in [0, 2**63)"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device must be auto|cpu|cuda[:N]"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.quantization in (None, "int8", "awq-int4"), "quantization must be int8|awq-int4"),

@@ -5,7 +5,8 @@ per character (capped by max_new_tokens), streamed in chunks of `frames_per_chun
 asyncio sleep between chunks. KV "blocks" (ceil(frames / 16)) are held while a request runs and freed when
 it finishes or its consumer goes away, so tests can check that a disconnect frees them.
 
-Test hooks inside the text: "[[fail]]" fails after the first chunk, "[[failfirst]]" fails before any audio.
+Test hooks inside the text: "[[fail]]" fails after the first chunk, "[[failfirst]]" fails before any audio,
+"[[eos]]" finishes normally ("stop") at once with no audio (EOS sampled at the first step).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class FakeEngine:
             if "[[failfirst]]" in req.text:
                 finished = True
                 yield AudioOutput(rid, np.zeros(0, np.float32), True, 0, "error", error="injected failure")
+                return
+            if "[[eos]]" in req.text:
+                finished = True
+                yield AudioOutput(rid, np.zeros(0, np.float32), True, 0, "stop")
                 return
             while done < total:
                 await asyncio.sleep(self.chunk_delay_s)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ttsserve.config import EngineConfig, GPTConfig
-from ttsserve.model.loader import Checkpoint, load_checkpoint, resolve_checkpoint_root
+from ttsserve.model.loader import Checkpoint, load_checkpoint, missing_files, resolve_checkpoint_root
 from ttsserve.quant.quantize import QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,14 @@ class ChatTTSModel:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto|cpu|cuda[:N], got {name!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
 
 
@@ -72,17 +78,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def read_checkpoint(cfg: EngineConfig) -> Checkpoint:
-    """The checkpoint `cfg` names, or a dummy one (with a loud warning) when allowed and none is found."""
+def locate_checkpoint(cfg: EngineConfig) -> Path | None:
+    """The folder holding asset/ that `cfg` loads, or None for random weights (--load-format dummy, or auto
+    when no checkpoint is found). Reads no weights, so a server can check its flags before the slow load.
+
+    Raises ValueError for a --model that is not a checkpoint or lacks a published file, and for
+    --load-format safetensors when no checkpoint is found.
+    """
     if cfg.load_format == "dummy":
-        return _dummy_checkpoint(cfg)
+        return None
     root = resolve_checkpoint_root(cfg.model)
     if root is None:
         if cfg.load_format == "safetensors":
             raise ValueError("no ChatTTS checkpoint found: pass --model DIR (the folder holding asset/), set "
                              "$TTSSERVE_MODEL, or use --load-format dummy")
-        logger.warning("no ChatTTS checkpoint found (--model, $TTSSERVE_MODEL, ./asset, hub cache): "
-                       "falling back to --load-format dummy")
+        return None
+    missing = missing_files(root)
+    if missing:
+        raise ValueError(f"checkpoint {root}: missing file(s): {', '.join(missing)}")
+    return root
+
+
+def read_checkpoint(cfg: EngineConfig) -> Checkpoint:
+    """The checkpoint `cfg` names, or a dummy one (with a loud warning) when allowed and none is found."""
+    root = locate_checkpoint(cfg)
+    if root is None:
+        if cfg.load_format != "dummy":
+            logger.warning("no ChatTTS checkpoint found (--model, $TTSSERVE_MODEL, ./asset, hub cache): "
+                           "falling back to --load-format dummy")
         return _dummy_checkpoint(cfg)
     return load_checkpoint(root, verify_sha256=cfg.verify_sha256)
 
@@ -92,7 +115,6 @@ def checkpoint_quant_config(ckpt: Checkpoint) -> QuantConfig | None:
     convention; `ttsserve quantize` writes it there and to asset/gpt/quantization_config.json), or that file
     beside a checkpoint read from disk. None for a dense checkpoint."""
     import json
-    from pathlib import Path
 
     if "quantization_config" in ckpt.gpt_config:
         return QuantConfig.from_json(ckpt.gpt_config["quantization_config"], "asset/gpt/config.json")

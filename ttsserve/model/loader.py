@@ -74,6 +74,11 @@ def asset_files() -> list[str]:
     return files
 
 
+def missing_files(root: str | os.PathLike) -> list[str]:
+    """The published files (asset_files()) absent under `root`, the folder holding asset/."""
+    return [f for f in asset_files() if not (Path(root) / f).is_file()]
+
+
 def resolve_checkpoint_root(model: str | os.PathLike | None) -> Path | None:
     """Find the folder that holds `asset/`; None when no checkpoint can be found.
 
@@ -124,7 +129,7 @@ def load_checkpoint(root: str | os.PathLike, verify_sha256: bool = False) -> Che
     from safetensors.torch import load_file
 
     root = Path(root)
-    missing = [f for f in asset_files() if not (root / f).is_file()]
+    missing = missing_files(root)
     if missing:
         raise ValueError(f"checkpoint {root}: missing file(s): {', '.join(missing)}")
     if verify_sha256:

@@ -18,6 +18,7 @@ import re
 import sys
 
 from ttsserve.config import EngineConfig
+from ttsserve.server.preflight import bind_socket, check_engine_config
 
 logger = logging.getLogger("ttsserve.server")
 ENV_PREFIX = "TTSSERVE_"
@@ -155,6 +156,26 @@ def _list_value(args: argparse.Namespace, dest: str, env_name: str, env: dict[st
     return tuple(x.strip() for item in items for x in item.split(",") if x.strip())
 
 
+def _api_keys(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, ...]:
+    """--api-key values (each may be a comma list), else $TTSSERVE_API_KEY; () when neither is given.
+
+    A blank key (`--api-key ""`, `TTSSERVE_API_KEY=""`, the empty item of "k1,") is a ValueError: an
+    operator who passes a key means to turn authentication on, and a key lost to an unset shell variable
+    must not leave the server open (or be silently dropped from the list)."""
+    items, source = getattr(args, "api_key", None), "--api-key"
+    if items is None:
+        raw = env.get(ENV_PREFIX + "API_KEY")
+        if raw is None:
+            return ()
+        items, source = [raw], ENV_PREFIX + "API_KEY"
+    keys = [x.strip() for item in items for x in item.split(",")]
+    if not all(keys):  # the message never echoes keys: they are secrets, and stderr ends up in logs
+        blank = ", ".join(str(i + 1) for i, k in enumerate(keys) if not k)
+        raise ValueError(f"{source}: key {blank} of {len(keys)} is blank; every API key must be non-empty "
+                         f"(leave {source} out to serve without authentication)")
+    return tuple(keys)
+
+
 def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     """-> (EngineConfig, ServerConfig, host, port, log_level). ValueError for bad values (names the source)."""
     from ttsserve.server.app import ServerConfig
@@ -176,7 +197,7 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     if srv["voices_db"] is None:
         srv["voices_db"] = os.path.join(os.path.expanduser("~"), ".local", "share", "ttsserve", "voices.db")
     server_cfg = ServerConfig(
-        api_keys=_list_value(args, "api_key", ENV_PREFIX + "API_KEY", env),
+        api_keys=_api_keys(args, env),
         served_model_names=_list_value(args, "served_model_name", ENV_PREFIX + "SERVED_MODEL_NAME", env),
         **srv,
     )
@@ -208,7 +229,9 @@ def _server_cpu_defaults(engine_cfg) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the engine (slow), log how many streams fit, serve until SIGINT/SIGTERM, drain, exit."""
+    """Check the flags and bind the port (fast), load the engine (slow), log how many streams fit, serve until
+    SIGINT/SIGTERM, drain, exit. A bad setting is one line on stderr and exit status 2, before the load when
+    the weights are not needed to see it."""
     from ttsserve.deploy.data_parallel import data_parallel_size, run_data_parallel
 
     try:
@@ -221,11 +244,14 @@ def run_serve(args: argparse.Namespace) -> int:
         from ttsserve.server.multiproc import api_server_count, run_api_servers
 
         api_servers = api_server_count(args)
+        # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
+        # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.
+        check_engine_config(engine_cfg)
+        sock = bind_socket(host, port)
     except ValueError as e:
-        print(f"ttsserve serve: error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (server/multiproc.py)
-        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers)
+        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock=sock)
     import uvicorn
 
     from ttsserve.engine.async_engine import AsyncEngine
@@ -234,13 +260,25 @@ def run_serve(args: argparse.Namespace) -> int:
     _configure_logging(log_level)
     _server_cpu_defaults(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
-    engine = AsyncEngine.from_config(engine_cfg)
+    try:
+        engine = AsyncEngine.from_config(engine_cfg)
+    except ValueError as e:  # what only the checkpoint's contents reveal (a bad tensor, a quantization mismatch)
+        sock.close()
+        return _config_error(e)
     app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
     # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
     # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False, lifespan="on",
-                timeout_graceful_shutdown=server_cfg.drain_timeout_s)
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=server_cfg.drain_timeout_s)
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
+    uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)
     return 0
+
+
+def _config_error(e: ValueError) -> int:
+    print(f"ttsserve serve: error: {e}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

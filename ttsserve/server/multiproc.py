@@ -68,12 +68,16 @@ def api_server_count(args: argparse.Namespace, env: dict[str, str] | None = None
     return n
 
 
-def run_api_servers(engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int) -> int:
-    """The launcher's main (count >= 1). Returns the exit status (see the module docstring)."""
+def run_api_servers(engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int,
+                    sock: socket.socket | None = None) -> int:
+    """The launcher's main (count >= 1). Returns the exit status (see the module docstring). sock: the
+    listening socket, bound but not listening (None: bound here)."""
     _configure_logging(log_level, "launcher")
     run_dir = tempfile.mkdtemp(prefix="ttsserve-")
     try:
-        return _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir).run()
+        launcher = _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir)
+        launcher.sock = sock
+        return launcher.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -104,7 +108,7 @@ class _Launcher:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
-            self.sock = _bind(self.host, self.port)
+            self.sock = self.sock or _bind(self.host, self.port)
         except OSError as e:
             logger.error("cannot bind %s:%d: %s", self.host, self.port, e)
             return 1

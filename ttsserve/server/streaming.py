@@ -100,8 +100,11 @@ class AudioPipeline:
 async def prime(gen: AsyncIterator, request: Request | None, job: SynthesisJob) -> list:
     """Read outputs until the first with audio (or the final one), watching for a disconnect meanwhile.
 
-    Returns those outputs. Raises ValueError (bad input), the engine's overload error, ClientGone, or
-    ApiError(500) for an engine error before any audio. On any raise the generator is closed (aborted).
+    Returns those outputs; the last has audio (so the response is never empty) or is the final one of a
+    synthesis that has some. Raises ValueError (bad input), the engine's overload error, ClientGone,
+    ApiError(500) for an engine error before any audio, or `no_audio_error` (500) when the synthesis ended
+    without a single sample. Every response mode primes before it sends headers, so each of these is a
+    real status, streams included. On any raise the generator is closed (aborted).
     """
     outs: list = []
     try:
@@ -114,11 +117,23 @@ async def prime(gen: AsyncIterator, request: Request | None, job: SynthesisJob) 
             outs.append(out)
             if out.finished and out.finish_reason == "error":
                 raise ApiError(500, f"synthesis failed: {out.error or 'engine error'}", code="engine_error")
+            if out.finished and not job.num_samples:
+                raise no_audio_error(job)
             if out.finished or out.samples.size:
                 return outs
     except BaseException:
         await gen.aclose()
         raise
+
+
+def no_audio_error(job: SynthesisJob) -> ApiError:
+    """A synthesis that ended without one sample (EOS sampled at the first step) failed: a 200 carrying an
+    empty file would pass every status check and play as nothing. 500 as OpenAI answers for unusable model
+    output; clients (the openai SDK among them) retry a 500, and an unseeded retry draws a new seed."""
+    job.finish_reason = "error"  # metrics and the access log count it as a failed synthesis
+    where = "at the first step" if job.num_frames == 0 else f"after {job.num_frames} frames"
+    return ApiError(500, f"the model produced no audio (EOS {where}); retry, with another seed if you set one, or "
+                         f"set min_new_tokens >= 1 to forbid an immediate EOS", code="no_audio")
 
 
 async def until_disconnect(aw: Awaitable, request: Request | None):

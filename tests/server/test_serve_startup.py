@@ -1,0 +1,102 @@
+"""`ttsserve serve` refuses a setting that cannot work with one line on stderr and exit status 2, before the
+model loads: the process is run for real (`python -m ttsserve.cli serve`), and a single stderr line proves no
+load started (the load logs "loading model" and the dummy banner to stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--voices-db", ":memory:"]
+# Interpreter start + `import torch` is 3-6 s here; a real-size load is far more. Generous for a busy CI box.
+FAST_S = 45.0
+
+
+def _serve(args: list[str], env: dict[str, str] | None = None) -> tuple[int, list[str], float]:
+    env = {k: v for k, v in os.environ.items() if k != "TTSSERVE_API_KEY"} | (env or {})
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ttsserve.cli", "serve", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr.splitlines(), time.monotonic() - start
+
+
+def _assert_refused(args: list[str], needle: str, env: dict[str, str] | None = None) -> str:
+    rc, lines, took = _serve(args, env)
+    assert rc == 2, (rc, lines[-20:])
+    assert len(lines) == 1, lines[-20:]  # one line: no traceback, and no "loading model" before it
+    assert lines[0].startswith("ttsserve serve: error: ") and needle in lines[0], lines[0]
+    assert took < FAST_S
+    return lines[0]
+
+
+def test_a_bad_model_path(tmp_path):
+    _assert_refused(["--model", str(tmp_path / "nowhere")], "nowhere: no such checkpoint folder")
+    (tmp_path / "ckpt" / "asset" / "gpt").mkdir(parents=True)
+    _assert_refused(["--model", str(tmp_path / "ckpt")], "missing file(s): asset/gpt/config.json")
+    _assert_refused(["--model", str(tmp_path)], "not a ChatTTS checkpoint")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu():
+    _assert_refused([*TINY[:4], "--device", "cuda"], "device 'cuda' requested but CUDA is not available")
+
+
+def test_a_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _assert_refused([*TINY, "--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use")
+
+
+def test_a_bad_engine_value():
+    # A value EngineConfig accepts but the model's sizes refuse: found from config.json alone, before the load.
+    _assert_refused([*TINY, "--kv-cache-memory", "16K"], "KV cache budget of 0.0 MiB holds fewer than 2 blocks")
+
+
+def test_a_blank_api_key_refuses_to_start():
+    line = _assert_refused([*TINY, "--api-key", "k1,"], "--api-key: key 2 of 2 is blank")
+    assert "k1" not in line  # keys are secrets: the message names positions, never values
+
+
+# The same contract in-process (a subprocess each would add minutes to the suite): run_serve returns 2 with one
+# line on stderr, and the engine is never built.
+@pytest.mark.parametrize("args, env, needle", [
+    (["--block-size", "7"], {}, "block_size must be one of 8, 16, 32, 64, 128"),
+    (["--max-num-seqs", "many"], {}, "--max-num-seqs: invalid literal"),
+    ([], {"TTSSERVE_GPU_MEMORY_UTILIZATION": "2"}, "gpu_memory_utilization must be in [0.05, 0.99]"),
+    (["--seed", str(2**64)], {}, "seed (of the dummy weights) must be in [0, 2**63)"),
+    (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype fp8 needs a CUDA device"),
+    (["--device", "cuda:99"], {}, "device 'cuda:99' requested but"),
+    (["--load-format", "safetensors"], {"TTSSERVE_MODEL": "/nowhere/ckpt"}, "/nowhere/ckpt: no such checkpoint"),
+    (["--api-key", ""], {}, "--api-key: key 1 of 1 is blank"),
+    (["--api-key", "k1", "--api-key", " "], {}, "--api-key: key 2 of 2 is blank"),
+    ([], {"TTSSERVE_API_KEY": ""}, "TTSSERVE_API_KEY: key 1 of 1 is blank"),
+    ([], {"TTSSERVE_API_KEY": "k1,,k2"}, "TTSSERVE_API_KEY: key 2 of 3 is blank"),
+    (["--host", "no-such-host.invalid"], {}, "cannot listen on no-such-host.invalid:8000"),
+], ids=["block-size", "not-an-int", "env", "dummy-seed", "fp8-on-cpu", "cuda-index", "model-env", "blank-key",
+        "blank-second-key", "blank-env-key", "blank-env-item", "bad-host"])
+def test_refused_before_the_engine_is_built(args, env, needle, monkeypatch, capsys):
+    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.server.cli_serve import add_serve_arguments, run_serve
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model load was reached")
+
+    monkeypatch.setattr(AsyncEngine, "from_config", no_load)
+    monkeypatch.delenv("TTSSERVE_API_KEY", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    parsed = add_serve_arguments(argparse.ArgumentParser()).parse_args([*TINY, *args])
+    assert run_serve(parsed) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ttsserve serve: error: ") and needle in lines[0], lines

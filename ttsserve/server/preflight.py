@@ -1,0 +1,68 @@
+"""What `ttsserve serve` checks before the slow model load.
+
+A real-size model takes seconds to minutes to load (more on a GPU, which also profiles and captures graphs);
+a setting that cannot work must not cost that wait and end in a traceback. Everything here reads no weights
+and raises ValueError with a one-line message naming the setting; `run_serve` prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from ttsserve.config import EngineConfig, GPTConfig
+
+
+def check_engine_config(cfg: EngineConfig) -> None:
+    """ValueError naming the first setting of `cfg` that cannot work on this machine: the checkpoint (found
+    and complete; `--model` a real folder or hub id), the device (CUDA present, index in range), an fp8 KV
+    cache off CUDA, $TTSSERVE_CPU_COMPILE, $OMP_NUM_THREADS on the CPU, and a --kv-cache-memory too small
+    for two blocks. EngineConfig itself has already checked each value's range."""
+    from ttsserve.attention.torch_ref import compile_level
+    from ttsserve.model.chattts import locate_checkpoint, resolve_device, resolve_dtype
+    from ttsserve.quant.kv_fp8 import check_kv_cache_dtype
+
+    device = resolve_device(cfg.device)
+    check_kv_cache_dtype(cfg.kv_cache_dtype, device)
+    compile_level()
+    if device.type == "cpu":
+        from ttsserve.runner.cpu_threads import plan_cpu_threads
+
+        plan_cpu_threads(cfg.cpu_threads)
+    root = locate_checkpoint(cfg)
+    if cfg.kv_cache_memory is not None:
+        from ttsserve.runner.kv_cache import plan_kv_cache
+
+        plan_kv_cache(_gpt_config(cfg, root), resolve_dtype(cfg.dtype, device), cfg.block_size,
+                      cfg.kv_cache_memory, 0, kv_cache_dtype=cfg.kv_cache_dtype)
+
+
+def _gpt_config(cfg: EngineConfig, root) -> GPTConfig:
+    """The GPT sizes the load will see: the checkpoint's config.json, or the dummy size's."""
+    import json
+
+    if root is None:
+        from ttsserve.model.dummy import SIZES, gpt_config_json
+
+        return GPTConfig.from_hf_json(gpt_config_json(SIZES[cfg.dummy_size]))
+    path = root / "asset" / "gpt" / "config.json"
+    try:
+        return GPTConfig.from_hf_json(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening (uvicorn listens once the engine is up; until then a
+    client is refused, not left hanging). Held through the model load, so no other process can take the port
+    meanwhile. The address family and SO_REUSEADDR follow uvicorn's own binding. ValueError if it cannot bind
+    (port in use, no such address, a privileged port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise ValueError(f"cannot listen on {shown}: {e.strerror or e} (--host / --port)") from None
+    return sock
