@@ -36,3 +36,15 @@ def test_say_other_format_and_bad_input(tmp_path):
     bad = subprocess.run(BASE + ["hi", "-o", str(tmp_path / "d.wav"), "--top-p", "2"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_say_refuses_to_write_an_empty_file(tmp_path):
+    from tests.eos_testutil import eos_at_once_checkpoint
+
+    model = eos_at_once_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "empty.wav"
+    cmd = [sys.executable, "-m", "ttsserve.cli", "say", "Hello.", "-o", str(out), "--model", str(model),
+           "--device", "cpu", "--skip-refine", "--seed", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert "error: the model produced no audio (EOS at the first step)" in proc.stderr and not out.exists()

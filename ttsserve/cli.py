@@ -62,9 +62,13 @@ def _say(a: argparse.Namespace) -> int:
 
         (wav,) = tts.generate(text, params, voice=voice, refine_text=not a.skip_refine,
                               normalize=not a.no_normalize, progress=progress)
+    res = next(iter(tts.last_results.values()))
+    if wav.size == 0:  # as the server's 500: an empty file would look like success
+        print(f"error: the model produced no audio (EOS at the first step); {a.output} not written: try another "
+              f"--seed, or --min-new-tokens 1", file=sys.stderr)
+        return 1
     fmt = a.format or Path(a.output).suffix.lstrip(".") or "wav"
     Path(a.output).write_bytes(encode_audio(wav, fmt, 24000))
-    res = next(iter(tts.last_results.values()))
     print(f"wrote {a.output}: {wav.size / 24000:.2f} s of audio, {res.num_frames} frames, "
           f"finish={res.finish_reason}" + (f", truncated segments {res.truncated_segments}"
                                            if res.truncated_segments else ""))

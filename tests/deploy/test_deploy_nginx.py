@@ -72,8 +72,9 @@ def _upstreams(line: str) -> list[str]:
 
 def test_streams_pass_through_unbuffered(dp_cluster, nginx) -> None:
     dp_cluster.wait_all_ready()  # also waits out the restart of the replica the data-parallel test killed
+    # min_new_tokens: the dummy's EOS (model/dummy_eos.py) must not end the stream after a chunk or two
     body = {"model": "chattts", "input": TEXT, "voice": "alloy", "response_format": "mp3", "seed": 2,
-            "max_new_tokens": 300}
+            "min_new_tokens": 300, "max_new_tokens": 300}
     httpx.post(nginx.url + "/v1/audio/speech", json=body, timeout=60)  # warm both code paths once
     events: list[tuple[float, int]] = []
     t0 = time.perf_counter()

@@ -17,7 +17,8 @@ from ttsserve.server.app import ServerConfig, create_app
 # The real engine on random tiny weights, CPU, a small KV pool and no swap space (fast to build).
 REAL_ENGINE = {"load_format": "dummy", "dummy_size": "tiny", "device": "cpu", "kv_cache_memory": 64 << 20,
                "swap_space": 0.0}
-# Random weights rarely say EOS: cap every segment so each synthesis is a few hundred ms of CPU.
+# The dummy's EOS comes after some 5-10 frames per prompt position (model/dummy_eos.py): cap every segment so each
+# synthesis is a few hundred ms of CPU (tests that need the full 24 frames also set min_new_tokens).
 REAL_MAX_NEW_TOKENS = 24
 
 

@@ -15,7 +15,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path, body", CASES, ids=["speech-audio", "speech-sse", "synthesize-file", "synthesize-stream"])
+@pytest.mark.parametrize("path, body", CASES,
+                         ids=["speech-audio", "speech-sse", "synthesize-file", "synthesize-stream"])
 def test_no_audio_is_a_500_not_an_empty_200(serve, path, body):
     srv, eng = serve()
     with srv.client() as c:
@@ -37,3 +38,19 @@ def test_audio_that_exists_still_streams(serve):
     with srv.client() as c:
         r = c.post("/v1/audio/speech", json={**SPEECH, "input": "some words", "response_format": "pcm"})
     assert r.status_code == 200 and len(r.content) == 4 * len("some words") * 512 * 2
+
+
+def test_a_real_engine_that_says_eos_at_once(serve, tmp_path):
+    """The real engine emits a final output without samples when EOS comes at the first step; the README's
+    curl (mp3, default streaming) then gets the 500, and the engine serves the next request."""
+    from tests.eos_testutil import eos_at_once_checkpoint
+    from tests.server.conftest import make_real_engine, wait_until
+
+    engine = make_real_engine(model=str(eos_at_once_checkpoint(tmp_path)), load_format="safetensors")
+    srv, _ = serve(engine)
+    with srv.client() as c:
+        for _ in range(2):
+            r = c.post("/v1/audio/speech", json={"model": "chattts", "input": "Hello!", "voice": "alloy"})
+            assert r.status_code == 500 and r.json()["error"]["code"] == "no_audio", r.content[:200]
+    s = engine.stats
+    assert wait_until(lambda: s()["num_running"] == 0 and s()["num_free_blocks"] == s()["num_blocks"])

@@ -13,7 +13,10 @@ import pytest
 
 from tests.server.helpers import decode, decode_int16, parse_sse, same_audio, sse_audio
 
-SPEECH = {"model": "tts-1", "input": "Hello there, this is a test.", "voice": "alloy", "seed": 5}
+# min_new_tokens = the server cap (REAL_MAX_NEW_TOKENS): every form runs the same 24 frames, in several chunks;
+# the dummy's EOS (model/dummy_eos.py) could otherwise end one early, after a chunk or two.
+SEEDED = {"seed": 5, "min_new_tokens": 24}
+SPEECH = {"model": "tts-1", "input": "Hello there, this is a test.", "voice": "alloy", **SEEDED}
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +37,10 @@ def real(request):
 def test_openai_sdk_create_and_with_streaming_response(real):
     client = openai.OpenAI(base_url=real.url + "/v1", api_key="sk-x", max_retries=0)
     resp = client.audio.speech.create(model="tts-1", voice="alloy", input=SPEECH["input"], response_format="pcm",
-                                      extra_body={"seed": 5})
+                                      extra_body=SEEDED)
     assert same_audio(resp.content, real.pcm)
     with client.audio.speech.with_streaming_response.create(
-        model="tts-1", voice="alloy", input=SPEECH["input"], response_format="wav", extra_body={"seed": 5}
+        model="tts-1", voice="alloy", input=SPEECH["input"], response_format="wav", extra_body=SEEDED
     ) as stream:
         assert stream.headers["content-type"] == "audio/wav"
         chunks = [c for c in stream.iter_bytes() if c]
@@ -77,12 +80,12 @@ def test_sse_matches_the_audio_stream(real):
 
 def test_synthesize_file_equals_stream(real):
     with real.client() as c:
-        r = c.post("/synthesize", json={"text": SPEECH["input"], "voice": "alloy", "seed": 5, "format": "wav"})
+        r = c.post("/synthesize", json={"text": SPEECH["input"], "voice": "alloy", **SEEDED, "format": "wav"})
         assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content)
         assert r.headers["x-finish-reason"] in ("stop", "length")
         assert same_audio(decode_int16(r.content, "wav"), real.pcm)
         assert float(r.headers["x-audio-duration"]) == pytest.approx(len(real.pcm) / 2 / 24000, abs=1e-3)
-        r = c.post("/synthesize", json={"text": SPEECH["input"], "seed": 5, "format": "pcm", "stream": True})
+        r = c.post("/synthesize", json={"text": SPEECH["input"], **SEEDED, "format": "pcm", "stream": True})
         assert r.status_code == 200 and r.headers.get("transfer-encoding") == "chunked"
         assert same_audio(r.content, real.pcm)  # /synthesize defaults to alloy
 

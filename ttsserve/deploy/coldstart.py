@@ -121,10 +121,10 @@ def measure_cold_start(serve_args: list[str], timeout_s: float = 600.0, env: dic
 def cached_dummy_checkpoint(size: str, seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
     """A random checkpoint of `size` saved once in the published layout; returns the folder holding asset/.
     Written to a temporary name and renamed, so concurrent first starts never see half a checkpoint."""
-    from ttsserve.model.dummy import make_dummy_checkpoint, save_checkpoint
+    from ttsserve.model.dummy import make_dummy_checkpoint, recipe_id, save_checkpoint
 
     root = Path(cache_dir or os.environ.get("TTSSERVE_CACHE") or Path.home() / ".cache" / "ttsserve")
-    path = root / f"dummy-{size}-seed{seed}"
+    path = root / f"dummy-{size}-seed{seed}-{recipe_id(size)}"  # a new recipe never reads an old cache
     if (path / "asset" / "gpt" / "model.safetensors").is_file():
         return path
     root.mkdir(parents=True, exist_ok=True)

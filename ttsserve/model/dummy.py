@@ -3,7 +3,8 @@
 Random weights cost exactly what real ones cost, so speed figures on them are real; the audio is not speech.
 Initialisation follows the golden checkpoint's recipe (tests/golden/README.md): matrices N(0, 0.02), norm weights
 1 + N(0, 0.02), weight-normed heads with g ~ U(1, 3), conv stacks N(0, 1/fan_in), layer scales U(0.05, 0.2),
-`coef` U(0.5, 1.5), real Hann windows and HTK mel filterbanks.
+`coef` U(0.5, 1.5), real Hann windows and HTK mel filterbanks; plus an EOS clock (model/dummy_eos.py), so that
+a sentence gives seconds of noise rather than none or a minute.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ttsserve.model.dummy_eos import add_eos_clock
 from ttsserve.model.loader import Checkpoint
 
 SPECIAL_TOKENS = (
@@ -36,12 +38,25 @@ class DummySize:
     dvae_dim: int
     dvae: tuple[int, int, int]  # hidden, n_layer, bn; encoder odim = vq dim = 2 * dvae_dim
     vocos: tuple[int, int, int]  # dim, intermediate, n_layer
+    eos_gain: float  # the EOS clock (model/dummy_eos.py): K = eos_gain * 0.04 / RMS of the last hidden state
+    eos_rho: float  # ... and the first frame's EOS logit is K * (1 - eos_rho)
+    text_eos_gain: float  # the refine stage's [Ebreak] logit: text_eos_gain * 0.04 / RMS
 
 
 SIZES = {
-    "real": DummySize(768, 3072, 20, 12, 21128, (512, 12, 128), 512, (256, 12, 128), (512, 1536, 8)),
-    "tiny": DummySize(64, 128, 2, 4, 974, (64, 2, 16), 32, (64, 2, 16), (64, 192, 2)),
+    "real": DummySize(768, 3072, 20, 12, 21128, (512, 12, 128), 512, (256, 12, 128), (512, 1536, 8), 228.0, 1.2, 300.0),
+    "tiny": DummySize(64, 128, 2, 4, 974, (64, 2, 16), 32, (64, 2, 16), (64, 192, 2), 6.5, 1.2, 3.5),
 }
+# Bump when the recipe's code changes: cached dummy checkpoints (deploy/coldstart.py) are keyed by recipe_id.
+RECIPE_VERSION = 2
+
+
+def recipe_id(size: str) -> str:
+    """Names the weights make_dummy_checkpoint(size, seed) produces, up to the seed: the recipe version and a
+    digest of the size's constants, so a cache never serves weights of an older recipe."""
+    import hashlib
+
+    return f"r{RECIPE_VERSION}-{hashlib.sha256(repr(SIZES[size]).encode()).hexdigest()[:8]}"
 
 
 def _normal(g: torch.Generator, *shape: int, std: float) -> torch.Tensor:
@@ -206,10 +221,14 @@ def make_dummy_checkpoint(size: str = "real", seed: int = 0, tokenizer_dir: Path
     mean = _normal(g, s.hidden, std=4.0).clamp(-8.8, 8.9).half()
     from ttsserve.text.speaker import encode_spk_stat
 
+    gpt, embed = _gpt(g, s), _embed(g, s)
+    add_eos_clock(gpt, embed, s.hidden, s.layers, s.heads, s.eos_gain, s.eos_rho,
+                  text_eos_id=s.num_wordpiece + SPECIAL_TOKENS.index("[Ebreak]"), text_gain=s.text_eos_gain)
     return Checkpoint(
-        gpt_config=gpt_config_json(s), gpt=_gpt(g, s), embed=_embed(g, s), decoder=_decoder(g, s),
+        gpt_config=gpt_config_json(s), gpt=gpt, embed=embed, decoder=_decoder(g, s),
         dvae=_dvae(g, s), vocos=_vocos(g, s), tokenizer_dir=tok_dir,
-        extra_config={"size": size, "seed": seed, "spk_stat": encode_spk_stat(std.numpy(), mean.numpy())},
+        extra_config={"size": size, "seed": seed, "recipe": recipe_id(size),
+                      "spk_stat": encode_spk_stat(std.numpy(), mean.numpy())},
         source=f"dummy ({size}, seed {seed})",
     )
 

@@ -110,7 +110,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         srv.add_argument(flag, dest=dest, default=None,
                          help=f"{helptext} [env {ENV_PREFIX + dest.upper()}; default {default!r}]")
     srv.add_argument("--api-key", dest="api_key", action="append", default=None,
-                     help="accepted Bearer key; repeat or comma-separate for several [env TTSSERVE_API_KEY]")
+                     help="accepted Bearer key; repeat or comma-separate for several; a blank one is refused "
+                          "[env TTSSERVE_API_KEY]")
     srv.add_argument("--served-model-name", dest="served_model_name", action="append", default=None,
                      help="accepted `model` names (repeatable; default: the model's name + tts-1, tts-1-hd, "
                           "gpt-4o-mini-tts) [env TTSSERVE_SERVED_MODEL_NAME, comma list]")
