@@ -4,7 +4,8 @@
 # Every step writes under OUT as it goes, so a call cut short still returns what it measured.
 #   bash benchmarks/gpu_served.sh OUT
 # Env: TESTS=0 skips the tests, STAG=0 the engine benchmark, SERVE=0 the server; SERVE_ARGS adds server flags,
-#      FORMATS (default pcm:32,128,256; e.g. "pcm:128 mp3:128") formats and concurrencies, DUR seconds per point,
+#      FORMATS (default pcm:32,128,256) format:concurrencies[:client processes] items, e.g. "pcm:128:1 pcm:128:4
+#      mp3:128" (client processes default to CLIENT_PROCS, 4: one Python client saturates), DUR seconds per point,
 #      STAG_VARIANTS / STAG_CONC / STAG_SECONDS the engine benchmark's.
 set -u
 OUT=${1:?usage: $0 OUT}
@@ -34,12 +35,14 @@ if [ "${SERVE:-1}" = 1 ]; then
         sleep 0.5
     done
     echo "server ready after ${SECONDS}s (script clock)"
-    for spec in ${FORMATS:-pcm:32,128,256}; do  # format:concurrencies
-        fmt=${spec%%:*}
+    for spec in ${FORMATS:-pcm:32,128,256}; do  # format:concurrencies[:client processes]
+        IFS=: read -r fmt conc procs <<< "$spec"
+        procs=${procs:-${CLIENT_PROCS:-4}}
+        name="serve_${fmt}_c${conc//,/-}_p$procs"
         timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.cli bench serve --url http://127.0.0.1:8000 \
-            --concurrency "${spec#*:}" --duration "${DUR:-25}" --num-requests 100000 --no-plots --no-progress \
-            --response-format "$fmt" --out "$OUT/serve_$fmt" > "$OUT/serve_$fmt.txt" 2>&1
-        echo "bench serve $fmt rc=$?"; tail -20 "$OUT/serve_$fmt.txt"
+            --concurrency "$conc" --client-procs "$procs" --duration "${DUR:-25}" --num-requests 100000 \
+            --no-plots --no-progress --response-format "$fmt" --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
+        echo "bench serve $spec rc=$?"; tail -12 "$OUT/$name.txt" | head -6
     done
     curl -s localhost:8000/metrics | grep -E "^ttsserve_(step|engine|vocoder|graph)" | head -40 > "$OUT/metrics.txt"
     kill -INT $server; wait $server

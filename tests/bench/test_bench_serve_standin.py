@@ -109,3 +109,27 @@ def test_non_loopback_urls_are_refused() -> None:
 def test_parse_prometheus() -> None:
     m = parse_prometheus('# TYPE a gauge\na 1\nb{x="1 2"} 2.5e3\nbroken line here\n')
     assert m == {"a": 1.0, 'b{x="1 2"}': 2500.0}
+
+
+def test_client_processes_split_the_load_and_keep_request_ids() -> None:
+    from ttsserve.bench.client_procs import spread
+
+    items = list(range(10))
+    assert spread("concurrency", 5, items, 2) == [(3.0, [0, 2, 4, 6, 8]), (2.0, [1, 3, 5, 7, 9])]
+    assert [s for s, _ in spread("concurrency", 2, items, 4)] == [1.0, 1.0]  # no process without a client
+    assert spread("qps", 4.0, items[:1], 2) == [(2.0, [0])]  # a process without texts is not started
+    with LiveServer(standin_app()) as srv:
+        spec = ServeSpec(url=srv.url, concurrency=[3], num_requests=9, duration=30, max_new_tokens=None,
+                         client_procs=2)
+        (res,) = run_serving(spec, progress=False)
+    s = res.summary()
+    assert sorted(int(r.request_id.split("-")[1]) for r in res.requests) == list(range(9))
+    assert s["errors"] == {"429": 1} and s["num_ok"] == 8
+    for r in res.requests:  # the same seeds, so the same stand-in answers as one process gets
+        seed = int(r.request_id.split("-")[1])
+        if seed != 3:
+            assert r.num_samples == expected_samples(seed), seed
+    assert len(s["client_cpu"]) == 2 and all(0 <= c < 2 for c in s["client_cpu"])
+    assert 0 < res.wall_s < 30
+    with pytest.raises(ValueError, match="client_procs"):
+        ServeSpec(url=srv.url, concurrency=[1], client_procs=0)

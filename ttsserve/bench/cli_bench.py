@@ -102,6 +102,9 @@ def _add_serve(sub) -> None:
                    help="pcm: samples = bytes / 2; mp3: samples counted from the frame headers (encoding cost shows)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="frame cap per segment sent with each request")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="load-generator processes (one Python client saturates near one core; the report's "
+                        "client CPU column shows it)")
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 
@@ -235,7 +238,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                          concurrency=a.concurrency, qps=a.qps, num_requests=a.num_requests, duration=a.duration,
                          stream=not a.no_stream, max_new_tokens=a.max_new_tokens, seed=a.seed, langs=a.langs,
                          text_lengths=a.text_lengths, timeout=a.timeout, allow_remote=a.allow_remote,
-                         response_format=a.response_format)
+                         response_format=a.response_format, client_procs=a.client_procs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -100,6 +100,11 @@ def _pcts(d: dict, keys=("p50", "p90", "p99")) -> str:
     return " / ".join(_f(d[k]) for k in keys)
 
 
+def _client_cpu(s: dict) -> str:
+    cpu = s.get("client_cpu") or []
+    return f"{max(cpu):.2f} x {len(cpu)}" if cpu else "-"
+
+
 def markdown(report: dict, results: Sequence[RunResult]) -> str:
     m = report["machine"]
     lines = [f"# ttsserve bench {report['kind']}", "",
@@ -121,15 +126,15 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
                          f"{_f(s['kv_cache_usage_peak'], 4)} | {s['preemptions']} |")
     else:
         lines += ["| load | ok/total | req/s | audio-s/s | TTFA p50/p99 (s) | latency p50/p99 (s) | "
-                  "RTF p50/p99 | underrun streams | errors | server mem peak (MiB) |",
-                  "|---|---:|---:|---:|---|---|---|---:|---|---:|"]
+                  "RTF p50/p99 | underrun streams | errors | server mem peak (MiB) | client CPU |",
+                  "|---|---:|---:|---:|---|---|---|---:|---|---:|---:|"]
         for r in results:
             s = r.summary()
             p = ("p50", "p99")
             lines.append(f"| {s['load_kind']} {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
                          f"{_f(s['requests_per_s'])} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['ttfa_s'], p)} | "
                          f"{_pcts(s['latency_s'], p)} | {_pcts(s['rtf'], p)} | {s['underrun_streams']} | "
-                         f"{s['errors'] or '-'} | {_mib(s['peak_memory_bytes'])} |")
+                         f"{s['errors'] or '-'} | {_mib(s['peak_memory_bytes'])} | {_client_cpu(s)} |")
     if report["ratios"]:
         lines += ["", "ttsserve vs hf (> 1: ttsserve better)", "",
                   "| batch | throughput x | latency p50 x | TTFA p50 x | peak memory (ttsserve/hf) |",
@@ -137,6 +142,9 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
         for q in report["ratios"]:
             lines.append(f"| {q['load']:g} | {_f(q['throughput_ratio'])} | {_f(q['latency_p50_speedup'])} | "
                          f"{_f(q['ttfa_p50_speedup'])} | {_f(q['peak_memory_ratio'])} |")
+    if report["kind"] == "serve":
+        lines += ["", "client CPU = cores busy per load-generator process (its most loaded one, x the number "
+                  "of processes); near 1.0 the client, not the server, limits the figures: raise --client-procs."]
     lines += ["", "Units: audio-s/s = seconds of returned 24-kHz audio per wall second (all requests); "
               "frames/s = code frames per wall second (1 frame = 512 samples = 21.3 ms); latency = submission "
               "to last audio; TTFA = submission to first audio; RTF = latency / audio duration.", ""]

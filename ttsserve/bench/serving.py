@@ -48,6 +48,7 @@ class ServeSpec:
     sample_rate: int = SAMPLE_RATE
     response_format: str = "pcm"
     extra_body: dict = field(default_factory=dict)
+    client_procs: int = 1  # load-generator processes (bench/client_procs.py); one Python client saturates
 
     def __post_init__(self) -> None:
         if self.response_format not in ("pcm", "mp3"):
@@ -61,6 +62,8 @@ class ServeSpec:
             raise ValueError("concurrency values must be >= 1 and qps values > 0")
         if self.num_requests < 1 or not (self.duration > 0):
             raise ValueError("num_requests must be >= 1 and duration > 0")
+        if self.client_procs < 1:
+            raise ValueError(f"client_procs must be >= 1, got {self.client_procs}")
         check_loopback(self.url, self.allow_remote)
 
     @property
@@ -167,38 +170,57 @@ def _sample_counter(fmt: str):
     return pcm
 
 
-async def _closed_loop(client, spec: ServeSpec, texts: list[Sentence], concurrency: int, on_done) -> list:
+Items = list[tuple[int, Sentence]]  # (global request index, text): the index names the request and seeds it
+
+
+async def _closed_loop(client, spec: ServeSpec, items: Items, concurrency: int, on_done) -> list:
     deadline = time.perf_counter() + spec.duration
-    next_index = iter(range(len(texts)))
+    pending = iter(items)
     records: list[RequestRecord] = []
 
     async def worker() -> None:
-        for i in next_index:
+        for i, sentence in pending:
             if time.perf_counter() >= deadline:
                 return
-            records.append(await one_request(client, spec, texts[i], i))
+            records.append(await one_request(client, spec, sentence, i))
             on_done()
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records
 
 
-async def _open_loop(client, spec: ServeSpec, texts: list[Sentence], qps: float, on_done) -> list:
-    rng = random.Random(spec.seed)
+async def _open_loop(client, spec: ServeSpec, items: Items, qps: float, seed: int, on_done) -> list:
+    rng = random.Random(seed)
     deadline = time.perf_counter() + spec.duration
     tasks = []
 
-    async def timed(i: int) -> RequestRecord:
-        rec = await one_request(client, spec, texts[i], i)
+    async def timed(i: int, sentence: Sentence) -> RequestRecord:
+        rec = await one_request(client, spec, sentence, i)
         on_done()
         return rec
 
-    for i in range(len(texts)):
+    for i, sentence in items:
         if time.perf_counter() >= deadline:
             break
-        tasks.append(asyncio.create_task(timed(i)))
+        tasks.append(asyncio.create_task(timed(i, sentence)))
         await asyncio.sleep(rng.expovariate(qps))
     return list(await asyncio.gather(*tasks))
+
+
+async def drive_load(spec: ServeSpec, load_kind: str, load: float, items: Items, seed: int,
+                     on_done=lambda: None) -> tuple[list[RequestRecord], float]:
+    """Run one share of a load point from this process -> (records, the CPU this process used per wall
+    second while it ran: 1.0 = one core busy, where one Python client stops keeping up)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
+        if load_kind == "concurrency":
+            records = await _closed_loop(client, spec, items, int(load), on_done)
+        else:
+            records = await _open_loop(client, spec, items, float(load), seed, on_done)
+    return records, (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
 
 
 async def _scrape(client) -> dict[str, float]:
@@ -238,14 +260,17 @@ def _memory_figures(samples: list[dict[str, float]], before: dict, after: dict) 
 
 
 async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool = True) -> RunResult:
-    """One load point: requests until num_requests or duration, with /metrics sampled twice a second."""
+    """One load point: requests until num_requests or duration, with /metrics sampled twice a second. With
+    spec.client_procs > 1 the load is spread over that many client processes (bench/client_procs.py)."""
     import httpx
     from tqdm import tqdm
 
+    from ttsserve.bench.client_procs import drive_in_processes
+
     texts = select_texts(spec.num_requests, seed=spec.seed, langs=tuple(spec.langs),
                          lengths=tuple(spec.text_lengths))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
+    items = list(enumerate(texts))
+    async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout) as client:
         before = await _scrape(client)
         samples: list[dict] = []
         stop = asyncio.Event()
@@ -258,17 +283,18 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
                 except TimeoutError:
                     pass
 
-        bar = tqdm(total=len(texts), unit="req", disable=not progress, leave=False, desc=f"{load_kind} {load:g}")
         sampler_task = asyncio.create_task(sampler())
-        t0 = time.perf_counter()
-        if load_kind == "concurrency":
-            records = await _closed_loop(client, spec, texts, int(load), lambda: bar.update(1))
+        if spec.client_procs == 1:
+            bar = tqdm(total=len(texts), unit="req", disable=not progress, leave=False,
+                       desc=f"{load_kind} {load:g}")
+            t0 = time.perf_counter()
+            records, cpu = await drive_load(spec, load_kind, load, items, spec.seed, lambda: bar.update(1))
+            wall, client_cpu = time.perf_counter() - t0, [cpu]
+            bar.close()
         else:
-            records = await _open_loop(client, spec, texts, float(load), lambda: bar.update(1))
-        wall = time.perf_counter() - t0
+            records, client_cpu, wall = await drive_in_processes(spec, load_kind, load, items)
         stop.set()
         await sampler_task
-        bar.close()
         after = await _scrape(client)
     figures = _memory_figures(samples + [after], before, after)
     mem = [v for k, v in figures["server_metrics_peak"].items() if "memory" in k and "bytes" in k]
@@ -277,7 +303,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
                      peak_memory_bytes=int(max(mem)) if mem else None,
                      memory_kind="server_metrics" if mem else None,
                      kv_cache_usage_peak=max(kv) if kv else None, preemptions=figures["preemptions"],
-                     extra={"stream": spec.stream, "endpoint": spec.path,
+                     extra={"stream": spec.stream, "endpoint": spec.path, "client_cpu": client_cpu,
                             "server_metrics_peak": figures["server_metrics_peak"]})
 
 
