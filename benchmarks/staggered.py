@@ -35,6 +35,8 @@ VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on)
     "graphs-cadence4": ({"vocoder_cadence": 4}, True),
     "graphs-cadence4-admit4": ({"vocoder_cadence": 4, "admission_interval": 4}, True),
     "graphs-cadence8-admit8": ({"vocoder_cadence": 8, "admission_interval": 8}, True),
+    "sync": ({"async_scheduling": False}, True),  # the CUDA defaults (cadence 8, admission 8), not pipelined
+    "pipelined": ({"async_scheduling": True}, True),
 }
 
 
@@ -58,7 +60,8 @@ def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
 
     for _ in range(concurrency):
         submit()
-    base = dict(engine.timings.__dict__), engine.counters.steps, engine.audio.calls_total
+    base = (dict(engine.timings.__dict__), engine.counters.steps, engine.audio.calls_total,
+            dict(engine.runner.timings.__dict__))
     mixed0 = engine.runner.timings.mixed_graph_steps
     while time.perf_counter() - t0 < seconds:
         for o in engine.step():
@@ -97,6 +100,7 @@ def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int)
             stalled += 1
     ttfa = [r["ttfa"] for r in done]
     tm = {k: (v - base[0][k]) / max(steps, 1) for k, v in engine.timings.__dict__.items()}
+    rt = {k: (v - base[3][k]) / max(steps, 1) for k, v in engine.runner.timings.__dict__.items() if k.endswith("_ms")}
     return {
         "requests": len(done), "seconds": elapsed, "steps": steps,
         "audio_s_per_s": sum(r["samples"] for r in done) / gb.SR / elapsed,
@@ -104,7 +108,7 @@ def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int)
         "stalled_streams": stalled, "step_ms": elapsed * 1e3 / max(steps, 1),
         "vocoder_calls_per_step": (engine.audio.calls_total - base[2]) / max(steps, 1),
         "mixed_graph_steps": engine.runner.timings.mixed_graph_steps - mixed0,
-        "step_breakdown_ms": tm,
+        "step_breakdown_ms": tm, "runner_breakdown_ms": rt, "async_scheduling": engine.pipelined,
     }
 
 
@@ -144,7 +148,8 @@ def main() -> int:
             print(f"{name:>18} @{c:<4} {r['audio_s_per_s']:8.1f} audio-s/s  ttfa p50 {r['ttfa_p50_s']:.3f} "
                   f"p99 {r['ttfa_p99_s']:.3f} s  stalled {r['stalled_streams']}/{r['requests']}  step "
                   f"{r['step_ms']:.2f} ms (runner {r['step_breakdown_ms']['runner_ms']:.2f}, audio "
-                  f"{r['step_breakdown_ms']['audio_step_ms']:.2f})  voc calls/step "
+                  f"{r['step_breakdown_ms']['audio_step_ms']:.2f}, device wait "
+                  f"{r['runner_breakdown_ms']['forward_ms']:.2f})  voc calls/step "
                   f"{r['vocoder_calls_per_step']:.2f}  mixed {r['mixed_graph_steps']}", flush=True)
             (out / "staggered.json").write_text(json.dumps(results, indent=1))
     return 0

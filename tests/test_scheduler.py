@@ -132,3 +132,50 @@ def test_admission_interval_groups_arrivals_while_requests_run():
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
     with pytest.raises(ValueError, match="admission_interval"):
         create_scheduler(admission_interval=0)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_property_random_workloads_pipelined(scenario):
+    """Asynchronous scheduling: step n + 1 is scheduled before step n's results are in. Every request must
+    still end with exactly the tokens the model sampled, and the fake KV cache proves every read."""
+    sched, reqs, arrivals, aborts, stop_at, limits = scenario
+    streams, _ = run_to_completion(sched, reqs, arrivals, aborts, stop_at, limits, pipelined=True)
+    check_outputs(sched, reqs, streams, stop_at)
+    assert not sched.requests and not sched.running and not sched.waiting and not sched.swapped
+    assert all(r.num_inflight_tokens == r.num_inflight_outputs == 0 for r in reqs if not r.is_finished)
+
+
+def test_pipelined_decode_continues_from_the_in_flight_sample():
+    sched = create_scheduler()
+    (r,) = create_requests(1, prompt_len=6, max_new_tokens=3)
+    sched.add_request(r)
+    first = sched.schedule()  # the prefill, in flight
+    assert scheduled(first) == {"r0": (0, 6, True)}
+    second = sched.schedule()  # before the prefill's sample is back: decode its placeholder
+    assert scheduled(second) == {"r0": (6, 1, True)} and second.scheduled[0].new_token_ids == []
+    assert second.scheduled[0].num_output_tokens == 1 and r.num_inflight_outputs == 2
+    sched.update_from_output(first, {"r0": (1, 1, 1, 1)}, {})
+    assert r.num_computed_tokens == 6 and r.num_inflight_tokens == 1 and r.output_token_ids == [(1, 1, 1, 1)]
+    third = sched.schedule()
+    assert scheduled(third) == {"r0": (7, 1, True)}
+    sched.update_from_output(second, {"r0": (2, 2, 2, 2)}, {})
+    assert sched.schedule().scheduled == []  # the third sample is the last (max_new_tokens=3): nothing past it
+    (u,) = sched.update_from_output(third, {"r0": (3, 3, 3, 3)}, {})
+    assert u.finished and u.finish_reason == "length" and r.num_output_tokens == 3
+
+
+def test_pipelined_step_after_eos_is_dropped_and_text_waits_for_its_token():
+    sched = create_scheduler()
+    (c,) = create_requests(1, prompt_len=4, max_new_tokens=8)
+    t = Request("t0", [5] * 4, mode="text", max_new_tokens=8, arrival_time=1.0)
+    sched.add_request(c)
+    sched.add_request(t)
+    first = sched.schedule()
+    second = sched.schedule()
+    assert set(scheduled(second)) == {"r0"}  # the text request waits for its sampled token
+    (stop_c, _) = sched.update_from_output(first, {"r0": (9, 9, 9, 9), "t0": 3}, {"r0": True})
+    assert stop_c.finished and stop_c.finish_reason == "stop" and c.is_finished and c.block_table == []
+    assert sched.update_from_output(second, {"r0": (1, 2, 3, 4)}, {}) == []  # the wasted row: dropped
+    third = sched.schedule()
+    assert scheduled(third) == {"t0": (4, 1, True)} and third.scheduled[0].new_token_ids == [3]

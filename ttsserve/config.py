@@ -74,6 +74,10 @@ class EngineConfig:
     admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
         Both None: 8 on CUDA (where a call or a prefill costs several decode steps of host time; 8 beat 4 and 1
         on the H200, BENCHMARKS.md), 1 on the CPU.
+    async_scheduling: the engine schedules and queues step n + 1 on the device before it reads step n's
+        results, so the host's bookkeeping overlaps the device's work (vLLM V1's asynchronous scheduling;
+        engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),
+        off on the CPU, where torch runs each op in the calling thread and there is nothing to overlap.
     cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
         may use (ttsserve/runner/cpu_threads.py).
     """
@@ -103,6 +107,7 @@ class EngineConfig:
     lookahead_frames: int | None = None
     vocoder_cadence: int | None = None
     admission_interval: int | None = None
+    async_scheduling: bool | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
     cpu_threads: int | None = None
@@ -145,3 +150,9 @@ class EngineConfig:
         auto = 8 if device_type == "cuda" else 1
         cadence = self.vocoder_cadence or (1 if self.lookahead_frames is not None else auto)  # windowed: none
         return cadence, self.admission_interval or auto
+
+    def pipelined(self, device_type: str) -> bool:
+        """async_scheduling with the default of `device_type` filled in."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device_type == "cuda" and not self.enforce_eager

@@ -45,9 +45,10 @@ class FrameRecorder:
             return orig_append(seq_ids, h)
 
         def update(sched, sampled, stopped):
-            for rid, tok in sampled.items():
-                self.frames.setdefault(rid, []).append((tok, stopped.get(rid, False)))
-            return orig_update(sched, sampled, stopped)
+            updates = orig_update(sched, sampled, stopped)
+            for u in updates:  # the accepted samples only: a pipelined step's dropped rows are not frames
+                self.frames.setdefault(u.request_id, []).append((sampled.get(u.request_id), stopped.get(u.request_id, False)))
+            return updates
 
         engine.audio.append_batch = append_batch
         engine.scheduler.update_from_output = update

@@ -99,3 +99,44 @@ def test_abort_frees_blocks(tiny_model):
     e.step()
     assert not e.has_unfinished()
     assert e.kv_manager.num_free_blocks == e.kv_spec.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["none", "recompute", "swap"])
+def test_pipelined_steps_equal_solo(tiny_model, solo_codes, mode):
+    """async_scheduling: step n + 1 is scheduled and queued before step n's samples are read, so decode rows
+    continue from tokens the host has not seen, EOS and length ends leave a wasted row, preemption drops an
+    in-flight result. Every request still gets exactly its solo codes."""
+    reqs = _requests(64)[:24]
+    kw = dict(max_num_batched_tokens=64, async_scheduling=True)
+    if mode != "none":
+        kw.update(kv_cache_memory=24 * 16 * 1024, preemption_mode=mode,
+                  swap_space=(64 * 16 * 1024) / 2**30 if mode == "swap" else 0.0)
+    got, e = _codes(tiny_model, reqs, **kw)
+    assert e.pipelined and e.runner.pipelined
+    st = e.stats()
+    if mode != "none":
+        assert st["num_preemptions_total"] > 0
+    assert st["num_free_blocks"] == st["num_blocks"]
+    for r in reqs:
+        assert got[r.request_id] == solo_codes[r.request_id], r.request_id
+
+
+def test_pipelined_abort_in_flight(tiny_model, solo_codes):
+    """Aborting requests whose next step is already queued: their results are dropped, the rest unchanged."""
+    reqs = _requests(64)[:8]
+    e = make_engine(tiny_model, async_scheduling=True)
+    rec = FrameRecorder(e)
+    for r in reqs:
+        e.add_synthesis(r)
+    for _ in range(4):
+        e.step()
+    for r in reqs[:3]:
+        e.abort(r.request_id)
+    run_all(e)
+    e.step()  # reads the last queued step
+    assert e.kv_manager.num_free_blocks == e.kv_spec.num_blocks
+    for r in reqs[3:]:
+        assert [t for t, _ in rec.frames[f"{r.request_id}/0/code"]] == solo_codes[r.request_id]
+    for r in reqs[:3]:
+        frames = [t for t, _ in rec.frames.get(f"{r.request_id}/0/code", [])]
+        assert frames == solo_codes[r.request_id][:len(frames)]

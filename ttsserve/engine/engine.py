@@ -25,7 +25,7 @@ from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
-from ttsserve.runner.model_runner import ModelRunner, SequenceInputs
+from ttsserve.runner.model_runner import ModelRunner, RunnerOutput, SequenceInputs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,9 @@ class Engine:
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=cfg.enforce_eager)
         cadence, admission = cfg.step_intervals(self.model.device.type)
+        self.pipelined = cfg.pipelined(self.model.device.type)
+        self.runner.pipelined = self.pipelined
+        self._in_flight: tuple | None = None  # (SchedulerOutput, launched step) whose results are not read yet
         self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, cfg.block_size, self.kv_spec.num_cpu_blocks,
                                          enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -252,7 +255,9 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> list[AudioOutput]:
         """One engine step. On CUDA the GPT step is queued first, then the vocoder's host work runs while the
-        device computes (its kernels queue behind the step), then the step's one sync."""
+        device computes (its kernels queue behind the step), then the step's one sync. Pipelined
+        (async_scheduling), the step queued here is the next one: this call then reads the results of the
+        step queued by the previous call, while the device already runs this one."""
         tm, clock = self.timings, time.perf_counter
         t0 = clock()
         self.scheduler.max_num_seqs_limit = self.controller.limit
@@ -265,12 +270,16 @@ class Engine:
         t2 = clock()
         chunks = self.audio.step() if self.audio.deferred else None
         t3 = clock()
-        out = self.runner.wait(launched)
+        if self.pipelined:
+            done, self._in_flight = self._in_flight, (sched, launched) if launched is not None else None
+        else:
+            done = (sched, launched)
+        out = self.runner.wait(done[1]) if done else RunnerOutput()
         t4 = clock()
-        updates = self.scheduler.update_from_output(sched, out.sampled, out.stopped)
+        updates = self.scheduler.update_from_output(done[0], out.sampled, out.stopped) if done else []
         t5 = clock()
         if out.hiddens is not None:
-            self._append_frames(out.hidden_ids, out.hiddens)
+            self._append_frames(out.hidden_ids, out.hiddens, updates)
         t6 = clock()
         for u in updates:
             if u.finished:
@@ -288,7 +297,16 @@ class Engine:
         self._account(t0, sched)
         return outputs
 
-    def _append_frames(self, seq_ids: list[str], hiddens) -> None:
+    def _append_frames(self, seq_ids: list[str], hiddens, updates: list) -> None:
+        """The hidden states of accepted frames into the audio stage. A pipelined step's rows whose results
+        the scheduler dropped (EOS, abort or preemption while in flight) are not frames."""
+        accepted = {u.request_id for u in updates}
+        if len(accepted) < len(seq_ids) or not accepted.issuperset(seq_ids):
+            keep = [i for i, seq_id in enumerate(seq_ids) if seq_id in accepted]
+            if not keep:
+                return
+            seq_ids = [seq_ids[i] for i in keep]
+            hiddens = hiddens[torch.as_tensor(keep, device=hiddens.device)]
         self.audio.append_batch(seq_ids, hiddens)
         sequences, syntheses = self.sequences, self.syntheses
         for seq_id in seq_ids:
@@ -383,4 +401,6 @@ class Engine:
             "graph_steps_total": self.runner.timings.graph_steps,
             "mixed_graph_steps_total": self.runner.timings.mixed_graph_steps,
             "step_breakdown_ms": self.timings.as_dict(c.steps),
+            "runner_breakdown_ms": self.runner.timings.per_step(),
+            "async_scheduling": self.pipelined,
         }

@@ -58,8 +58,13 @@ class Request:
     sampling_params / payload: opaque to the scheduler, passed on to the runner (payload: e.g. the
         speaker embedding).
 
-    Mutated only by the scheduler (status, outputs, num_computed_tokens) and the block manager
-    (block_table).
+    Mutated only by the scheduler (status, outputs, num_computed_tokens, the in-flight counts) and the
+    block manager (block_table).
+
+    In flight (asynchronous scheduling): positions scheduled in a step whose results are not back yet.
+    `num_computed_tokens` counts committed positions only (their items are known, so the prefix cache may
+    hash them); `num_inflight_tokens` more are being computed, and `num_inflight_outputs` of those steps
+    will sample a token not known yet (a placeholder: the device already holds it, the host does not).
     """
 
     request_id: str
@@ -75,6 +80,8 @@ class Request:
     output_token_ids: list = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
+    num_inflight_outputs: int = 0
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)  # [cdiv(num allocated slots, block_size)] GPU block ids
     error: str | None = None  # why the request ended with FINISHED_ERROR
@@ -112,6 +119,16 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt + outputs: the positions a recompute must re-prefill."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Committed plus in-flight positions: where the next chunk starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Prompt + outputs, counting the outputs still in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_outputs
 
     @property
     def all_token_ids(self) -> list:

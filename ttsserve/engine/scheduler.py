@@ -9,7 +9,15 @@ Each step (schedule):
      waiting requests FCFS while the token budget, max_num_seqs_limit and the block pool allow.
 Prefill, chunked prefill, decode and recompute are the same rule: compute tokens
 [num_computed_tokens, num_computed_tokens + num_new_tokens) of prompt + outputs. The scheduler never looks
-at `mode` or at token items; it only passes them on.
+at token items; it only passes them on.
+
+Asynchronous scheduling (vLLM V1's): the engine may call schedule() for step n + 1 before
+update_from_output() of step n. A request then continues from its in-flight positions
+(Request.num_scheduled_tokens): a chunk of known items, or, after a step that samples, a code decode whose
+input is the placeholder (the runner reads it on the device). A text request waits for its sample, and
+nothing is scheduled past a length limit the in-flight sample reaches. A request preempted while in flight
+loses those results (update_from_output skips requests that are no longer running); an EOS sampled in
+flight makes the next step's row wasted work, whose result is dropped the same way.
 """
 
 from __future__ import annotations
@@ -174,7 +182,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens req may compute now (0: not this step)."""
-        num_new = req.num_tokens - req.num_computed_tokens
+        num_new = req.num_tokens_with_placeholders - req.num_scheduled_tokens
         assert num_new >= 1, f"{req.request_id}: nothing to compute"
         if num_new == 1:  # decode, and the last token of a prefill
             return 1 if budget >= 1 else 0
@@ -192,16 +200,25 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if req.num_inflight_outputs and not self._may_continue(req):
+                continue
             num_new = self._chunk(req, st.budget)
             if num_new == 0:
                 continue
-            while not bm.allocate_slots(req, num_new):
+            while not bm.allocate_slots(req, req.num_inflight_tokens + num_new):
                 victim = self._pick_victim()
                 self._preempt(victim, st, out)
                 if victim is req:
                     break
             else:
                 self._schedule(req, num_new, st)
+
+    def _may_continue(self, req: Request) -> bool:
+        """A request whose in-flight step samples: may the next step decode from that placeholder?"""
+        if req.mode != "code":
+            return False  # a text token steers the next input on the host (the refine stage's end)
+        done = len(req.output_token_ids) + req.num_inflight_outputs
+        return done < req.max_new_tokens and req.num_tokens_with_placeholders < self.token_limit
 
     def _schedule_swapped(self, st: _Step, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -241,22 +258,25 @@ class Scheduler:
             self._schedule(req, num_new, st)
 
     def _schedule(self, req: Request, num_new: int, st: _Step) -> None:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_tokens
         end = start + num_new
-        num_prompt, outputs = len(req.prompt_token_ids), req.output_token_ids
+        num_outputs = len(req.output_token_ids) + req.num_inflight_outputs
+        will_sample = end == req.num_tokens_with_placeholders
         st.scheduled[req.request_id] = ScheduledRequest(  # positional: this runs per request per step
             req.request_id,  # request_id
             req.mode,  # mode
             start,  # num_computed_tokens
             num_new,  # num_new_tokens
-            req.token_slice(start, end),  # new_token_ids
+            req.token_slice(start, end),  # new_token_ids (without the in-flight placeholder)
             req.block_table,  # block_table
-            end == num_prompt + len(outputs),  # will_sample
-            num_prompt,  # num_prompt_tokens
-            len(outputs),  # num_output_tokens
+            will_sample,  # will_sample
+            len(req.prompt_token_ids),  # num_prompt_tokens
+            num_outputs,  # num_output_tokens
             req.sampling_params,
             req.payload,
         )
+        req.num_inflight_tokens += num_new
+        req.num_inflight_outputs += will_sample
         st.budget -= num_new
 
     # ---- preemption --------------------------------------------------------------------------------
@@ -271,6 +291,8 @@ class Scheduler:
         undone = st.scheduled.pop(victim.request_id, None)
         if undone is not None:  # scheduled earlier in this step: give its tokens back
             st.budget += undone.num_new_tokens
+        # whatever it has in flight is dropped: update_from_output skips it, it is no longer running
+        victim.num_inflight_tokens = victim.num_inflight_outputs = 0
         if self.config.preemption_mode != "recompute" and bm.can_swap_out(victim):
             out.swap_out.extend(bm.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -300,10 +322,13 @@ class Scheduler:
         for s in sched_out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # defensive: nothing can change a scheduled request between the two calls
+                continue  # finished, aborted or preempted since it was scheduled: its results are dropped
             req.num_computed_tokens += s.num_new_tokens
+            req.num_inflight_tokens -= s.num_new_tokens
+            assert req.num_inflight_tokens >= 0, f"{s.request_id}: committed more than was in flight"
             if not s.will_sample:
                 continue
+            req.num_inflight_outputs -= 1
             if stop.get(s.request_id, False):
                 token, status = None, RequestStatus.FINISHED_STOPPED
             else:

@@ -125,8 +125,12 @@ class DecodeGraphs:
         self.sizes = sorted(set(sizes))
         max_bs, dev = self.sizes[-1], runner.device
         self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
-        self.meta_host = torch.zeros(max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._meta_np = self.meta_host.numpy()
+        # Two pinned host buffers, used in turn: a replay's copy from its buffer may still be queued when the
+        # next replay is prepared (the engine's async scheduling queues step n + 1 before it waits for step
+        # n); it has run by the replay after that, which comes after the wait for step n.
+        self._meta_hosts = [torch.zeros(max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+                            for _ in range(2)]
+        self._turn = 0
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(max_bs, runner.cfg.num_vq, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(max_bs, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
@@ -134,6 +138,14 @@ class DecodeGraphs:
         self.pool = None
         self.generation = None
         self.capture_s = 0.0
+
+    @property
+    def meta_host(self) -> torch.Tensor:
+        return self._meta_hosts[self._turn]
+
+    @property
+    def _meta_np(self) -> np.ndarray:
+        return self.meta_host.numpy()
 
     @property
     def max_batch_size(self) -> int:
@@ -245,6 +257,7 @@ class DecodeGraphs:
         b = len(rows)
         bs = self.bucket(b)
         ib = self.runner.input_batch
+        self._turn ^= 1
         m = self._meta_np
         m[:b, _ROW] = rows
         m[:b, _POS] = starts

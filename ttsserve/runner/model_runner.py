@@ -110,6 +110,10 @@ class RunnerTimings:
     forward_ms: float = 0.0
     output_ms: float = 0.0
 
+    def per_step(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {"prepare_ms": self.prepare_ms / n, "forward_ms": self.forward_ms / n, "output_ms": self.output_ms / n}
+
 
 class ModelRunner:
     """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
@@ -135,6 +139,10 @@ class ModelRunner:
         self.sampling = SamplingState(max_num_seqs, self.cfg.num_vq, DEFAULT_HISTORY_WINDOW, self.device)
         self.states: dict[str, _SequenceState] = {}
         self.timings = RunnerTimings()
+        # Pipelined (the engine's async_scheduling): decode rows may continue from a token the host has not
+        # seen yet, so they always take the decode path (which reads last_tokens on the device), and a
+        # step's outputs must survive the next step being queued before they are read.
+        self.pipelined = False
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager and graphable:
             from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
@@ -214,14 +222,15 @@ class ModelRunner:
                   and s.mode == "code" and s.num_computed_tokens >= s.num_prompt_tokens]
         if len(decode) == len(scheduled):
             groups = [self._decode_group(scheduled, rows)]
-        elif decode and self.graphs is not None and self.graphs.can_run(len(decode)):
+        elif decode and (self.pipelined or self.graphs is not None and self.graphs.can_run(len(decode))):
             # A mixed step: the decode rows replay their graph, the prefill / text rows run eagerly after it
             # (vLLM V1 keeps attention out of its piecewise graphs for the same reason). Off CUDA one forward
-            # over all rows reads the weights once, which is what a CPU step is bound by.
+            # over all rows reads the weights once, which is what a CPU step is bound by; pipelined, the
+            # decode rows' inputs may be on the device only, which the decode path reads.
             rest = sorted(set(range(len(scheduled))) - set(decode))
             groups = [self._decode_group([scheduled[i] for i in decode], rows[decode])]
             groups += self._execute_general([scheduled[i] for i in rest], rows[rest], requests)
-            tm.mixed_graph_steps += 1
+            tm.mixed_graph_steps += self.graphs is not None
         else:
             groups = self._execute_general(scheduled, rows, requests)
         flat = [t.reshape(-1) for _, _, t, _ in groups]
@@ -243,6 +252,8 @@ class ModelRunner:
         steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
         if self.graphs is not None and self.graphs.can_run(len(scheduled)):
             tokens, hidden = self.graphs.run(rows, starts, steps)
+            if self.pipelined:  # the next replay, queued before this is read, rewrites the static buffer
+                hidden = hidden.clone()
             self.timings.graph_steps += 1
         else:
             tokens, hidden = self._decode_eager(rows, starts, steps)

@@ -43,6 +43,7 @@ _ENGINE_HELP = {
     "preemption_mode": "auto | recompute | swap",
     "max_queue_len": "most requests in the engine (queued + running); also the server's in-flight bound",
     "target_step_latency_ms": "dynamic batching goal; 0 disables the controller",
+    "async_scheduling": "schedule and queue step n+1 while step n runs on the GPU (default: on with CUDA)",
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
