@@ -28,15 +28,17 @@ import gpu_bench as gb  # noqa: E402
 from ttsserve.model.chattts import load_model  # noqa: E402
 from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
 
-VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on)
-    "eager-vocoder": ({}, False),
-    "graphs": ({}, True),
-    "graphs-cadence2": ({"vocoder_cadence": 2}, True),
-    "graphs-cadence4": ({"vocoder_cadence": 4}, True),
-    "graphs-cadence4-admit4": ({"vocoder_cadence": 4, "admission_interval": 4}, True),
-    "graphs-cadence8-admit8": ({"vocoder_cadence": 8, "admission_interval": 8}, True),
-    "sync": ({"async_scheduling": False}, True),  # the CUDA defaults (cadence 8, admission 8), not pipelined
-    "pipelined": ({"async_scheduling": True}, True),
+VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on, piecewise prefill graphs on)
+    "eager-vocoder": ({}, False, True),
+    "graphs": ({}, True, True),
+    "graphs-cadence2": ({"vocoder_cadence": 2}, True, True),
+    "graphs-cadence4": ({"vocoder_cadence": 4}, True, True),
+    "graphs-cadence4-admit4": ({"vocoder_cadence": 4, "admission_interval": 4}, True, True),
+    "graphs-cadence8-admit8": ({"vocoder_cadence": 8, "admission_interval": 8}, True, True),
+    "sync": ({"async_scheduling": False}, True, True),  # the CUDA defaults (cadence 8, admission 8), not pipelined
+    "pipelined": ({"async_scheduling": True}, True, True),
+    "pipelined-eager-prefill": ({"async_scheduling": True}, True, False),
+    "sync-eager-prefill": ({"async_scheduling": False}, True, False),
 }
 
 
@@ -113,10 +115,12 @@ def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int)
 
 
 def run_variant(model, name: str, concurrency: int, seconds: float) -> dict:
-    overrides, graphs = VARIANTS[name]
+    overrides, graphs, prefill_graphs = VARIANTS[name]
     engine = gb.make_engine(model, max_num_seqs=max(concurrency, 8), **overrides)
     if not graphs:
         engine.audio.graphs.clear()  # the decode graphs stay: only the vocoder runs eagerly
+    if not prefill_graphs:
+        engine.runner.prefill_graphs = None  # prefill rows op by op, as before the piecewise graphs
     closed_loop(engine, concurrency, min(5.0, seconds / 2), seed=1)  # warm: first-call shapes, allocator
     result = closed_loop(engine, concurrency, seconds, seed=2)
     result["vocoder_graph_capture_s"] = sum(g.capture_s for g in engine.audio.graphs.values())

@@ -9,7 +9,8 @@ import torch
 from engine_testutil import FrameRecorder, make_engine, run_all
 
 from ttsserve.params import SamplingParams, SynthesisRequest
-from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
+from ttsserve.runner.cuda_graphs import DecodeGraphs, DecodeOps, default_capture_sizes
+from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
 from ttsserve.runner.input_batch import InputBatch
 from ttsserve.sample.sampler import make_sampling_batch, sample
 from ttsserve.sample.state import SamplingState
@@ -159,13 +160,16 @@ def test_default_capture_sizes():
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-def _run_staggered(model, reqs, graphs: list[int] | None):
+def _run_staggered(model, reqs, graphs: list[int] | None, prefill_sizes: list[int] | None = None):
     """Request i arrives at step 4 * i, with a small token budget: its prefill chunks share steps with the
     decode rows of the earlier requests."""
     e = make_engine(model, max_model_len=512, max_num_batched_tokens=24)
     if graphs is not None:
         e.runner.graphs = DecodeGraphs(e.runner, graphs)
         e.runner.graphs.capture()
+    if prefill_sizes is not None:
+        e.runner.prefill_graphs = PrefillGraphs(e.runner, prefill_sizes, DecodeOps(compile=False))
+        e.runner.prefill_graphs.capture()
     rec = FrameRecorder(e)
     for step in range(5000):
         if step % 4 == 0 and step // 4 < len(reqs):
@@ -187,3 +191,22 @@ def test_mixed_prefill_and_decode_steps_replay_the_decode_graph(tiny_model):
         seq = f"{r.request_id}/0/code"
         assert rec_graph.frames[seq] == rec_eager.frames[seq]
         np.testing.assert_allclose(rec_graph.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)
+
+
+def test_piecewise_prefill_pieces_equal_the_eager_forward(tiny_model):
+    """The piecewise prefill graphs' pieces (run eagerly off CUDA on their static buffers, padded to a token
+    bucket, attention between them) against GPT.forward: the same codes and hiddens, decode graphs too."""
+    reqs = _requests(5, frames=30)
+    _, rec_eager = _run_staggered(tiny_model, reqs, None)
+    e, rec_pw = _run_staggered(tiny_model, reqs, [1, 2, 4, 8], prefill_sizes=[5, 16, 24])
+    assert e.runner.timings.piecewise_steps >= 5 and e.stats()["piecewise_prefill_steps_total"] > 0
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert rec_pw.frames[seq] == rec_eager.frames[seq]
+        np.testing.assert_allclose(rec_pw.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)
+
+
+def test_default_prefill_sizes():
+    assert default_prefill_sizes(4096) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
+                                           3072, 4096]
+    assert default_prefill_sizes(100) == [16, 32, 64, 96, 100] and default_prefill_sizes(8) == [8]

@@ -90,7 +90,7 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=cfg.enforce_eager)
+                                  enforce_eager=cfg.enforce_eager, max_num_batched_tokens=cfg.max_num_batched_tokens)
         cadence, admission = cfg.step_intervals(self.model.device.type)
         self.pipelined = cfg.pipelined(self.model.device.type)
         self.runner.pipelined = self.pipelined
@@ -400,6 +400,7 @@ class Engine:
             "cuda_graphs": self.runner.graphs is not None,
             "graph_steps_total": self.runner.timings.graph_steps,
             "mixed_graph_steps_total": self.runner.timings.mixed_graph_steps,
+            "piecewise_prefill_steps_total": self.runner.timings.piecewise_steps,
             "step_breakdown_ms": self.timings.as_dict(c.steps),
             "runner_breakdown_ms": self.runner.timings.per_step(),
             "async_scheduling": self.pipelined,

@@ -6,7 +6,9 @@ Two paths, one result:
   the input frames, sampling parameters and repetition history are already on the device (SamplingState,
   indexed by the sequence's row), so a step is a small host pack plus, on CUDA, one CUDA-graph replay
   (runner/cuda_graphs.py) and one device-to-host copy of the sampled codes;
-- any other step (prefill, chunked prefill, recompute, refine-text, mixed): eager, with vectorised inputs.
+- any other step (prefill, chunked prefill, recompute, refine-text): vectorised inputs, and on CUDA the GPT
+  through piecewise graphs by token bucket with only the attention eager (runner/piecewise_graphs.py); a
+  mixed step replays the decode graph for its decode rows and runs the rest that way.
 The runner never touches a queue; the scheduler never touches a tensor (ARCHITECTURE.md principle 3).
 """
 
@@ -106,6 +108,7 @@ class RunnerTimings:
     steps: int = 0
     graph_steps: int = 0  # steps whose decode rows replayed a graph
     mixed_graph_steps: int = 0  # of those, steps that also ran prefill / text rows eagerly
+    piecewise_steps: int = 0  # general-path forwards through the piecewise prefill graphs
     prepare_ms: float = 0.0
     forward_ms: float = 0.0
     output_ms: float = 0.0
@@ -121,7 +124,7 @@ class ModelRunner:
 
     def __init__(self, model: ChatTTSModel, kv_spec: KVCacheSpec, spk_emb_id: int, text_eos_id: int, *,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 capture_sizes: list[int] | None = None) -> None:
+                 capture_sizes: list[int] | None = None, max_num_batched_tokens: int = 4096) -> None:
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.cfg = model.gpt_config
@@ -144,11 +147,16 @@ class ModelRunner:
         # step's outputs must survive the next step being queued before they are read.
         self.pipelined = False
         self.graphs = None
+        self.prefill_graphs = None  # runner/piecewise_graphs.py: the general path's forward, by token bucket
         if self.device.type == "cuda" and not enforce_eager and graphable:
             from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
             self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs))
             self.graphs.capture()
+            from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
+
+            self.prefill_graphs = PrefillGraphs(self, default_prefill_sizes(max_num_batched_tokens), self.graphs.ops)
+            self.prefill_graphs.capture()
 
     def _setup_cpu(self, enforce_eager: bool) -> None:
         """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With
@@ -223,8 +231,8 @@ class ModelRunner:
         if len(decode) == len(scheduled):
             groups = [self._decode_group(scheduled, rows)]
         elif decode and (self.pipelined or self.graphs is not None and self.graphs.can_run(len(decode))):
-            # A mixed step: the decode rows replay their graph, the prefill / text rows run eagerly after it
-            # (vLLM V1 keeps attention out of its piecewise graphs for the same reason). Off CUDA one forward
+            # A mixed step: the decode rows replay their graph, the prefill / text rows run after it on the
+            # general path. Off CUDA one forward
             # over all rows reads the weights once, which is what a CPU step is bound by; pipelined, the
             # decode rows' inputs may be on the device only, which the decode path reads.
             rest = sorted(set(range(len(scheduled))) - set(decode))
@@ -315,9 +323,16 @@ class ModelRunner:
         return md, async_h2d(torch.from_numpy(arr.positions), self.device)
 
     def _forward(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
-        # Not the decode graphs' compiled fused ops: on an H200 the prefill rows' varying lengths made them
-        # recompile under load (the runner's share of a step rose from 3.8 to 6.2 ms, BENCHMARKS.md).
         return self.model.gpt(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
+
+    def _forward_general(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
+        """The general path's forward: piecewise graphs where they are captured (the compiled fused ops run
+        eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, BENCHMARKS.md)."""
+        pg = self.prefill_graphs
+        if pg is None or not pg.can_run(x.shape[0]):
+            return self._forward(x, md, positions)
+        self.timings.piecewise_steps += 1
+        return pg.run(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
 
     def _decode_eager(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray):
         arr = self.input_batch.step_arrays(rows, starts, np.ones_like(starts), steps)
@@ -349,7 +364,7 @@ class ModelRunner:
         arr = self.input_batch.step_arrays(rows, starts, num_new, steps)
         md, positions = self._metadata(arr)
         x = self._gather_inputs(scheduled, arr, requests)
-        hidden = self._forward(x, md, positions)
+        hidden = self._forward_general(x, md, positions)
         groups = []
         for mode in ("code", "text"):
             idx = [i for i, s in enumerate(scheduled) if s.will_sample and s.mode == mode]

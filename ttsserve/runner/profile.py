@@ -39,8 +39,10 @@ def kv_budget_after_profiling(model, cfg: EngineConfig) -> int:
     torch.cuda.synchronize(dev)
     activations = torch.cuda.max_memory_allocated(dev) - weights - temp
     torch.cuda.empty_cache()
-    # the vocoder's graphs keep a pool as large as its largest call for good (audio/vocoder_graphs.py)
-    reserve = GRAPH_RESERVE_BYTES + (0 if cfg.enforce_eager else profile_vocoder_call_bytes(model, cfg))
+    # The vocoder's graphs keep a pool as large as its largest call for good (audio/vocoder_graphs.py), and
+    # the piecewise prefill graphs one as large as a max-size step's largest piece, at most its activations.
+    graph_pools = 0 if cfg.enforce_eager else profile_vocoder_call_bytes(model, cfg) + activations
+    reserve = GRAPH_RESERVE_BYTES + graph_pools
     budget = int(cfg.gpu_memory_utilization * total - others - weights - activations - reserve)
     logger.info("memory: %.2f GiB total x %.2f utilization; %.2f GiB used by others (context, processes), "
                 "%.2f GiB weights, %.2f GiB peak activations of a max-size step, %.2f GiB graph reserve "
