@@ -51,6 +51,7 @@ def test_health_ready_models_metrics(serve_real):
     assert _metric(text, "ttsserve_num_requests_running") == 0 and _metric(text, "ttsserve_num_requests_waiting") == 0
     assert _metric(text, "ttsserve_kv_cache_usage_ratio") == 0 and _metric(text, "ttsserve_step_time_ms") > 0
     assert _metric(text, "ttsserve_num_preemptions_total") == 0 and _metric(text, "ttsserve_num_swaps_total") == 0
+    assert _metric(text, "ttsserve_engine_warm") == float(eng.stats()["warm"])
     srv.stop()
     assert not eng.ready
 

@@ -25,7 +25,8 @@ from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
-from ttsserve.runner.model_runner import ModelRunner, RunnerOutput, SequenceInputs
+from ttsserve.runner.model_runner import ModelRunner
+from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ class Engine:
         """The hidden states of accepted frames into the audio stage. A pipelined step's rows whose results
         the scheduler dropped (EOS, abort or preemption while in flight) are not frames."""
         accepted = {u.request_id for u in updates}
-        if len(accepted) < len(seq_ids) or not accepted.issuperset(seq_ids):
+        if not accepted.issuperset(seq_ids):
             keep = [i for i, seq_id in enumerate(seq_ids) if seq_id in accepted]
             if not keep:
                 return
@@ -404,4 +405,5 @@ class Engine:
             "step_breakdown_ms": self.timings.as_dict(c.steps),
             "runner_breakdown_ms": self.runner.timings.per_step(),
             "async_scheduling": self.pipelined,
+            "warm": self.runner.wait_warm(0),
         }

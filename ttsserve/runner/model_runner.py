@@ -17,16 +17,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, select_backend
 from ttsserve.model.chattts import ChatTTSModel
-from ttsserve.params import SamplingParams
 from ttsserve.runner.input_batch import InputBatch, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
+from ttsserve.runner.step_types import RunnerOutput, RunnerTimings, SequenceInputs, LaunchedStep, SequenceState
 from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState, async_h2d
 
@@ -51,73 +50,6 @@ def runner_backend(device: torch.device, head_dim: int):
     return backend, False
 
 
-@dataclass
-class SequenceInputs:
-    """The prompt of one engine sequence, as the front end built it.
-
-    ids: int64 [P, num_vq] (a text position repeats its id in every column; audio-prompt rows hold 4 codes).
-    text_mask: bool [P] (False on audio-prompt rows).
-    spk_emb: fp16 [hidden] or None (replaces the embedding at the [spk_emb] position).
-    """
-
-    ids: torch.Tensor
-    text_mask: torch.Tensor
-    spk_emb: torch.Tensor | None
-    mode: str  # "code" | "text"
-    params: SamplingParams
-    seed: int
-
-
-@dataclass
-class _SequenceState:
-    prompt_embeds: torch.Tensor  # [P, H] in the GPT dtype, on the device
-    mode: str
-    params: SamplingParams
-    seed: int
-
-
-@dataclass
-class RunnerOutput:
-    """sampled[req_id]: a 4-tuple of codes (code) or a token id (text), for requests that sampled this step.
-    stopped[req_id]: the sampled row is EOS (any codebook for code).
-    hidden_ids / hiddens: code requests that sampled a non-EOS frame and the hidden state that produced it,
-    [len(hidden_ids), H] fp32 on the device (the Decoder's input, spec 4.5). Valid until the next execute().
-    """
-
-    sampled: dict[str, object] = field(default_factory=dict)
-    stopped: dict[str, bool] = field(default_factory=dict)
-    hidden_ids: list[str] = field(default_factory=list)
-    hiddens: torch.Tensor | None = None
-
-
-@dataclass
-class _Launched:
-    """A step queued on the device: (mode, scheduled, tokens, hidden) groups, and the sampled tokens' host
-    copy (pinned; `event` marks its arrival, None when already there)."""
-
-    groups: list
-    host: torch.Tensor
-    event: object | None
-
-
-@dataclass
-class RunnerTimings:
-    """Host wall time spent in the runner, summed over steps (ms): prepare_ms = input packing and queueing
-    the step (launch), forward_ms = waiting for the device (wait), output_ms = the per-request results."""
-
-    steps: int = 0
-    graph_steps: int = 0  # steps whose decode rows replayed a graph
-    mixed_graph_steps: int = 0  # of those, steps that also ran prefill / text rows eagerly
-    piecewise_steps: int = 0  # general-path forwards through the piecewise prefill graphs
-    prepare_ms: float = 0.0
-    forward_ms: float = 0.0
-    output_ms: float = 0.0
-
-    def per_step(self) -> dict[str, float]:
-        n = max(self.steps, 1)
-        return {"prepare_ms": self.prepare_ms / n, "forward_ms": self.forward_ms / n, "output_ms": self.output_ms / n}
-
-
 class ModelRunner:
     """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
     (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs."""
@@ -140,7 +72,7 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, self.block_size, self.device)
         self.sampling = SamplingState(max_num_seqs, self.cfg.num_vq, DEFAULT_HISTORY_WINDOW, self.device)
-        self.states: dict[str, _SequenceState] = {}
+        self.states: dict[str, SequenceState] = {}
         self.timings = RunnerTimings()
         # Pipelined (the engine's async_scheduling): decode rows may continue from a token the host has not
         # seen yet, so they always take the decode path (which reads last_tokens on the device), and a
@@ -194,7 +126,7 @@ class ModelRunner:
                                                    self.spk_emb_id)
         if inputs.params.repetition_window > self.sampling.window:
             self.sampling.grow(window=inputs.params.repetition_window)  # graphs re-capture on next use
-        self.states[req_id] = _SequenceState(embeds.to(self.dtype), inputs.mode, inputs.params, inputs.seed)
+        self.states[req_id] = SequenceState(embeds.to(self.dtype), inputs.mode, inputs.params, inputs.seed)
 
     def remove_sequence(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -211,7 +143,7 @@ class ModelRunner:
         return self.wait(self.launch(sched, requests))
 
     @torch.inference_mode()
-    def launch(self, sched, requests: dict) -> _Launched | None:
+    def launch(self, sched, requests: dict) -> LaunchedStep | None:
         """Queue one step on the device (the forward, the sampler and the copy of the sampled tokens to the
         host) without waiting for it; `wait()` returns its RunnerOutput. The caller may queue other device
         work in between (the vocoder): it runs after this step and does not delay wait()."""
@@ -232,9 +164,9 @@ class ModelRunner:
             groups = [self._decode_group(scheduled, rows)]
         elif decode and (self.pipelined or self.graphs is not None and self.graphs.can_run(len(decode))):
             # A mixed step: the decode rows replay their graph, the prefill / text rows run after it on the
-            # general path. Off CUDA one forward
-            # over all rows reads the weights once, which is what a CPU step is bound by; pipelined, the
-            # decode rows' inputs may be on the device only, which the decode path reads.
+            # general path. Off CUDA one forward over all rows reads the weights once, which is what a CPU
+            # step is bound by; but pipelined, the decode rows' inputs may be on the device only, which
+            # only the decode path reads.
             rest = sorted(set(range(len(scheduled))) - set(decode))
             groups = [self._decode_group([scheduled[i] for i in decode], rows[decode])]
             groups += self._execute_general([scheduled[i] for i in rest], rows[rest], requests)
@@ -252,7 +184,7 @@ class ModelRunner:
         else:
             host = flat
         tm.prepare_ms += (time.perf_counter() - t0) * 1e3
-        return _Launched(groups, host, event)
+        return LaunchedStep(groups, host, event)
 
     def _decode_group(self, scheduled: list, rows: np.ndarray) -> tuple:
         """Code decode rows (one new frame each, past the prompt): a graph replay where one fits, else eager."""
@@ -267,7 +199,7 @@ class ModelRunner:
             tokens, hidden = self._decode_eager(rows, starts, steps)
         return "code", scheduled, tokens, hidden
 
-    def wait(self, launched: _Launched | None) -> RunnerOutput:
+    def wait(self, launched: LaunchedStep | None) -> RunnerOutput:
         """The sampled tokens of a launched step (the one device-to-host sync of the step)."""
         if launched is None:
             return RunnerOutput()

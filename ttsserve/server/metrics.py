@@ -38,6 +38,8 @@ _ENGINE_GAUGES = {
     "step_time_ms_ema": ("ttsserve_step_time_ms", "Engine step time, exponential moving average (ms)", "gauge"),
     "num_preemptions_total": ("ttsserve_num_preemptions", "Preemptions since start", "counter"),
     "num_swaps_total": ("ttsserve_num_swaps", "Swap-outs since start", "counter"),
+    "warm": ("ttsserve_engine_warm", "1 once the start-up work left to the background (the CPU server's "
+             "compilation) is done: the steady speed; 0 while it runs", "gauge"),
 }
 
 

@@ -1,0 +1,76 @@
+"""The runner's data contracts: a sequence's prompt inputs, a launched step, a step's results, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ttsserve.params import SamplingParams
+
+
+@dataclass
+class SequenceInputs:
+    """The prompt of one engine sequence, as the front end built it.
+
+    ids: int64 [P, num_vq] (a text position repeats its id in every column; audio-prompt rows hold 4 codes).
+    text_mask: bool [P] (False on audio-prompt rows).
+    spk_emb: fp16 [hidden] or None (replaces the embedding at the [spk_emb] position).
+    """
+
+    ids: torch.Tensor
+    text_mask: torch.Tensor
+    spk_emb: torch.Tensor | None
+    mode: str  # "code" | "text"
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class SequenceState:
+    prompt_embeds: torch.Tensor  # [P, H] in the GPT dtype, on the device
+    mode: str
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class RunnerOutput:
+    """sampled[req_id]: a 4-tuple of codes (code) or a token id (text), for requests that sampled this step.
+    stopped[req_id]: the sampled row is EOS (any codebook for code).
+    hidden_ids / hiddens: code requests that sampled a non-EOS frame and the hidden state that produced it,
+    [len(hidden_ids), H] fp32 on the device (the Decoder's input, spec 4.5). Valid until the next execute().
+    """
+
+    sampled: dict[str, object] = field(default_factory=dict)
+    stopped: dict[str, bool] = field(default_factory=dict)
+    hidden_ids: list[str] = field(default_factory=list)
+    hiddens: torch.Tensor | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: (mode, scheduled, tokens, hidden) groups, and the sampled tokens' host
+    copy (pinned; `event` marks its arrival, None when already there)."""
+
+    groups: list
+    host: torch.Tensor
+    event: object | None
+
+
+@dataclass
+class RunnerTimings:
+    """Host wall time spent in the runner, summed over steps (ms): prepare_ms = input packing and queueing
+    the step (launch), forward_ms = waiting for the device (wait), output_ms = the per-request results."""
+
+    steps: int = 0
+    graph_steps: int = 0  # steps whose decode rows replayed a graph
+    mixed_graph_steps: int = 0  # of those, steps that also ran prefill / text rows eagerly
+    piecewise_steps: int = 0  # general-path forwards through the piecewise prefill graphs
+    prepare_ms: float = 0.0
+    forward_ms: float = 0.0
+    output_ms: float = 0.0
+
+    def per_step(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {"prepare_ms": self.prepare_ms / n, "forward_ms": self.forward_ms / n, "output_ms": self.output_ms / n}
