@@ -6,7 +6,8 @@ Per variant: audio-seconds per second, time to first audio p50/p99, streams that
 first audio at 1x), and per step: host ms of the runner and of the audio stage, vocoder calls, mixed steps.
 
 Usage: python3 benchmarks/staggered.py --out DIR [--concurrency 128] [--seconds 20]
-       [--variants eager-vocoder,graphs,graphs-cadence4]       (--device cpu --dummy-size tiny: a smoke run)
+       [--variants eager-vocoder,graphs,graphs-cadence4] [--frames 140,600]
+       (--device cpu --dummy-size tiny: a smoke run)
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on, piecewise pr
 }
 
 
+FRAMES = (140, 600)  # --frames: 3-13 s utterances (the corpus' sentence lengths at 46.9 frames/s), uniform
+
+
 def natural_frames(rng: random.Random) -> int:
-    """3-13 s utterances (the corpus' sentence lengths at 46.9 frames/s), uniform."""
-    return rng.randint(140, 600)
+    return rng.randint(*FRAMES)
 
 
 def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
@@ -137,14 +140,19 @@ def main() -> int:
     ap.add_argument("--concurrency", default="128")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--variants", default="eager-vocoder,graphs,graphs-cadence4")
+    ap.add_argument("--frames", default="140,600", help="utterance frames LO,HI, uniform (bench serve's capped "
+                    "natural lengths are closer to 60,256)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dummy-size", default="real")
     a = ap.parse_args()
+    global FRAMES
+    FRAMES = tuple(int(x) for x in a.frames.split(","))
     gb.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
     model = load_model(gb.model_config())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"setup": dict(gb.SETUP), "concurrency": a.concurrency, "seconds": a.seconds, "runs": {}}
+    results = {"setup": dict(gb.SETUP), "concurrency": a.concurrency, "seconds": a.seconds, "frames": FRAMES,
+               "runs": {}}
     for c in (int(x) for x in a.concurrency.split(",")):
         for name in a.variants.split(","):
             r = run_variant(model, name, c, a.seconds)
