@@ -102,3 +102,33 @@ def test_internal_failure_fails_requests_and_loop_survives(engine, monkeypatch):
     assert ok.finish_reason == "length"
     s = engine.stats()
     assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_pipelined_engine_streams_equal_the_synchronous_engine(engine):
+    """AsyncEngine over an engine with asynchronous scheduling: concurrent streams, one cancelled midway,
+    and the rest equal the synchronous engine's audio; every block is back at the end."""
+    piped = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
+                                                 kv_cache_memory=8 << 20, swap_space=0.01, async_scheduling=True))
+    assert piped.engine.pipelined
+
+    async def cancelled(eng: AsyncEngine) -> None:
+        async for _ in eng.generate(_req(50, frames=200)):
+            break  # the consumer leaves after the first chunk: the engine aborts it
+
+    async def main(eng: AsyncEngine):
+        await eng.start()
+        out = await asyncio.gather(*[_collect(eng, _req(i, frames=10 + 3 * i)) for i in range(6)], cancelled(eng))
+        for _ in range(100):
+            if not eng.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+        return out[:6]
+
+    want = asyncio.run(main(engine))
+    got = asyncio.run(main(piped))
+    for (a, fa), (b, fb) in zip(want, got):
+        assert fb.finish_reason == "length" and fb.num_frames == fa.num_frames
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    kv = piped.engine.kv_manager
+    assert not piped.engine.has_unfinished() and kv.num_free_blocks == piped.engine.kv_spec.num_blocks
+    asyncio.run(piped.shutdown(drain_timeout_s=1))

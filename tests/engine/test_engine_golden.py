@@ -43,11 +43,13 @@ def test_greedy_code_stage_matches_golden(tiny_model, tiny_speaker, batched):
         np.testing.assert_allclose(rec.hidden(f"{key}/0/code"), want_h, atol=1e-5, rtol=0)
 
 
-def test_e2e_refine_code_decode_matches_golden(tiny_model, tiny_speaker):
-    """f_e2e e2e_en: refine (12 tokens) -> code (40 frames) -> Decoder + Vocos, streamed, vs the reference."""
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_e2e_refine_code_decode_matches_golden(tiny_model, tiny_speaker, pipelined):
+    """f_e2e e2e_en: refine (12 tokens) -> code (40 frames) -> Decoder + Vocos, streamed, vs the reference;
+    also with asynchronous scheduling (the refine stage then waits for each token, the code stage does not)."""
     f = golden_json("f_e2e.json")["e2e_en"]
     wav_ref = np.load(GOLDEN / "f_e2e.npz")["e2e_en_decode_call0_wavs"][0]
-    e = make_engine(tiny_model)
+    e = make_engine(tiny_model, async_scheduling=pipelined)
     rec = FrameRecorder(e)
     req = SynthesisRequest(
         f["text"], voice=Voice(spk_emb=tiny_speaker),
