@@ -27,6 +27,7 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
+from ttsserve.sample.state import async_h2d
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,8 @@ class Engine:
             if not keep:
                 return
             seq_ids = [seq_ids[i] for i in keep]
-            hiddens = hiddens[torch.as_tensor(keep, device=hiddens.device)]
+            # through pinned memory: a pageable copy would wait for the step already queued behind this one
+            hiddens = hiddens[async_h2d(torch.tensor(keep), hiddens.device)]
         self.audio.append_batch(seq_ids, hiddens)
         sequences, syntheses = self.sequences, self.syntheses
         for seq_id in seq_ids:

@@ -367,7 +367,8 @@ class ModelRunner:
             elif not stop.all():
                 keep = np.flatnonzero(~stop)
                 hidden_ids.append([ids[i] for i in keep])
-                hiddens.append(hidden[torch.from_numpy(keep).to(hidden.device)])
+                # async: a pageable copy would wait for the step already queued behind this one (pipelined)
+                hiddens.append(hidden[async_h2d(torch.from_numpy(keep), hidden.device)])
         if hiddens:  # a mixed step has two code groups: the graphed decode rows and the eager ones
             out.hidden_ids = [i for ids in hidden_ids for i in ids]
             out.hiddens = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
