@@ -241,6 +241,38 @@ def test_graph_step_has_no_host_sync(real_bf16):
     assert runner.timings.graph_steps > 5
 
 
+def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16):
+    """Pipelined, the step after n is queued before n's results are read: reading them (the runner's outputs,
+    the engine's frames, rows that ended by EOS and the wasted rows after them dropped) must not wait for
+    it. Written after r10, when a pageable index copy there was found by reading."""
+    e = _engine(real_bf16, kv_cache_memory=1 << 30)
+    assert e.pipelined
+    dropped = []
+
+    def no_sync(fn):
+        def checked(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return checked
+
+    orig_append = e._append_frames
+
+    def append(seq_ids, hiddens, updates):
+        dropped.append(len(seq_ids) - len({u.request_id for u in updates} & set(seq_ids)))
+        return orig_append(seq_ids, hiddens, updates)
+
+    e.runner._outputs = no_sync(e.runner._outputs)
+    e._append_frames = no_sync(append)
+    rng = random.Random(SEED)
+    reqs = [SynthesisRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))), request_id=f"eos{i}",
+                             code_params=SamplingParams(seed=i, max_new_tokens=400)) for i in range(16)]
+    _run(e, reqs)
+    assert sum(dropped) > 0  # some rows ended by EOS while the next step was queued
+
+
 def test_enforce_eager_has_no_graphs(real_bf16):
     e = _engine(real_bf16, kv_cache_memory=1 << 30, enforce_eager=True)
     assert e.runner.graphs is None
