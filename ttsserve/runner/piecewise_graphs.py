@@ -106,7 +106,20 @@ class PrefillGraphs:
     # ---- capture / replay --------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm and capture every piece of every bucket, largest first, into one memory pool."""
+        """Warm and capture every piece of every bucket, largest first, into one memory pool. If the
+        torch.compile'd ops fail at these shapes, capture again with the same ops uncompiled (slower pieces,
+        never wrong), as the decode graphs do."""
+        try:
+            self._capture_all()
+        except Exception as exc:
+            if not self.ops.compiled:
+                raise
+            logger.warning("capturing the piecewise prefill graphs with compiled ops failed (%s: %s); "
+                           "capturing them uncompiled", type(exc).__name__, exc)
+            self.ops, self.pool = DecodeOps(compile=False), None
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         t0 = time.perf_counter()
         self.graphs.clear()
         if self.runner.device.type != "cuda":
