@@ -133,3 +133,13 @@ def test_client_processes_split_the_load_and_keep_request_ids() -> None:
     assert 0 < res.wall_s < 30
     with pytest.raises(ValueError, match="client_procs"):
         ServeSpec(url=srv.url, concurrency=[1], client_procs=0)
+
+
+def test_auto_client_procs(monkeypatch):
+    from ttsserve.bench.serving import auto_client_procs
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert [auto_client_procs("concurrency", c) for c in (1, 32, 33, 128, 256, 1024)] == [1, 1, 2, 4, 8, 8]
+    assert auto_client_procs("qps", 50.0) == 1
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert auto_client_procs("concurrency", 128) == 1  # a 2-core machine keeps one process

@@ -102,9 +102,10 @@ def _add_serve(sub) -> None:
                    help="pcm: samples = bytes / 2; mp3: samples counted from the frame headers (encoding cost shows)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="frame cap per segment sent with each request")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--client-procs", type=int, default=1,
-                   help="load-generator processes (one Python client saturates near one core; the report's "
-                        "client CPU column shows it)")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="load-generator processes (default: one per 32 closed-loop streams, at most half the "
+                        "cores; one Python client stops keeping up before the server does; the report's "
+                        "client CPU column shows each process's load)")
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 

@@ -30,12 +30,12 @@ def spread(load_kind: str, load: float, items: list, procs: int) -> list[tuple[f
     return [(loads[k], items[k::n]) for k in range(n) if items[k::n]]
 
 
-async def drive_in_processes(spec, load_kind: str, load: float, items: list
+async def drive_in_processes(spec, load_kind: str, load: float, items: list, procs: int
                              ) -> tuple[list[RequestRecord], list[float], float]:
-    """Run the point over spec.client_procs processes -> (every record, each process's CPU per wall
-    second, wall seconds). RuntimeError if a process fails to start or report."""
+    """Run the point over `procs` processes -> (every record, each process's CPU per wall second, wall
+    seconds). RuntimeError if a process fails to start or report."""
     ctx = mp.get_context("spawn")  # fork would copy this process's event loop and open sockets
-    shares = spread(load_kind, load, items, spec.client_procs)
+    shares = spread(load_kind, load, items, procs)
     barrier, results = ctx.Barrier(len(shares) + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_main, args=(spec, load_kind, share, chunk, spec.seed + k, barrier, results),
                          daemon=True) for k, (share, chunk) in enumerate(shares)]
