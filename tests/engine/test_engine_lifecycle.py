@@ -106,3 +106,29 @@ def test_warm_up_serves_and_leaves_a_clean_engine():
     eng.add_synthesis(SynthesisRequest("hello there", request_id="after", code_params=SamplingParams(
         seed=1, min_new_tokens=5, max_new_tokens=5)))
     assert run_all(eng)["after"][1].num_frames == 5
+
+
+def test_prepared_segments_are_used_as_given(monkeypatch):
+    """An API server splits and normalizes (text/segments.prepare_segments); the engine then skips that work
+    and serves exactly those segments. Misnumbered segments are a ValueError."""
+    from ttsserve.text.segments import Segment, prepare_segments
+
+    eng = _engine()
+    params = SamplingParams(seed=2, min_new_tokens=6, max_new_tokens=6)
+    req = SynthesisRequest("Hello there. It is 3 o'clock.", code_params=params, request_id="p")
+    segments = prepare_segments(req)
+    assert [s.index for s in segments] == [0] and "three" in segments[0].text
+    want = run_all_one(_engine(), req)
+    monkeypatch.setattr(eng.frontend, "segments", lambda r: pytest.fail("the engine normalized again"))
+    eng.add_synthesis(req, segments)
+    got = run_all(eng)["p"]
+    assert got[1].finish_reason == "length" and got[0].tolist() == want[0].tolist()
+    with pytest.raises(ValueError, match="numbered"):
+        eng.add_synthesis(SynthesisRequest("x", request_id="q"), [Segment(1, "x", [])])
+    with pytest.raises(ValueError, match="numbered"):
+        eng.add_synthesis(SynthesisRequest("x", request_id="q"), [])
+
+
+def run_all_one(eng: Engine, req: SynthesisRequest):
+    eng.add_synthesis(req)
+    return run_all(eng)[req.request_id]

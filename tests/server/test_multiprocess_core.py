@@ -72,6 +72,14 @@ def test_wire_format_round_trips():
     bad = msgspec.structs.replace(SynthesisMsg.of(req), code_params={"temperature": -1.0})
     with pytest.raises(ValueError, match="temperature must be > 0"):  # the dataclass checks run in the core
         decode_synthesis(encoder.encode(bad))
+    from ttsserve.engine.core.messages import AddRequest, SegmentMsg, client_decoder
+
+    add = AddRequest("r", msgspec.Raw(encoder.encode(SynthesisMsg.of(req))), [SegmentMsg("a b", ["#"])])
+    back_add = client_decoder.decode(encoder.encode(add))
+    again_req = decode_synthesis(back_add.request)
+    assert back_add.segments == [SegmentMsg("a b", ["#"])]
+    assert again_req.text == req.text and again_req.voice.key == voice.key
+    assert client_decoder.decode(encoder.encode(AddRequest("r", add.request))).segments is None
     out = AudioOutput("r", np.linspace(-1, 1, 7, dtype=np.float32), True, 3, "length", [1], None, ["#"])
     again = RequestOutput.of(out).output()
     assert np.array_equal(again.samples, out.samples) and again.truncated_segments == [1] and again.dropped_chars == ["#"]

@@ -178,12 +178,16 @@ class Engine:
         return self.kv_spec.report() + (f"; {quant}" if quant else "")
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_synthesis(self, req: SynthesisRequest) -> str:
-        """Admit one synthesis (ValueError for bad input, before anything is queued)."""
+    def add_synthesis(self, req: SynthesisRequest, segments: list[Segment] | None = None) -> str:
+        """Admit one synthesis (ValueError for bad input, before anything is queued). segments: the
+        request's text already through frontend.prepare_segments (an API server did it), else done here."""
         rid = req.request_id or f"syn-{next(self._ids)}"
         if rid in self.syntheses:
             raise ValueError(f"request_id {rid!r} is already in use")
-        segments = self.frontend.segments(req)
+        if segments is None:
+            segments = self.frontend.segments(req)
+        elif not segments or [s.index for s in segments] != list(range(len(segments))):
+            raise ValueError("segments must be numbered 0..n-1, at least one")
         seed = req.code_params.seed if req.code_params.seed is not None else random.getrandbits(62)
         dropped = sorted({c for s in segments for c in s.dropped})
         syn = _Synthesis(req, SynthesisTracker(rid, len(segments), dropped), seed, segments)

@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ttsserve.engine.core.messages import (
     Abort,
     AddRequest,
+    SegmentMsg,
     ArrayMsg,
     CoreInfo,
     CoreOutputs,
@@ -43,6 +44,7 @@ from ttsserve.engine.core.messages import (
 from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
+from ttsserve.text.segments import prepare_segments
 
 logger = logging.getLogger("ttsserve.core_client")
 
@@ -140,12 +142,15 @@ class CoreClient:
         rid = f"{req.request_id}@api{self.index}" if req.request_id else f"api{self.index}-{next(self._request_ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        # The text work (split, normalize, control-prompt checks) happens here, not on the core's step loop;
+        # its ValueError is the caller's 400 without a round trip.
+        segments = [SegmentMsg(s.text, s.dropped) for s in prepare_segments(req)]
         msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
         stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
         self._streams[rid] = stream
         admitted = finished = False
         try:
-            self._post(AddRequest(rid, msgspec.Raw(encoder.encode(msg))))
+            self._post(AddRequest(rid, msgspec.Raw(encoder.encode(msg)), segments))
             await stream.admitted
             admitted = True
             while True:

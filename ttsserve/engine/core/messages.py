@@ -114,12 +114,22 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     pid: int
 
 
+class SegmentMsg(msgspec.Struct, array_like=True, frozen=True):
+    """One text segment as engine/frontend.prepare_segments made it (normalized text, dropped characters)."""
+
+    text: str
+    dropped: list[str]
+
+
 class AddRequest(msgspec.Struct, tag="add", frozen=True):
     """request_id: the core's key for the request (also request.request_id). `request` is an encoded
-    SynthesisMsg decoded by the core on its own, so a request that fails its checks is rejected by id."""
+    SynthesisMsg decoded by the core on its own, so a request that fails its checks is rejected by id.
+    segments: the text already split and normalized by the API server (None: the core does it), so that
+    per-request text work stays off the core's step loop."""
 
     request_id: str
     request: msgspec.Raw
+    segments: list[SegmentMsg] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):

@@ -50,6 +50,7 @@ from ttsserve.engine.core.messages import (
     encoder,
 )
 from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.text.segments import Segment
 
 logger = logging.getLogger("ttsserve.core")
 
@@ -202,7 +203,9 @@ class EngineCore:
             if rid in self.owner:
                 raise ValueError(f"request_id {rid!r} is already in use")
             req = dataclasses.replace(decode_synthesis(msg.request), request_id=rid)
-            self.engine.add_synthesis(req)
+            segments = None if msg.segments is None else [
+                Segment(i, m.text, list(m.dropped)) for i, m in enumerate(msg.segments)]
+            self.engine.add_synthesis(req, segments)
         except (ValueError, EngineOverloadedError) as e:
             batch.rejected.append(Rejection(rid, ErrorInfo.of(e)))
             return
