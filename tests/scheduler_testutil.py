@@ -144,6 +144,9 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput, pipelined: bool = F
     # No running stream ever stalls: budget >= max_num_seqs and chunks leave a token for each. In a
     # pipeline a request sits out only while its in-flight sample decides what comes next (a text token,
     # or the length limit it reaches).
+    for r in sched.running:  # at most two steps in flight: the unread one and the one just scheduled
+        assert 0 <= r.num_inflight_outputs <= (2 if pipelined else 1) and r.num_inflight_tokens >= 0, r.request_id
+        assert r.num_computed_tokens + r.num_inflight_tokens <= r.num_tokens_with_placeholders, r.request_id
     idle = {r.request_id for r in sched.running} - {s.request_id for s in out.scheduled}
     for rid in idle:
         r = sched.requests[rid]

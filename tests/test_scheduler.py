@@ -143,7 +143,6 @@ def test_property_random_workloads_pipelined(scenario):
     streams, _ = run_to_completion(sched, reqs, arrivals, aborts, stop_at, limits, pipelined=True)
     check_outputs(sched, reqs, streams, stop_at)
     assert not sched.requests and not sched.running and not sched.waiting and not sched.swapped
-    assert all(r.num_inflight_tokens == r.num_inflight_outputs == 0 for r in reqs if not r.is_finished)
 
 
 def test_pipelined_decode_continues_from_the_in_flight_sample():
