@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from ttsserve.server.preflight import bind_socket
+
 logger = logging.getLogger("ttsserve.launcher")
 ENV_COUNT = "TTSSERVE_API_SERVER_COUNT"
 CORE_DEATH_LINGER_S = 5.0
@@ -108,9 +110,9 @@ class _Launcher:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
-            self.sock = self.sock or _bind(self.host, self.port)
-        except OSError as e:
-            logger.error("cannot bind %s:%d: %s", self.host, self.port, e)
+            self.sock = self.sock or bind_socket(self.host, self.port)
+        except ValueError as e:
+            logger.error("%s", e)
             return 1
         metrics_dir = os.path.join(self.run_dir, "metrics")
         os.makedirs(metrics_dir)
@@ -233,15 +235,6 @@ def _join(p, timeout_s: float) -> int | None:
         p.kill()
         p.join(5)
     return p.exitcode
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
-    return sock
 
 
 def _configure_logging(level: str, role: str) -> None:
