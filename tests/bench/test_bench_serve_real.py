@@ -38,6 +38,11 @@ def test_streaming_concurrency_sweep(server) -> None:
         assert s["rtf"]["p50"] > 0 and s["underrun_streams"] <= 6
         # the cap: at most 24 frames (512 samples each) per segment of these one-sentence texts
         assert max(r.num_samples for r in res.requests) <= 24 * 512
+        # the server's own view from its /metrics: it stepped, and its phases are host time per step
+        assert s["server_steps_per_s"] > 0 and s["server_running_mean"] <= 3
+        ms = s["server_step_ms"]
+        assert {"schedule", "runner_prepare", "audio_step"} <= set(ms) and all(v >= 0 for v in ms.values())
+        assert 0 < ms["runner"] < 1000.0 / s["server_steps_per_s"]  # a phase fits in the time between steps
 
 
 def test_cli_serve_non_streaming_synthesize(server, tmp_path) -> None:
@@ -52,3 +57,4 @@ def test_cli_serve_non_streaming_synthesize(server, tmp_path) -> None:
     assert res["summary"]["num_ok"] == 4 and res["summary"]["load_kind"] == "qps"
     assert all(q["ttfa_s"] == q["latency_s"] for q in res["requests"])  # whole files: nothing plays early
     assert (tmp_path / "throughput.png").exists()
+    assert "server side" in (tmp_path / "report.md").read_text()

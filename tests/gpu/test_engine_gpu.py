@@ -273,6 +273,35 @@ def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16):
     assert sum(dropped) > 0  # some rows ended by EOS while the next step was queued
 
 
+def test_piecewise_capture_falls_back_to_uncompiled_ops(tiny_cuda, tiny_cpu):
+    """If capturing the prefill graphs with the compiled ops fails, they are captured again uncompiled and
+    the engine still computes the CPU reference's greedy codes."""
+    from ttsserve.runner.cuda_graphs import DecodeOps
+
+    e = _engine(tiny_cuda)
+    pg = e.runner.prefill_graphs
+    assert pg is not None
+    pg.ops = DecodeOps(compile=True)
+    capture_all, calls = pg._capture_all, []
+
+    def failing_once():
+        calls.append(pg.ops.compiled)
+        if len(calls) == 1:
+            raise RuntimeError("injected: compiled capture failed")
+        capture_all()
+
+    pg._capture_all = failing_once
+    pg.capture()
+    assert calls == [True, False] and not pg.ops.compiled and pg.graphs and pg.capture_s > 0
+    reqs = _requests(4, 16, greedy=True)
+    rec_gpu, _ = _run(e, reqs)
+    assert e.runner.timings.piecewise_steps > 0
+    rec_cpu, _ = _run(_engine(tiny_cpu), reqs)
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert rec_gpu.frames[seq] == rec_cpu.frames[seq], seq
+
+
 def test_enforce_eager_has_no_graphs(real_bf16):
     e = _engine(real_bf16, kv_cache_memory=1 << 30, enforce_eager=True)
     assert e.runner.graphs is None

@@ -52,6 +52,11 @@ def test_health_ready_models_metrics(serve_real):
     assert _metric(text, "ttsserve_kv_cache_usage_ratio") == 0 and _metric(text, "ttsserve_step_time_ms") > 0
     assert _metric(text, "ttsserve_num_preemptions_total") == 0 and _metric(text, "ttsserve_num_swaps_total") == 0
     assert _metric(text, "ttsserve_engine_warm") == float(eng.stats()["warm"])
+    stats = eng.stats()  # idle since the request: the scrape saw these same totals
+    steps = _metric(text, "ttsserve_engine_steps_total")
+    assert steps == stats["steps_total"] > 0
+    phase = _metric(text, "ttsserve_engine_phase_seconds_total", '{phase="runner_prepare"}')
+    assert phase == pytest.approx(stats["runner_breakdown_ms"]["prepare_ms"] * steps / 1000)
     srv.stop()
     assert not eng.ready
 

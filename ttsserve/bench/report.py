@@ -105,6 +105,24 @@ def _client_cpu(s: dict) -> str:
     return f"{max(cpu):.2f} x {len(cpu)}" if cpu else "-"
 
 
+def _server_side(results: Sequence[RunResult]) -> list[str]:
+    """The server's own view of each point (from its /metrics): steps/s, mean batch, host ms per step phase."""
+    rows = [r.summary() for r in results]
+    rows = [s for s in rows if s.get("server_step_ms")]
+    if not rows:
+        return []
+    phases = list(rows[0]["server_step_ms"])
+    lines = ["", "server side (its /metrics over the run; host ms per engine step by phase)", "",
+             "| load | steps/s | running | waiting | " + " | ".join(phases) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(phases)]
+    for s in rows:
+        ms = s["server_step_ms"]
+        lines.append(f"| {s['load_kind']} {s['load']:g} | {_f(s['server_steps_per_s'], 1)} | "
+                     f"{_f(s.get('server_running_mean'), 1)} | {_f(s.get('server_waiting_mean'), 1)} | "
+                     + " | ".join(_f(ms.get(p), 3) for p in phases) + " |")
+    return lines
+
+
 def markdown(report: dict, results: Sequence[RunResult]) -> str:
     m = report["machine"]
     lines = [f"# ttsserve bench {report['kind']}", "",
@@ -143,6 +161,7 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
             lines.append(f"| {q['load']:g} | {_f(q['throughput_ratio'])} | {_f(q['latency_p50_speedup'])} | "
                          f"{_f(q['ttfa_p50_speedup'])} | {_f(q['peak_memory_ratio'])} |")
     if report["kind"] == "serve":
+        lines += _server_side(results)
         lines += ["", "client CPU = cores busy per load-generator process (its most loaded one, x the number "
                   "of processes); near 1.0 the client, not the server, limits the figures: raise --client-procs."]
     lines += ["", "Units: audio-s/s = seconds of returned 24-kHz audio per wall second (all requests); "

@@ -246,17 +246,30 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def _memory_figures(samples: list[dict[str, float]], before: dict, after: dict) -> dict:
-    """Server-side peaks from /metrics scrapes: every gauge named *memory* or *kv_cache_usage*, plus the
-    preemption counter's increase."""
+def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, wall_s: float) -> dict:
+    """Server-side figures from /metrics scrapes: the peak of every gauge named *memory* or *kv_cache_usage*,
+    the preemption counter's increase, and -- where the server exports them -- its steps per second, the
+    mean running / waiting batch, and the host time per step of each engine phase over the run (ms)."""
     peaks: dict[str, float] = {}
     for s in samples:
         for k, v in s.items():
             if ("memory" in k or "kv_cache_usage" in k) and not k.endswith(("_created", "_total_created")):
                 peaks[k] = max(v, peaks.get(k, v))
     pre = [k for k in after if k.startswith("ttsserve_num_preemptions") and not k.endswith("_created")]
-    preempt = int(sum(after[k] - before.get(k, 0.0) for k in pre))
-    return {"server_metrics_peak": peaks, "preemptions": preempt}
+    out: dict = {"server_metrics_peak": peaks,
+                 "preemptions": int(sum(after[k] - before.get(k, 0.0) for k in pre))}
+    steps = after.get("ttsserve_engine_steps_total", 0.0) - before.get("ttsserve_engine_steps_total", 0.0)
+    if steps > 0:
+        phase = 'ttsserve_engine_phase_seconds_total{phase="'
+        out["server_steps_per_s"] = steps / max(wall_s, 1e-9)
+        out["server_step_ms"] = {k[len(phase):-2]: 1000.0 * (v - before.get(k, 0.0)) / steps
+                                 for k, v in after.items() if k.startswith(phase)}
+    for gauge, key in (("ttsserve_num_requests_running", "server_running_mean"),
+                       ("ttsserve_num_requests_waiting", "server_waiting_mean")):
+        values = [s[gauge] for s in samples if gauge in s]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 CLIENTS_PER_PROC = 32  # closed-loop streams one Python client process keeps up with (BENCHMARKS.md, r6)
@@ -311,7 +324,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
         stop.set()
         await sampler_task
         after = await _scrape(client)
-    figures = _memory_figures(samples + [after], before, after)
+    figures = _server_figures(samples + [after], before, after, wall)
     mem = [v for k, v in figures["server_metrics_peak"].items() if "memory" in k and "bytes" in k]
     kv = [v for k, v in figures["server_metrics_peak"].items() if "kv_cache_usage" in k]
     return RunResult("server", "serve", load_kind, load, wall, sorted(records, key=lambda r: r.request_id),
@@ -319,7 +332,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
                      memory_kind="server_metrics" if mem else None,
                      kv_cache_usage_peak=max(kv) if kv else None, preemptions=figures["preemptions"],
                      extra={"stream": spec.stream, "endpoint": spec.path, "client_cpu": client_cpu,
-                            "server_metrics_peak": figures["server_metrics_peak"]})
+                            **{k: v for k, v in figures.items() if k != "preemptions"}})
 
 
 def run_serving(spec: ServeSpec, progress: bool = True) -> list[RunResult]:

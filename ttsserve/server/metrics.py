@@ -38,6 +38,7 @@ _ENGINE_GAUGES = {
     "step_time_ms_ema": ("ttsserve_step_time_ms", "Engine step time, exponential moving average (ms)", "gauge"),
     "num_preemptions_total": ("ttsserve_num_preemptions", "Preemptions since start", "counter"),
     "num_swaps_total": ("ttsserve_num_swaps", "Swap-outs since start", "counter"),
+    "steps_total": ("ttsserve_engine_steps", "Engine steps since start", "counter"),
     "warm": ("ttsserve_engine_warm", "1 once the start-up work left to the background (the CPU server's "
              "compilation) is done: the steady speed; 0 while it runs", "gauge"),
 }
@@ -61,6 +62,22 @@ class _EngineCollector:
             family = CounterMetricFamily(name, help_) if kind == "counter" else GaugeMetricFamily(name, help_)
             family.add_metric([], float(value))
             yield family
+        yield from self._phases(stats)
+
+    @staticmethod
+    def _phases(stats: dict):
+        """Host time per engine-step phase, summed (s): rate() of it / rate() of the steps is the phase's
+        share of a step under live traffic (bench serve reports it)."""
+        steps = stats.get("steps_total")
+        if not isinstance(steps, (int, float)):
+            return
+        family = CounterMetricFamily("ttsserve_engine_phase_seconds",
+                                     "Engine host time per step phase since start (s)", labels=["phase"])
+        for group in ("step_breakdown_ms", "runner_breakdown_ms"):
+            for name, per_step_ms in (stats.get(group) or {}).items():
+                prefix = "runner_" if group == "runner_breakdown_ms" else ""
+                family.add_metric([prefix + name.removesuffix("_ms")], per_step_ms * steps / 1000.0)
+        yield family
 
     def describe(self):
         return []
