@@ -11,6 +11,7 @@ from engine_testutil import FrameRecorder, make_engine, run_all
 from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.cuda_graphs import DecodeGraphs, DecodeOps, default_capture_sizes
 from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
+from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
 from ttsserve.runner.input_batch import InputBatch
 from ttsserve.sample.sampler import make_sampling_batch, sample
 from ttsserve.sample.state import SamplingState
@@ -160,7 +161,8 @@ def test_default_capture_sizes():
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-def _run_staggered(model, reqs, graphs: list[int] | None, prefill_sizes: list[int] | None = None):
+def _run_staggered(model, reqs, graphs: list[int] | None, prefill_sizes: list[int] | None = None,
+                   sampler_sizes: list[int] | None = None):
     """Request i arrives at step 4 * i, with a small token budget: its prefill chunks share steps with the
     decode rows of the earlier requests."""
     e = make_engine(model, max_model_len=512, max_num_batched_tokens=24)
@@ -170,6 +172,9 @@ def _run_staggered(model, reqs, graphs: list[int] | None, prefill_sizes: list[in
     if prefill_sizes is not None:
         e.runner.prefill_graphs = PrefillGraphs(e.runner, prefill_sizes, DecodeOps(compile=False))
         e.runner.prefill_graphs.capture()
+    if sampler_sizes is not None:
+        e.runner.sampler_graphs = SamplerGraphs(e.runner, sampler_sizes, DecodeOps(compile=False))
+        e.runner.sampler_graphs.capture()
     rec = FrameRecorder(e)
     for step in range(5000):
         if step % 4 == 0 and step // 4 < len(reqs):
@@ -204,6 +209,24 @@ def test_piecewise_prefill_pieces_equal_the_eager_forward(tiny_model):
         seq = f"{r.request_id}/0/code"
         assert rec_pw.frames[seq] == rec_eager.frames[seq]
         np.testing.assert_allclose(rec_pw.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)
+
+
+def test_sampler_graphs_sample_the_first_frames_as_the_eager_path(tiny_model):
+    """The general path's code sampling through the sampler graphs' body (off CUDA: run on the static
+    buffers, padded to a row bucket with the scratch row): the same codes and hiddens as sample_rows."""
+    reqs = _requests(5, frames=30)
+    _, rec_eager = _run_staggered(tiny_model, reqs, None)
+    e, rec_sg = _run_staggered(tiny_model, reqs, None, sampler_sizes=[2, 8])
+    assert e.runner.timings.sampler_graph_steps >= len(reqs)  # every code-sampling step (<= 5 rows, padded to 2 or 8)
+    assert e.stats()["sampler_graph_steps_total"] == e.runner.timings.sampler_graph_steps
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert rec_sg.frames[seq] == rec_eager.frames[seq]
+        np.testing.assert_allclose(rec_sg.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)
+
+
+def test_default_sampler_sizes():
+    assert default_sampler_sizes(256) == [1, 2, 4, 8, 16, 32, 64] and default_sampler_sizes(6) == [1, 2, 4, 6]
 
 
 def test_default_prefill_sizes():

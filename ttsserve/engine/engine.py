@@ -408,6 +408,7 @@ class Engine:
             "graph_steps_total": self.runner.timings.graph_steps,
             "mixed_graph_steps_total": self.runner.timings.mixed_graph_steps,
             "piecewise_prefill_steps_total": self.runner.timings.piecewise_steps,
+            "sampler_graph_steps_total": self.runner.timings.sampler_graph_steps,
             "step_breakdown_ms": self.timings.as_dict(c.steps),
             "runner_breakdown_ms": self.runner.timings.per_step(),
             "async_scheduling": self.pipelined,

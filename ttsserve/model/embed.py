@@ -93,11 +93,15 @@ class Embed(nn.Module):
         out = torch.where(text_mask[:, None], text, code)
         if spk_emb is None:
             return out
+        spk = self.normalize_speaker(spk_emb.to(ids.device))
+        return torch.where((ids[:, 0] == spk_emb_id)[:, None], spk, out)  # REPLACES, does not add
+
+    def normalize_speaker(self, spk_emb: torch.Tensor) -> torch.Tensor:
+        """spk_emb [H] -> the vector that replaces the [spk_emb] position: L2-normalized in fp16 (as the
+        reference does, the speaker tensor's dtype), then fp32, on spk_emb's device."""
         if spk_emb.shape != (self.hidden_size,):
             raise ValueError(f"spk_emb must be [{self.hidden_size}], got {tuple(spk_emb.shape)}")
-        # The reference normalizes in fp16 (the speaker tensor's dtype); REPLACES, does not add.
-        spk = F.normalize(spk_emb.to(device=ids.device, dtype=torch.float16), dim=0, eps=1e-12).float()
-        return torch.where((ids[:, 0] == spk_emb_id)[:, None], spk, out)
+        return F.normalize(spk_emb.to(torch.float16), dim=0, eps=1e-12).float()
 
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] (cast to fp32) -> [N, V_text] fp32."""

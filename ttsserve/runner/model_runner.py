@@ -50,6 +50,10 @@ def runner_backend(device: torch.device, head_dim: int):
     return backend, False
 
 
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
 class ModelRunner:
     """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
     (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs."""
@@ -80,6 +84,7 @@ class ModelRunner:
         self.pipelined = False
         self.graphs = None
         self.prefill_graphs = None  # runner/piecewise_graphs.py: the general path's forward, by token bucket
+        self.sampler_graphs = None  # runner/sampler_graphs.py: the general path's code sampling, by row bucket
         if self.device.type == "cuda" and not enforce_eager and graphable:
             from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
@@ -89,6 +94,10 @@ class ModelRunner:
 
             self.prefill_graphs = PrefillGraphs(self, default_prefill_sizes(max_num_batched_tokens), self.graphs.ops)
             self.prefill_graphs.capture()
+            from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
+
+            self.sampler_graphs = SamplerGraphs(self, default_sampler_sizes(max_num_seqs), self.graphs.ops)
+            self.sampler_graphs.capture()
 
     def _setup_cpu(self, enforce_eager: bool) -> None:
         """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With
@@ -119,14 +128,21 @@ class ModelRunner:
 
     # ---- per-request state -------------------------------------------------------------------------------
     def add_sequence(self, req_id: str, inputs: SequenceInputs) -> None:
-        ids = async_h2d(inputs.ids, self.device)
-        with torch.inference_mode():
-            spk = None if inputs.spk_emb is None else async_h2d(inputs.spk_emb, self.device)
-            embeds = self.model.embed.embed_prompt(ids, async_h2d(inputs.text_mask, self.device), spk,
-                                                   self.spk_emb_id)
+        """Register a sequence's prompt (host arrays only: it is embedded by the steps that feed it)."""
+        q = self.cfg.num_vq
+        if inputs.ids.dim() != 2 or inputs.ids.shape[1] != q:
+            raise ValueError(f"ids must be [T, {q}], got {tuple(inputs.ids.shape)}")
+        if inputs.text_mask.shape != inputs.ids.shape[:1]:
+            raise ValueError(f"text_mask must be [{inputs.ids.shape[0]}], got {tuple(inputs.text_mask.shape)}")
+        ids = inputs.ids.numpy().astype(np.int64, copy=False)
+        mask = inputs.text_mask.numpy().astype(bool, copy=False)
+        spk, spk_rows = None, np.empty(0, dtype=np.int64)
+        if inputs.spk_emb is not None:
+            spk = self.model.embed.normalize_speaker(inputs.spk_emb.cpu())
+            spk_rows = np.flatnonzero(ids[:, 0] == self.spk_emb_id)
         if inputs.params.repetition_window > self.sampling.window:
             self.sampling.grow(window=inputs.params.repetition_window)  # graphs re-capture on next use
-        self.states[req_id] = SequenceState(embeds.to(self.dtype), inputs.mode, inputs.params, inputs.seed)
+        self.states[req_id] = SequenceState(ids, mask, spk, spk_rows, inputs.mode, inputs.params, inputs.seed)
 
     def remove_sequence(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -305,42 +321,60 @@ class ModelRunner:
             sel = np.asarray(idx)
             last = async_h2d(torch.from_numpy(arr.cu_seqlens_q[sel + 1].astype(np.int64) - 1), self.device)
             h = hidden[last].float()
-            rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
-            tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
+            sg = self.sampler_graphs
+            if mode == "code" and sg is not None and sg.can_run(len(idx)):
+                tokens = sg.run(h, rows[sel], steps[sel])
+                self.timings.sampler_graph_steps += 1
+            else:
+                rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
+                tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
             groups.append((mode, [scheduled[i] for i in idx], tokens, h if mode == "code" else None))
         return groups
 
     def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:
-        """[T, H] step inputs: prompt-embedding slices, plus embedded earlier outputs (recompute / decode rows)."""
-        embed, cu = self.model.embed, arr.cu_seqlens_q
-        prompt_pieces, prompt_dst = [], []
-        code_dst, code_items, text_dst, text_items = [], [], [], []
+        """[T, H] step inputs in the GPT dtype: every row's prompt ids or earlier output (recompute / decode
+        rows), embedded in one call per table (text, codes), then the speaker rows; the host indices go to
+        the device in one copy."""
+        cu = arr.cu_seqlens_q
+        text_ids, text_dst, code_ids, code_dst, spk_vecs, spk_dst = [], [], [], [], [], []
         for b, s in enumerate(scheduled):
             st = self.states[s.request_id]
-            num_prompt = st.prompt_embeds.shape[0]
+            num_prompt = st.num_prompt_tokens
             start, end, off = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens, int(cu[b])
             if start < num_prompt:
-                prompt_pieces.append(st.prompt_embeds[start:min(end, num_prompt)])
-                prompt_dst.append((off, off + min(end, num_prompt) - start))
+                stop = min(end, num_prompt)
+                mask, dst = st.prompt_text_mask[start:stop], np.arange(off, off + stop - start)
+                text_ids.append(st.prompt_ids[start:stop, 0][mask])
+                text_dst.append(dst[mask])
+                code_ids.append(st.prompt_ids[start:stop][~mask])
+                code_dst.append(dst[~mask])
+                rows = st.spk_rows[(st.spk_rows >= start) & (st.spk_rows < stop)]
+                if len(rows):
+                    spk_dst.append(off + rows - start)
+                    spk_vecs += [st.spk] * len(rows)
             if end > num_prompt:
                 first = max(start, num_prompt)
                 items = requests[s.request_id].output_token_ids[first - num_prompt:end - num_prompt]
-                dst = range(off + first - start, off + end - start)
-                (code_dst if st.mode == "code" else text_dst).extend(dst)
-                (code_items if st.mode == "code" else text_items).extend(items)
-        total = int(cu[-1])
-        if not code_dst and not text_dst:
-            return torch.cat(prompt_pieces) if len(prompt_pieces) > 1 else prompt_pieces[0]
-        x = torch.empty(total, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
-        if prompt_pieces:
-            dst = np.concatenate([np.arange(a, b) for a, b in prompt_dst])
-            x[async_h2d(torch.from_numpy(dst), self.device)] = torch.cat(prompt_pieces)
-        if code_dst:
-            codes = async_h2d(torch.tensor(code_items, dtype=torch.int64), self.device)
-            x[async_h2d(torch.tensor(code_dst), self.device)] = embed.embed_codes(codes).to(self.dtype)
-        if text_dst:
-            ids = async_h2d(torch.tensor(text_items, dtype=torch.int64), self.device)
-            x[async_h2d(torch.tensor(text_dst), self.device)] = embed.embed_text(ids).to(self.dtype)
+                dst = np.arange(off + first - start, off + end - start)
+                if st.mode == "code":
+                    code_ids.append(np.asarray(items, dtype=np.int64).reshape(-1, self.cfg.num_vq))
+                    code_dst.append(dst)
+                else:
+                    text_ids.append(np.asarray(items, dtype=np.int64))
+                    text_dst.append(dst)
+        parts = [_cat(text_ids), _cat(text_dst), _cat(code_ids).reshape(-1), _cat(code_dst), _cat(spk_dst)]
+        n_text, n_code, n_spk = len(parts[1]), len(parts[3]), len(parts[4])
+        assert n_text + n_code == int(cu[-1]), "every row is a text or a code row"
+        flat = async_h2d(torch.from_numpy(np.concatenate(parts)), self.device)
+        t_ids, t_dst, c_ids, c_dst, s_dst = flat.split([n_text, n_text, n_code * self.cfg.num_vq, n_code, n_spk])
+        embed = self.model.embed
+        x = torch.empty(int(cu[-1]), self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        if n_text:
+            x[t_dst] = embed.embed_text(t_ids).to(self.dtype)
+        if n_code:
+            x[c_dst] = embed.embed_codes(c_ids.view(n_code, self.cfg.num_vq)).to(self.dtype)
+        if n_spk:  # after the text rows: the speaker replaces its [spk_emb] position's text embedding
+            x[s_dst] = async_h2d(torch.stack(spk_vecs), self.device).to(self.dtype)
         return x
 
     def _outputs(self, groups: list, host: np.ndarray) -> RunnerOutput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ttsserve.params import SamplingParams
@@ -28,10 +29,24 @@ class SequenceInputs:
 
 @dataclass
 class SequenceState:
-    prompt_embeds: torch.Tensor  # [P, H] in the GPT dtype, on the device
+    """A sequence's prompt, kept on the host and embedded chunk by chunk with the rest of the step's rows
+    (ModelRunner._gather_inputs): admitting a request queues no device work.
+
+    prompt_ids: int64 [P, num_vq]; prompt_text_mask: bool [P]; spk: the L2-normalized speaker vector, fp32
+    [H] on the host, or None; spk_rows: int64 prompt positions that spk replaces (empty without one).
+    """
+
+    prompt_ids: np.ndarray
+    prompt_text_mask: np.ndarray
+    spk: torch.Tensor | None
+    spk_rows: np.ndarray
     mode: str
     params: SamplingParams
     seed: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_ids.shape[0]
 
 
 @dataclass
@@ -67,6 +82,7 @@ class RunnerTimings:
     graph_steps: int = 0  # steps whose decode rows replayed a graph
     mixed_graph_steps: int = 0  # of those, steps that also ran prefill / text rows eagerly
     piecewise_steps: int = 0  # general-path forwards through the piecewise prefill graphs
+    sampler_graph_steps: int = 0  # general-path code sampling through the sampler graphs
     prepare_ms: float = 0.0
     forward_ms: float = 0.0
     output_ms: float = 0.0

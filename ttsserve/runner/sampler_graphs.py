@@ -1,0 +1,115 @@
+"""CUDA graphs of the code heads + sampler for the rows that a general (prefill) step samples.
+
+A request's first frame is sampled on the general path, after the last chunk of its prompt. Run op by op the
+heads, penalties, top-k / top-p and the seeded draw are ~60 small kernels launched from Python: on an H200
+under served load that was 7% of the engine core's time (one first frame per admitted request, BENCHMARKS.md
+r11). Here one graph per row bucket replays them: the host copies [bucket, 2] (row, step) in one transfer,
+the hidden states go into a static buffer, and padding rows point at the sampling state's scratch row.
+Graphs hold the sampling state's addresses; when the runner's `generation` changes they are captured again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ROW, _STEP = range(2)
+
+
+def default_sampler_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ..., 64 (first frames per step rarely exceed a few), capped at max_num_seqs."""
+    return sorted({min(1 << i, max_num_seqs) for i in range(7)})
+
+
+class SamplerGraphs:
+    """Bucketed graphs of ModelRunner.sample_rows(hidden, rows, steps, "code") (`capture()` before `run()`;
+    off CUDA nothing is captured and `run()` calls the same body on the static buffers)."""
+
+    def __init__(self, runner, sizes: list[int], ops) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"sampler graph sizes must be positive, got {sizes}")
+        self.runner, self.ops = runner, ops
+        self.sizes = sorted(set(sizes))
+        n, dev = self.sizes[-1], runner.device
+        self.hidden = torch.zeros(n, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
+        self.meta = torch.zeros(n, 2, dtype=torch.int64, device=dev)
+        # two pinned buffers in turn, as in DecodeGraphs: pipelined, the previous step's copy may be queued
+        self._meta_hosts = [torch.zeros(n, 2, dtype=torch.int64, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._turn = 0
+        self.tokens = torch.zeros(n, runner.cfg.num_vq, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
+        self.pool = None
+        self.generation = None
+
+    def can_run(self, num_rows: int) -> bool:
+        return num_rows <= self.sizes[-1]
+
+    def _body(self, bs: int) -> None:
+        meta = self.meta[:bs]
+        rows, steps = meta[:, _ROW].contiguous(), meta[:, _STEP].contiguous()
+        self.tokens[:bs] = self.runner.sample_rows(self.hidden[:bs], rows, steps, "code", sample_fn=self.ops.sample)
+
+    def _fill(self, rows: np.ndarray, steps: np.ndarray, bs: int) -> None:
+        self._turn ^= 1
+        m = self._meta_hosts[self._turn].numpy()
+        b = len(rows)
+        m[:b, _ROW], m[:b, _STEP] = rows, steps
+        m[b:bs, _ROW], m[b:bs, _STEP] = self.runner.sampling.scratch_row, 0
+        self.meta[:bs].copy_(self._meta_hosts[self._turn][:bs], non_blocking=True)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one pool; with compiled ops that fail, again uncompiled."""
+        from ttsserve.runner.cuda_graphs import DecodeOps
+
+        try:
+            self._capture_all()
+        except Exception as exc:
+            if not self.ops.compiled:
+                raise
+            logger.warning("capturing the sampler graphs with compiled ops failed (%s: %s); capturing them "
+                           "uncompiled", type(exc).__name__, exc)
+            self.ops, self.pool = DecodeOps(compile=False), None
+            self._capture_all()
+
+    def _capture_all(self) -> None:
+        self.graphs.clear()
+        self.generation = self.runner.generation
+        if self.runner.device.type != "cuda":
+            self.graphs = dict.fromkeys(self.sizes)
+            return
+        empty = np.empty(0, dtype=np.int64)
+        torch.cuda.synchronize()
+        for bs in reversed(self.sizes):
+            self._fill(empty, empty, bs)
+            self._body(bs)  # compiles the ops, lets cuBLAS pick its kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._body(bs)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        for graph in self.graphs.values():  # the first launch uploads a graph: not on a live step
+            graph.replay()
+        torch.cuda.synchronize()
+
+    def run(self, hidden: torch.Tensor, rows: np.ndarray, steps: np.ndarray) -> torch.Tensor:
+        """sample_rows for hidden [B, H] fp32 of `rows` at `steps` (int64 [B] host arrays) -> tokens
+        [B, num_vq] int64, a view of the static output valid until the next run()."""
+        if self.generation != self.runner.generation:
+            self.capture()
+        b = len(rows)
+        bs = next(s for s in self.sizes if s >= b)
+        self._fill(rows, steps, bs)
+        self.hidden[:b].copy_(hidden)
+        graph = self.graphs[bs]
+        if graph is None:
+            self._body(bs)
+        else:
+            graph.replay()
+        return self.tokens[:b]
