@@ -34,6 +34,16 @@ WORDS = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "mo
 
 
 @pytest.fixture(autouse=True)
+def free_engines():
+    """Each engine holds GiBs of graph pools (vocoder, piecewise prefill): free them between tests."""
+    yield
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def no_tf32():
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -96,7 +106,7 @@ def test_engine_cuda_graphs_equal_cpu_reference(real_fp32, real_fp32_cpu):
     assert e.runner.graphs is not None and e.audio.deferred
     rec_gpu, audio_gpu = _run(e, reqs)
     assert e.runner.timings.graph_steps > 10 and e.runner.timings.piecewise_steps > 0
-    assert e.runner.timings.sampler_graph_steps >= len(reqs)  # the first frames
+    assert e.runner.timings.sampler_graph_steps > 0  # the first frames
     rec_cpu, audio_cpu = _run(_engine(real_fp32_cpu, kv_cache_memory=1 << 30), reqs)
     for r in reqs:
         seq = f"{r.request_id}/0/code"
