@@ -2,9 +2,10 @@
 
 A sequence gets a row when it is first scheduled (or resumes after preemption) and gives it back when it is
 preempted, finished or aborted; per-row device state (sampling parameters, repetition ring, last frame) lives
-in `SamplingState` under the same row index. Block tables are mirrored per row in a numpy array [rows,
-max_blocks] and on the device, updated only by the entries that changed (block tables are append-only while a
-sequence runs), so a decode step copies no block table at all.
+in `SamplingState` under the same row index. Block tables live per row in a numpy array [rows, max_blocks]
+(vLLM's block_table_np) with a device mirror that is updated by the entries that changed only (block tables are
+append-only while a sequence runs): a decode step that fills no block copies nothing, one that opens blocks for
+k sequences copies k (index, block id) pairs in one pinned host-to-device copy and one indexed write.
 
 All per-token arithmetic (positions, slot_mapping, cu_seqlens) is numpy over the whole step, no Python loop
 over tokens.
@@ -41,22 +42,27 @@ class StepArrays:
 class InputBatch:
     """Row allocation and block tables for up to `max_rows` running sequences (grows if ever exceeded)."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 mirror: bool | None = None) -> None:
+        """mirror: keep block_table a separate copy of block_table_np (default: off CPU only; on CPU the table
+        is the host array itself, no copies at all). mirror=True on CPU exercises the device path in tests."""
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.device = torch.device(device)
+        self.mirror = self.device.type != "cpu" if mirror is None else mirror
         self.row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
         self.block_table_np = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int32)  # +1: scratch row
         self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)
         self.block_table = self._device_table()
-        self._dirty: set[int] = set()
+        # flat indices (row * max_blocks + block) of host entries written since the last flush (mirror only);
+        # the flush sends their current host values, so a repeated or stale index is harmless
+        self._dirty: list[int] = []
         self.generation = 0  # bumped when tensors are reallocated (captured graphs must be re-captured)
 
     def _device_table(self) -> torch.Tensor:
-        """The device mirror of block_table_np; on CPU it shares the numpy memory (no copies at all)."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(self.block_table_np)
-        return torch.from_numpy(self.block_table_np).to(self.device)
+        """The device table: a copy of block_table_np (mirror), else the numpy memory itself."""
+        table = torch.from_numpy(self.block_table_np)
+        return table.to(self.device, copy=True) if self.mirror else table
 
     @property
     def max_rows(self) -> int:
@@ -83,7 +89,6 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.num_blocks_np[row] = 0
-            self._dirty.discard(row)
             self._free.append(row)
 
     def _grow(self, max_rows: int) -> None:
@@ -106,25 +111,34 @@ class InputBatch:
             return
         if n > self.max_blocks:
             raise ValueError(f"a sequence needs {n} KV blocks, more than max_model_len allows ({self.max_blocks})")
-        if n > n_old:
+        if n < n_old:  # cannot happen for a running sequence; recopy to be safe
+            n_old = 0
+        if n == n_old + 1:  # the decode step that opens a block
+            self.block_table_np[row, n_old] = table[n_old]
+        else:
             self.block_table_np[row, n_old:n] = table[n_old:]
-        else:  # cannot happen for a running sequence; recopy to be safe
-            self.block_table_np[row, :n] = table
         self.num_blocks_np[row] = n
-        self._dirty.add(row)
+        if self.mirror:
+            base = row * self.max_blocks
+            self._dirty.extend(range(base + n_old, base + n))
 
     def flush_block_tables(self) -> None:
-        """One host-to-device copy of the rows whose tables changed since the last flush."""
-        if not self._dirty or self.device.type == "cpu":
-            self._dirty.clear()
+        """Bring the device table up to date with the host table: the entries written since the last flush,
+        as one pinned host-to-device copy of int32 [indices | values] and one indexed write (the whole table
+        in one copy when that is smaller). Nothing to do without a mirror, or when no table changed."""
+        dirty = self._dirty
+        if not dirty:
             return
-        rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-        self._dirty.clear()
-        if len(rows) > self.max_rows // 2:
-            self.block_table.copy_(async_h2d(torch.from_numpy(self.block_table_np), self.device))
+        self._dirty = []
+        k, host = len(dirty), self.block_table_np
+        if 2 * k >= host.size:
+            self.block_table.copy_(async_h2d(torch.from_numpy(host), self.device))
             return
-        src = torch.from_numpy(self.block_table_np[rows])
-        self.block_table.index_copy_(0, async_h2d(torch.from_numpy(rows), self.device), async_h2d(src, self.device))
+        packed = np.empty(2 * k, dtype=np.int32)
+        packed[:k] = dirty
+        np.take(host.reshape(-1), packed[:k], out=packed[k:])
+        dev = async_h2d(torch.from_numpy(packed), self.device)
+        self.block_table.view(-1)[dev[:k]] = dev[k:]
 
     # ---- step arrays ---------------------------------------------------------------------------------------
     def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
