@@ -2,10 +2,13 @@
 
 A sequence gets a row when it is first scheduled (or resumes after preemption) and gives it back when it is
 preempted, finished or aborted; per-row device state (sampling parameters, repetition ring, last frame) lives
-in `SamplingState` under the same row index. Block tables live per row in a numpy array [rows, max_blocks]
-(vLLM's block_table_np) with a device mirror that is updated by the entries that changed only (block tables are
-append-only while a sequence runs): a decode step that fills no block copies nothing, one that opens blocks for
-k sequences copies k (index, block id) pairs in one pinned host-to-device copy and one indexed write.
+in `SamplingState` under the same row index. Block tables live per row in a host array [rows, max_blocks]
+(`block_table_np`; on CUDA a view of pinned memory, `block_table_cpu`) and in a device mirror (`block_table`).
+As in vLLM's BlockTable.commit, a flush is one asynchronous copy of the rows written since the last flush,
+straight from the pinned table (no staging copy, no index kernel), and none when no table changed: a decode
+step copies only when some sequence opened a block. Before the host table is written again, the last flush's
+copy must have read it (vLLM's synchronize_input_prep); it has by then in practice (the engine waited for the
+step that precedes it), so the wait costs an event query.
 
 All per-token arithmetic (positions, slot_mapping, cu_seqlens) is numpy over the whole step, no Python loop
 over tokens.
@@ -17,8 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from ttsserve.sample.state import async_h2d
 
 
 @dataclass
@@ -44,25 +45,29 @@ class InputBatch:
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
                  mirror: bool | None = None) -> None:
-        """mirror: keep block_table a separate copy of block_table_np (default: off CPU only; on CPU the table
+        """mirror: keep block_table a separate copy of the host table (default: off CPU only; on CPU the table
         is the host array itself, no copies at all). mirror=True on CPU exercises the device path in tests."""
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.device = torch.device(device)
         self.mirror = self.device.type != "cpu" if mirror is None else mirror
         self.row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
-        self.block_table_np = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int32)  # +1: scratch row
-        self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)
-        self.block_table = self._device_table()
-        # flat indices (row * max_blocks + block) of host entries written since the last flush (mirror only);
-        # the flush sends their current host values, so a repeated or stale index is harmless
-        self._dirty: list[int] = []
+        self._alloc_tables(max_rows)
+        self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)  # blocks synced per row
+        # recorded on the runner's stream after a flush (the engine uses one stream; current_stream() costs ~5 us)
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.current_stream(self.device) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
+        self._copy_pending = False  # a flush's copy may still read block_table_cpu
         self.generation = 0  # bumped when tensors are reallocated (captured graphs must be re-captured)
 
-    def _device_table(self) -> torch.Tensor:
-        """The device table: a copy of block_table_np (mirror), else the numpy memory itself."""
-        table = torch.from_numpy(self.block_table_np)
-        return table.to(self.device, copy=True) if self.mirror else table
+    def _alloc_tables(self, max_rows: int) -> None:
+        """Zeroed host and device tables of max_rows + 1 rows (+1: the scratch row), nothing dirty."""
+        shape, pin = (max_rows + 1, self.max_blocks), self.device.type == "cuda"
+        self.block_table_cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+        self.block_table_np = self.block_table_cpu.numpy()
+        self.block_table = self.block_table_cpu.to(self.device, copy=True) if self.mirror else self.block_table_cpu
+        self._dirty_lo, self._dirty_hi = max_rows + 1, 0  # rows [lo, hi) were written since the last flush
 
     @property
     def max_rows(self) -> int:
@@ -93,14 +98,15 @@ class InputBatch:
 
     def _grow(self, max_rows: int) -> None:
         old = self.max_rows
-        bt = np.zeros((max_rows + 1, self.max_blocks), dtype=np.int32)
-        bt[:old] = self.block_table_np[:old]
-        nb = np.zeros(max_rows + 1, dtype=np.int64)
-        nb[:old] = self.num_blocks_np[:old]
-        self.block_table_np, self.num_blocks_np = bt, nb
-        self.block_table = self._device_table()
+        self._host_writable()
+        bt, nb = self.block_table_np, self.num_blocks_np
+        self._alloc_tables(max_rows)
+        self.block_table_np[:old] = bt[:old]
+        self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)
+        self.num_blocks_np[:old] = nb[:old]
+        if self.mirror:
+            self.block_table.copy_(self.block_table_cpu)  # blocking: a rare reallocation
         self._free = list(range(max_rows - 1, old - 1, -1))
-        self._dirty.clear()
         self.generation += 1
 
     # ---- block tables ------------------------------------------------------------------------------------
@@ -111,6 +117,8 @@ class InputBatch:
             return
         if n > self.max_blocks:
             raise ValueError(f"a sequence needs {n} KV blocks, more than max_model_len allows ({self.max_blocks})")
+        if self._copy_pending:
+            self._host_writable()
         if n < n_old:  # cannot happen for a running sequence; recopy to be safe
             n_old = 0
         if n == n_old + 1:  # the decode step that opens a block
@@ -118,27 +126,32 @@ class InputBatch:
         else:
             self.block_table_np[row, n_old:n] = table[n_old:]
         self.num_blocks_np[row] = n
-        if self.mirror:
-            base = row * self.max_blocks
-            self._dirty.extend(range(base + n_old, base + n))
+        if row < self._dirty_lo:
+            self._dirty_lo = row
+        if row >= self._dirty_hi:
+            self._dirty_hi = row + 1
 
     def flush_block_tables(self) -> None:
-        """Bring the device table up to date with the host table: the entries written since the last flush,
-        as one pinned host-to-device copy of int32 [indices | values] and one indexed write (the whole table
-        in one copy when that is smaller). Nothing to do without a mirror, or when no table changed."""
-        dirty = self._dirty
-        if not dirty:
+        """Bring the device table up to date: one asynchronous copy of the host rows [lo, hi) written since
+        the last flush (rows are handed out lowest first, so that is about the running rows), none when no
+        table changed or without a mirror."""
+        lo, hi = self._dirty_lo, self._dirty_hi
+        if lo >= hi:
             return
-        self._dirty = []
-        k, host = len(dirty), self.block_table_np
-        if 2 * k >= host.size:
-            self.block_table.copy_(async_h2d(torch.from_numpy(host), self.device))
+        self._dirty_lo, self._dirty_hi = self.max_rows + 1, 0
+        if not self.mirror:
             return
-        packed = np.empty(2 * k, dtype=np.int32)
-        packed[:k] = dirty
-        np.take(host.reshape(-1), packed[:k], out=packed[k:])
-        dev = async_h2d(torch.from_numpy(packed), self.device)
-        self.block_table.view(-1)[dev[:k]] = dev[k:]
+        self.block_table[lo:hi].copy_(self.block_table_cpu[lo:hi], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(self._stream)
+            self._copy_pending = True
+
+    def _host_writable(self) -> None:
+        """Wait until the last flush's copy has read the pinned host table (an event query when it has)."""
+        if self._copy_pending:
+            if not self._copied.query():
+                self._copied.synchronize()
+            self._copy_pending = False
 
     # ---- step arrays ---------------------------------------------------------------------------------------
     def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
