@@ -195,7 +195,7 @@ class Scheduler:
         return min(num_new, budget)
 
     def _schedule_running(self, st: _Step, out: SchedulerOutput) -> None:
-        bm = self.block_manager
+        bm, limit = self.block_manager, self.token_limit
         # Running order is admission order, and a partial chunk only happens when a request took the
         # rest of the budget (or the per-request threshold), so a prefilling request is never ahead of
         # more decodes than the budget holds: every running request gets its token (tests check it).
@@ -205,7 +205,9 @@ class Scheduler:
                 continue  # preempted earlier in this step
             inflight = req.num_inflight_outputs
             n_prompt, done = len(req.prompt_token_ids), len(req.output_token_ids) + inflight
-            if inflight and not self._may_continue(req, n_prompt + done, done):
+            # In flight with a sample: the next step may decode from that placeholder only for a code request
+            # (a text token steers the next input on the host: the refine stage's end) below its length limits.
+            if inflight and (req.mode != "code" or done >= req.max_new_tokens or n_prompt + done >= limit):
                 continue
             num_new = n_prompt + done - req.num_computed_tokens - req.num_inflight_tokens
             if num_new != 1:  # a prefill chunk (_chunk asserts there is something to compute)
@@ -221,13 +223,6 @@ class Scheduler:
                     break
             else:
                 self._schedule(req, num_new, st)
-
-    def _may_continue(self, req: Request, num_tokens: int, num_outputs: int) -> bool:
-        """A request whose in-flight step samples: may the next step decode from that placeholder?
-        num_tokens: req.num_tokens_with_placeholders; num_outputs: outputs counting the in-flight ones."""
-        if req.mode != "code":
-            return False  # a text token steers the next input on the host (the refine stage's end)
-        return num_outputs < req.max_new_tokens and num_tokens < self.token_limit
 
     def _schedule_swapped(self, st: _Step, out: SchedulerOutput) -> None:
         bm = self.block_manager
