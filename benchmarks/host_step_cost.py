@@ -11,8 +11,18 @@ least disturbed round).
 
 On CPU the device copies are free (the device block table is the host array; to_device is a view), so the
 numbers are the Python cost. With --device cuda the input batch and the audio stage live on the GPU (the host
-time of their launches is measured, the GPU is synchronised between rounds only) and the pinned host-to-device
-copies per call are counted (`<name>_h2d`).
+time of their launches is measured, the GPU is synchronised between rounds only) and the pin_memory staging
+copies per call are counted (`<name>_pins`). That mode has not been run on a GPU yet: the CUDA figures below
+come from inline H200 micro-benchmarks of the same torch op sequences.
+
+Results (branch host, 2 shared CPU cores, best of 3 x 7 rounds; before = 4441ebd), us per call, N = 128 / 256:
+  Scheduler.schedule            360 / 736  ->  220 / 465
+  Scheduler.update_from_output  119 / 249  ->   75 / 162
+  StreamingStage.append_batch   155 / 290  ->   98 / 153  (width 64; ~14 us of it is the CPU index_copy_)
+  InputBatch.flush_block_tables   no copy on CPU either way
+CUDA host cost per call on an H200 (inline torch sequences): flush_block_tables 44-81 us (2 pin_memory staging
+copies + index_copy_) -> ~12 us (one copy from the pinned host table + an event record on a cached stream);
+append_batch's device write 33 us either way (1 staging copy + one index kernel), its Python loop as above.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from ttsserve.engine.request import Request  # noqa: E402
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from ttsserve.runner.input_batch import InputBatch  # noqa: E402
 
-BLOCK_SIZE, PROMPT_LEN, MAX_MODEL_LEN = 16, 64, 8192
+BLOCK_SIZE, PROMPT_LEN, MAX_MODEL_LEN = 16, 64, 4096  # the engine defaults: 256 blocks per sequence
 
 
 def _us(total_s: float, calls: int) -> float:
@@ -43,7 +53,8 @@ def _us(total_s: float, calls: int) -> float:
 
 
 class _PinCounter:
-    """Counts Tensor.pin_memory calls: every async host-to-device copy of ttsserve goes through one."""
+    """Counts Tensor.pin_memory calls: the staging copy of every async_h2d / to_device (a copy from memory
+    that is already pinned, as the InputBatch flush now does, is not counted)."""
 
     def __init__(self) -> None:
         self.count, self._real = 0, torch.Tensor.pin_memory
@@ -135,7 +146,7 @@ def bench_input_batch(n: int, steps: int, device: torch.device) -> dict[str, flo
         t_sync += t1 - t0
     _sync(device)
     return {"assign_rows_sync_loop": _us(t_sync, steps), "flush_block_tables": _us(t_flush, steps),
-            "flush_block_tables_h2d": pins.count / steps}
+            "flush_block_tables_pins": pins.count / steps}
 
 
 # ---- audio stage -----------------------------------------------------------------------------------------
@@ -166,7 +177,7 @@ def bench_append_batch(n: int, steps: int, width: int, device: torch.device) -> 
             for st in stage._streams.values():
                 st.num_emitted_frames = st.num_frames
     _sync(device)
-    return {"append_batch": _us(total, steps), "append_batch_h2d": pins.count / steps}
+    return {"append_batch": _us(total, steps), "append_batch_pins": pins.count / steps}
 
 
 def _best(fn, rounds: int) -> dict[str, float]:
@@ -190,7 +201,7 @@ def main() -> int:
         res = {**_best(lambda: bench_scheduler(n, k), a.rounds),
                **_best(lambda: bench_input_batch(n, k, dev), a.rounds),
                **_best(lambda: bench_append_batch(n, k, a.width, dev), a.rounds)}
-        print(f"N={n} {dev.type}: " + ", ".join(f"{k} {v:.2f}" if k.endswith("_h2d") else f"{k} {v:.1f} us"
+        print(f"N={n} {dev.type}: " + ", ".join(f"{k} {v:.2f}" if k.endswith("_pins") else f"{k} {v:.1f} us"
                                                  for k, v in res.items()), flush=True)
     return 0
 
