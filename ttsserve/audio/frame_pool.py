@@ -44,6 +44,14 @@ class FramePool:
         extra = torch.zeros(s, capacity - c, w, dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data, extra], dim=1)
 
+    def put(self, slots: np.ndarray, positions: np.ndarray, frames: Tensor) -> None:
+        """data[slots[i], positions[i]] = frames[i] for every i (pairs distinct, positions < capacity): one
+        pinned copy of the flat row index and one index_copy_ (two index tensors cost an index_put_ more)."""
+        assert len(slots) == len(positions) == frames.shape[0], "one (slot, position) per frame"
+        dev, (_, cap, width) = self.data.device, self.data.shape
+        flat = to_device(slots * cap + positions, dev)
+        self.data.view(-1, width).index_copy_(0, flat, frames.to(device=dev, dtype=self.data.dtype))
+
     def shift(self, slot: int, src: int, count: int) -> None:
         """Move positions [src, src + count) of a slot to [0, count)."""
         self.data[slot, :count] = self.data[slot, src : src + count].clone()

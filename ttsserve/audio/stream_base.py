@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ class Stream:
     finished: bool = False
     final_out: bool = False  # its final chunk is decoded (maybe still in flight): nothing more to plan
     num_emitted_samples: int = 0  # incremental stage: samples emitted so far
+
+
+_USE_CODES, _FINISHED, _SLOT = attrgetter("use_codes"), attrgetter("finished"), attrgetter("slot")
 
 
 @dataclass
@@ -140,27 +144,36 @@ class StreamingStage:
         st.num_frames += n
 
     def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
-        """One frame for each of many requests in one device write. frames: [len(req_ids), H] (or [.., 4])."""
-        if frames.dim() != 2 or frames.shape[0] != len(req_ids):
-            raise ValueError(f"AudioStage.append_batch: frames must be [{len(req_ids)}, C], got {tuple(frames.shape)}")
-        if not req_ids:
+        """One frame for each of many requests in one device write. frames: [len(req_ids), H] (or [.., 4]).
+
+        Called every engine step for every running stream: the per-stream work is C-level maps and one
+        Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put)."""
+        n = len(req_ids)
+        if frames.dim() != 2 or frames.shape[0] != n:
+            raise ValueError(f"AudioStage.append_batch: frames must be [{n}, C], got {tuple(frames.shape)}")
+        if not n:
             return
-        streams = [self._get(r) for r in req_ids]
+        try:
+            streams = list(map(self._streams.__getitem__, req_ids))
+        except KeyError as e:
+            raise ValueError(f"AudioStage: unknown request {e.args[0]!r}") from None
         kind = streams[0].use_codes
-        if len(set(req_ids)) != len(req_ids) or any(st.use_codes != kind for st in streams):
+        if len(set(req_ids)) != n or sum(map(_USE_CODES, streams)) != (n if kind else 0):
             raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
-        self._check_frames(req_ids[0], streams[0], frames[:1])
+        if any(map(_FINISHED, streams)):
+            done = next(r for r, st in zip(req_ids, streams) if st.finished)
+            raise ValueError(f"AudioStage: request {done!r} is finished; no more frames")
+        self._check_frames(req_ids[0], streams[0], frames)
         pool = self._pools[kind]
-        index = np.empty((2, len(streams)), dtype=np.int64)  # (slot, position) of each new frame
-        for i, st in enumerate(streams):
-            if st.finished:
-                raise ValueError(f"AudioStage: request {req_ids[i]!r} is finished; no more frames")
-            if st.num_frames + 1 - st.base > pool.capacity:
-                pool = self._reserve(st, 1)
-            index[0, i], index[1, i] = st.slot, st.num_frames - st.base
+        pos = [st.num_frames - st.base for st in streams]  # pool position of each new frame
+        if max(pos) >= pool.capacity:
+            for i, st in enumerate(streams):
+                if pos[i] >= pool.capacity:
+                    self._reserve(st, 1)  # may shift this stream's frames, or grow the pool (positions kept)
+                    pos[i] = st.num_frames - st.base
+        for st in streams:
             st.num_frames += 1
-        idx = to_device(index, self.device)
-        pool.data[idx[0], idx[1]] = frames.to(device=self.device, dtype=pool.data.dtype)
+        pool.put(np.fromiter(map(_SLOT, streams), np.int64, n), np.array(pos, dtype=np.int64), frames)
 
     def finish(self, req_id: str) -> None:
         """No more frames will come: the next step() flushes the tail and emits the final chunk."""

@@ -128,12 +128,17 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"{request.request_id}: num_new_tokens must be >= 1, got {num_new_tokens}")
-        self._register_computed(request)
-        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_table)
-        if need > len(self.free_queue):
-            return False
-        for _ in range(need):
-            request.block_table.append(self._pop_free())
+        bs, computed = self.block_size, request.num_computed_tokens
+        # _register_computed's own early exit, inlined: called for every running request every step
+        if self.enable_prefix_caching and computed // bs > self._num_registered.get(request.request_id, 0):
+            self._register_computed(request)
+        need = -(-(computed + num_new_tokens) // bs) - len(request.block_table)
+        if need > 0:  # a decode step mostly lands in its last block
+            if need > len(self.free_queue):
+                return False
+            table = request.block_table
+            for _ in range(need):
+                table.append(self._pop_free())
         if self._pending_stats:
             queries, hits = self._pending_stats.pop(request.request_id, (0, 0))
             self.prefix_cache_queries += queries

@@ -2,9 +2,13 @@
 
 A sequence gets a row when it is first scheduled (or resumes after preemption) and gives it back when it is
 preempted, finished or aborted; per-row device state (sampling parameters, repetition ring, last frame) lives
-in `SamplingState` under the same row index. Block tables are mirrored per row in a numpy array [rows,
-max_blocks] and on the device, updated only by the entries that changed (block tables are append-only while a
-sequence runs), so a decode step copies no block table at all.
+in `SamplingState` under the same row index. Block tables live per row in a host array [rows, max_blocks]
+(`block_table_np`; on CUDA a view of pinned memory, `block_table_cpu`) and in a device mirror (`block_table`).
+As in vLLM's BlockTable.commit, a flush is one asynchronous copy of the rows written since the last flush,
+straight from the pinned table (no staging copy, no index kernel), and none when no table changed: a decode
+step copies only when some sequence opened a block. Before the host table is written again, the last flush's
+copy must have read it (vLLM's synchronize_input_prep); it has by then in practice (the engine waited for the
+step that precedes it), so the wait costs an event query.
 
 All per-token arithmetic (positions, slot_mapping, cu_seqlens) is numpy over the whole step, no Python loop
 over tokens.
@@ -16,8 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from ttsserve.sample.state import async_h2d
 
 
 @dataclass
@@ -41,22 +43,31 @@ class StepArrays:
 class InputBatch:
     """Row allocation and block tables for up to `max_rows` running sequences (grows if ever exceeded)."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 mirror: bool | None = None) -> None:
+        """mirror: keep block_table a separate copy of the host table (default: off CPU only; on CPU the table
+        is the host array itself, no copies at all). mirror=True on CPU exercises the device path in tests."""
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.device = torch.device(device)
+        self.mirror = self.device.type != "cpu" if mirror is None else mirror
         self.row_of: dict[str, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
-        self.block_table_np = np.zeros((max_rows + 1, max_blocks_per_seq), dtype=np.int32)  # +1: scratch row
-        self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)
-        self.block_table = self._device_table()
-        self._dirty: set[int] = set()
+        self._alloc_tables(max_rows)
+        self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)  # blocks synced per row
+        # recorded on the runner's stream after a flush (the engine uses one stream; current_stream() costs ~5 us)
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.current_stream(self.device) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
+        self._copy_pending = False  # a flush's copy may still read block_table_cpu
         self.generation = 0  # bumped when tensors are reallocated (captured graphs must be re-captured)
 
-    def _device_table(self) -> torch.Tensor:
-        """The device mirror of block_table_np; on CPU it shares the numpy memory (no copies at all)."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(self.block_table_np)
-        return torch.from_numpy(self.block_table_np).to(self.device)
+    def _alloc_tables(self, max_rows: int) -> None:
+        """Zeroed host and device tables of max_rows + 1 rows (+1: the scratch row), nothing dirty."""
+        shape, pin = (max_rows + 1, self.max_blocks), self.device.type == "cuda"
+        self.block_table_cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+        self.block_table_np = self.block_table_cpu.numpy()
+        self.block_table = self.block_table_cpu.to(self.device, copy=True) if self.mirror else self.block_table_cpu
+        self._dirty_lo, self._dirty_hi = max_rows + 1, 0  # rows [lo, hi) were written since the last flush
 
     @property
     def max_rows(self) -> int:
@@ -83,19 +94,19 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.num_blocks_np[row] = 0
-            self._dirty.discard(row)
             self._free.append(row)
 
     def _grow(self, max_rows: int) -> None:
         old = self.max_rows
-        bt = np.zeros((max_rows + 1, self.max_blocks), dtype=np.int32)
-        bt[:old] = self.block_table_np[:old]
-        nb = np.zeros(max_rows + 1, dtype=np.int64)
-        nb[:old] = self.num_blocks_np[:old]
-        self.block_table_np, self.num_blocks_np = bt, nb
-        self.block_table = self._device_table()
+        self._host_writable()
+        bt, nb = self.block_table_np, self.num_blocks_np
+        self._alloc_tables(max_rows)
+        self.block_table_np[:old] = bt[:old]
+        self.num_blocks_np = np.zeros(max_rows + 1, dtype=np.int64)
+        self.num_blocks_np[:old] = nb[:old]
+        if self.mirror:
+            self.block_table.copy_(self.block_table_cpu)  # blocking: a rare reallocation
         self._free = list(range(max_rows - 1, old - 1, -1))
-        self._dirty.clear()
         self.generation += 1
 
     # ---- block tables ------------------------------------------------------------------------------------
@@ -106,25 +117,41 @@ class InputBatch:
             return
         if n > self.max_blocks:
             raise ValueError(f"a sequence needs {n} KV blocks, more than max_model_len allows ({self.max_blocks})")
-        if n > n_old:
+        if self._copy_pending:
+            self._host_writable()
+        if n < n_old:  # cannot happen for a running sequence; recopy to be safe
+            n_old = 0
+        if n == n_old + 1:  # the decode step that opens a block
+            self.block_table_np[row, n_old] = table[n_old]
+        else:
             self.block_table_np[row, n_old:n] = table[n_old:]
-        else:  # cannot happen for a running sequence; recopy to be safe
-            self.block_table_np[row, :n] = table
         self.num_blocks_np[row] = n
-        self._dirty.add(row)
+        if row < self._dirty_lo:
+            self._dirty_lo = row
+        if row >= self._dirty_hi:
+            self._dirty_hi = row + 1
 
     def flush_block_tables(self) -> None:
-        """One host-to-device copy of the rows whose tables changed since the last flush."""
-        if not self._dirty or self.device.type == "cpu":
-            self._dirty.clear()
+        """Bring the device table up to date: one asynchronous copy of the host rows [lo, hi) written since
+        the last flush (rows are handed out lowest first, so that is about the running rows), none when no
+        table changed or without a mirror."""
+        lo, hi = self._dirty_lo, self._dirty_hi
+        if lo >= hi:
             return
-        rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-        self._dirty.clear()
-        if len(rows) > self.max_rows // 2:
-            self.block_table.copy_(async_h2d(torch.from_numpy(self.block_table_np), self.device))
+        self._dirty_lo, self._dirty_hi = self.max_rows + 1, 0
+        if not self.mirror:
             return
-        src = torch.from_numpy(self.block_table_np[rows])
-        self.block_table.index_copy_(0, async_h2d(torch.from_numpy(rows), self.device), async_h2d(src, self.device))
+        self.block_table[lo:hi].copy_(self.block_table_cpu[lo:hi], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(self._stream)
+            self._copy_pending = True
+
+    def _host_writable(self) -> None:
+        """Wait until the last flush's copy has read the pinned host table (an event query when it has)."""
+        if self._copy_pending:
+            if not self._copied.query():
+                self._copied.synchronize()
+            self._copy_pending = False
 
     # ---- step arrays ---------------------------------------------------------------------------------------
     def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
