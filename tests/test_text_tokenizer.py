@@ -187,3 +187,28 @@ def test_raw_file_padding_is_disabled(tmp_path):
     tok = TextTokenizer.from_file(tmp_path / "tokenizer.json")
     ids = tok.encode("[Stts]" + "a " * 300 + "[Ptts]")
     assert len(ids) == 302
+
+
+def test_json_round_trip_is_the_same_tokenizer(tok, prompts):
+    """What the engine core sends its API servers (CoreInfo.tokenizer_json) rebuilds the same tokenizer:
+    the golden ids of every prompt (the long one too: padding and truncation stay off), the same code-prompt
+    ids for a voice with an audio prompt, and the same vocabulary."""
+    from ttsserve.params import Voice
+    from ttsserve.text.prompt import code_prompt_ids
+
+    back = TextTokenizer.from_json(tok.to_json())
+    assert back.vocab_size == tok.vocab_size and back.spk_emb_id == tok.spk_emb_id
+    for t in prompts["texts"]:
+        prompt = build_code_prompt(t["normalized"], prompts["code_prompt"], has_speaker=True)
+        assert back.encode(prompt) == t["code"]["ids"], t["key"]
+    c = prompts["code_with_spk_smp"]
+    voice = Voice(spk_emb=np.zeros(8, np.float16), txt_smp=c["txt_smp"])
+    text = _text(prompts, c["text_key"])["normalized"]
+    assert code_prompt_ids(back, text, prompts["code_prompt"], voice) == tok.encode(c["prompt_string"])
+    with pytest.raises(ValueError, match="not a tokenizer JSON"):
+        TextTokenizer.from_json("{not json")
+    data = json.loads(tok.to_json())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "[Ptts]"]
+    data["model"]["vocab"].pop("[Ptts]", None)
+    with pytest.raises(ValueError, match=r"\[Ptts\]"):
+        TextTokenizer.from_json(json.dumps(data))

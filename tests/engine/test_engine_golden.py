@@ -67,9 +67,13 @@ def test_e2e_refine_code_decode_matches_golden(tiny_model, tiny_speaker, pipelin
     np.testing.assert_allclose(audio, wav_ref, atol=1e-5, rtol=0)
 
 
-def test_audio_prompt_voice_matches_golden(tiny_model, tiny_speaker):
-    """f_e2e e2e_zh_split call 1: code stage with spk_smp + txt_smp (the sample-audio speaker)."""
+@pytest.mark.parametrize("prepared", [False, True], ids=["engine_tokenizes", "api_server_tokenized"])
+def test_audio_prompt_voice_matches_golden(tiny_model, tiny_speaker, prepared, monkeypatch):
+    """f_e2e e2e_zh_split call 1: code stage with spk_smp + txt_smp (the sample-audio speaker); also with the
+    segments an API server prepares (text/segments.py, its tokenizer rebuilt from the engine's JSON)."""
+    from ttsserve.text.segments import prepare_segments, tokenize_segments
     from ttsserve.text.speaker import decode_audio_prompt
+    from ttsserve.text.tokenizer import TextTokenizer
 
     f = golden_json("f_e2e.json")["e2e_zh_split"]
     call = f["code_calls"][1]
@@ -78,8 +82,14 @@ def test_audio_prompt_voice_matches_golden(tiny_model, tiny_speaker):
     e = make_engine(tiny_model)
     rec = FrameRecorder(e)
     params = GREEDY_CODE.replace(min_new_tokens=40, max_new_tokens=40)
-    for i, text in enumerate(call["text"]):
-        e.add_synthesis(SynthesisRequest(text, voice=voice, code_params=params, raw_text=True, request_id=f"s{i}"))
+    api_tok = TextTokenizer.from_json(e.frontend.tokenizer.to_json())
+    reqs = [SynthesisRequest(text, voice=voice, code_params=params, raw_text=True, request_id=f"s{i}")
+            for i, text in enumerate(call["text"])]
+    segments = [tokenize_segments(r, prepare_segments(r), api_tok) if prepared else None for r in reqs]
+    if prepared:
+        monkeypatch.setattr(e.frontend.tokenizer, "encode", lambda s: pytest.fail("the engine tokenized again"))
+    for req, segs in zip(reqs, segments):
+        e.add_synthesis(req, segs)
     results = run_all(e)
     for i in range(len(call["text"])):
         np.testing.assert_array_equal(rec.codes(f"s{i}/0/code"), np.array(call["code_ids"][i]))

@@ -15,7 +15,14 @@ import pytest
 
 from tests.server.multiproc_helpers import start_core, stop_process
 from ttsserve.engine.core.client import CoreClient
-from ttsserve.engine.core.messages import ErrorInfo, RequestOutput, SynthesisMsg, decode_synthesis, encoder
+from ttsserve.engine.core.messages import (
+    ErrorInfo,
+    RequestOutput,
+    SegmentMsg,
+    SynthesisMsg,
+    decode_synthesis,
+    encoder,
+)
 from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
@@ -72,7 +79,7 @@ def test_wire_format_round_trips():
     bad = msgspec.structs.replace(SynthesisMsg.of(req), code_params={"temperature": -1.0})
     with pytest.raises(ValueError, match="temperature must be > 0"):  # the dataclass checks run in the core
         decode_synthesis(encoder.encode(bad))
-    from ttsserve.engine.core.messages import AddRequest, SegmentMsg, client_decoder
+    from ttsserve.engine.core.messages import AddRequest, client_decoder
 
     add = AddRequest("r", msgspec.Raw(encoder.encode(SynthesisMsg.of(req))), [SegmentMsg("a b", ["#"])])
     back_add = client_decoder.decode(encoder.encode(add))
@@ -80,6 +87,16 @@ def test_wire_format_round_trips():
     assert back_add.segments == [SegmentMsg("a b", ["#"])]
     assert again_req.text == req.text and again_req.voice.key == voice.key
     assert client_decoder.decode(encoder.encode(AddRequest("r", add.request))).segments is None
+    from ttsserve.text.segments import Segment
+
+    ids = np.array([3, 70000, 1], np.int32)
+    with_ids = AddRequest("r", add.request, [SegmentMsg.of(Segment(0, "a", [], ids))])
+    back_seg = client_decoder.decode(encoder.encode(with_ids)).segments[0].segment(0)
+    assert back_seg.code_ids.dtype == np.int32 and back_seg.code_ids.tolist() == [3, 70000, 1]
+    assert SegmentMsg.of(Segment(0, "a", ["#"])) == SegmentMsg("a", ["#"])
+    assert back_add.segments[0].segment(0).code_ids is None
+    with pytest.raises(ValueError, match="segment 2: code_ids has 5 bytes, not whole int32 values"):
+        SegmentMsg("a", [], b"12345").segment(2)
     out = AudioOutput("r", np.linspace(-1, 1, 7, dtype=np.float32), True, 3, "length", [1], None, ["#"])
     again = RequestOutput.of(out).output()
     assert np.array_equal(again.samples, out.samples) and again.truncated_segments == [1] and again.dropped_chars == ["#"]
@@ -95,6 +112,7 @@ def test_generate_errors_and_utilities_cross_the_boundary(core_address):
         client = CoreClient(core_address, 0)
         await client.start()
         assert client.ready and client.sample_rate == 24000 and "KV cache:" in client.memory_report()
+        assert client.segment_msgs(_req())[0].code_ids is not None  # the ids below come from this process
         audio, final = await _collect(client, _req(rid="same"))
         assert final.finished and final.finish_reason == "length" and final.request_id == "same"
         with pytest.raises(ValueError, match="nothing speakable"):
@@ -126,6 +144,52 @@ def test_generate_errors_and_utilities_cross_the_boundary(core_address):
     assert np.array_equal(audio, asyncio.run(single_process()))  # the same engine, the same bits
     assert np.array_equal(codes, local.encode_reference_audio(
         (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32), 24000))
+
+
+def test_api_server_tokenizes_as_the_core_and_bad_ids_are_rejected_by_id(core_address, monkeypatch):
+    """The client tokenizes with the tokenizer from the core's CoreInfo: the ids the core's own front end
+    makes (voices with and without a speaker, with an audio prompt; none with refine_text). Malformed ids
+    are the caller's ValueError, rejected by id, and the core keeps serving."""
+    from tests.server.conftest import REAL_ENGINE
+    from ttsserve.config import EngineConfig
+    from ttsserve.engine.frontend import FrontEnd
+    from ttsserve.model.chattts import load_model
+
+    model = load_model(EngineConfig(**REAL_ENGINE))  # the same dummy checkpoint the core built
+    front = FrontEnd(model.tokenizer, model.gpt_config.num_vq)
+    spk = np.random.default_rng(0).standard_normal(model.hidden_size).astype(np.float16)
+    voices = [Voice(), Voice(spk_emb=spk), Voice(spk_emb=spk, spk_smp=np.ones((4, 3), np.int32), txt_smp="said so")]
+    text = "Hello there, it is 3 o'clock. " + "这是一个很长的句子它包含了很多很多的汉字目的是让提示词变长。" * 4
+
+    async def main():
+        client = CoreClient(core_address, 6)
+        await client.start()
+        try:
+            await checks(client)
+        finally:
+            await client.shutdown(1)
+
+    async def checks(client: CoreClient):
+        for voice in voices:
+            req = SynthesisRequest(text, voice, code_prompt="[speed_2]")
+            msgs = client.segment_msgs(req)
+            assert len(msgs) >= 2
+            for i, m in enumerate(msgs):
+                ids, mask = front.code_inputs(m.text, req.code_prompt, voice)
+                assert m.segment(i).code_ids.tolist() == ids[: int(mask.sum()), 0].tolist()
+        assert all(m.code_ids is None for m in client.segment_msgs(SynthesisRequest(text, refine_text=True)))
+        vocab = model.tokenizer.vocab_size
+        bad = {b"": "segment 0: code_ids must be a non-empty", b"123": "not whole int32 values",
+               np.array([1, vocab], "<i4").tobytes(): "segment 0: code_ids hold ids outside the text vocabulary"}
+        for payload, match in bad.items():
+            monkeypatch.setattr(client, "segment_msgs", lambda req: [SegmentMsg("hello", [], payload)])
+            with pytest.raises(ValueError, match=match):
+                await _collect(client, _req(rid="bad"))
+        monkeypatch.undo()
+        assert (await _collect(client, _req(rid="bad")))[1].finished  # the same id, now fine: the core serves on
+        assert await _until(lambda: _idle(client))
+
+    asyncio.run(main())
 
 
 def test_two_clients_share_one_core_and_its_queue_bound(core_address):

@@ -18,7 +18,7 @@ import torch
 from ttsserve.config import EngineConfig
 from ttsserve.engine.batch_control import BatchSizeController
 from ttsserve.engine.block_manager import KVCacheManager
-from ttsserve.engine.frontend import FrontEnd, Segment
+from ttsserve.engine.frontend import FrontEnd, Segment, check_room
 from ttsserve.engine.request import Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
@@ -180,7 +180,8 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
     def add_synthesis(self, req: SynthesisRequest, segments: list[Segment] | None = None) -> str:
         """Admit one synthesis (ValueError for bad input, before anything is queued). segments: the
-        request's text already through frontend.prepare_segments (an API server did it), else done here."""
+        request's text already through frontend.prepare_segments (an API server did it), else done here;
+        a segment's code_ids (text/segments.tokenize_segments) are checked, then used instead of tokenizing."""
         rid = req.request_id or f"syn-{next(self._ids)}"
         if rid in self.syntheses:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -188,6 +189,8 @@ class Engine:
             segments = self.frontend.segments(req)
         elif not segments or [s.index for s in segments] != list(range(len(segments))):
             raise ValueError("segments must be numbered 0..n-1, at least one")
+        else:
+            self.frontend.check_code_ids(req, segments, self.max_model_len)
         seed = req.code_params.seed if req.code_params.seed is not None else random.getrandbits(62)
         dropped = sorted({c for s in segments for c in s.dropped})
         syn = _Synthesis(req, SynthesisTracker(rid, len(segments), dropped), seed, segments)
@@ -198,16 +201,16 @@ class Engine:
                     ids, mask = self.frontend.refine_inputs(seg.text, req.refine_prompt)
                     self._add_sequence(rid, seg.index, "text", ids, mask)
                 else:
-                    self._add_code_sequence(rid, seg.index, seg.text)
+                    self._add_code_sequence(rid, seg.index, seg.text, seg.code_ids)
         except BaseException:
             # a later segment was refused: the earlier ones must not stay behind without a consumer
             self.abort(rid)
             raise
         return rid
 
-    def _add_code_sequence(self, rid: str, seg: int, text: str) -> None:
-        voice = self.syntheses[rid].req.voice
-        ids, mask = self.frontend.code_inputs(text, self.syntheses[rid].req.code_prompt, voice)
+    def _add_code_sequence(self, rid: str, seg: int, text: str, code_ids: np.ndarray | None = None) -> None:
+        req = self.syntheses[rid].req
+        ids, mask = self.frontend.code_inputs(text, req.code_prompt, req.voice, code_ids)
         self._add_sequence(rid, seg, "code", ids, mask)
 
     def _add_sequence(self, rid: str, seg: int, mode: str, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -218,10 +221,7 @@ class Engine:
         spk_t = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         # The seed schedule: segment k of a request uses seed + k, so a long text is reproducible.
         seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
-        room = self.max_model_len - ids.shape[0]
-        if room < 1:
-            raise ValueError(f"segment {seg}: the prompt has {ids.shape[0]} positions, more than the model's "
-                             f"{self.max_model_len}; shorten the text or enable splitting")
+        room = check_room(seg, ids.shape[0], self.max_model_len)
         self.runner.add_sequence(seq_id, SequenceInputs(ids, mask, spk_t, mode, params, seed))
         items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
         req = Request(seq_id, items, mode=mode, max_new_tokens=min(params.max_new_tokens, room),

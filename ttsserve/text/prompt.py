@@ -5,8 +5,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ttsserve.params import Voice
+    from ttsserve.text.tokenizer import TextTokenizer
 
 NUM_VQ = 4
 DEFAULT_CODE_PROMPT = "[speed_5]"
@@ -39,6 +44,15 @@ def build_code_prompt(
         text = prompt + text
     speaker = "[spk_emb]" if has_speaker else "[empty_spk]"
     return "[Stts]" + speaker + (txt_smp or "") + text + "[Ptts]"
+
+
+def code_prompt_ids(tokenizer: TextTokenizer, text: str, code_prompt: str, voice: Voice) -> list[int]:
+    """Text ids of one segment's code-stage prompt: build_code_prompt for `voice` (its spk_emb decides
+    [spk_emb] or [empty_spk], its txt_smp goes first), then `tokenizer.encode`. The one definition the engine
+    (engine/frontend.py) and the API servers (text/segments.py) share, so ids an API server sends are the
+    ones the engine would build. `voice.spk_smp` is not in them: its codes follow as audio positions."""
+    prompt = build_code_prompt(text, code_prompt, has_speaker=voice.spk_emb is not None, txt_smp=voice.txt_smp)
+    return tokenizer.encode(prompt)
 
 
 def validate_control_prompt(prompt: str, allowed: Iterable[str] | None = None) -> str:

@@ -1,15 +1,23 @@
-"""A synthesis request's text -> its segments: control-prompt checks, sentence splitting, normalization.
+"""A synthesis request's text -> its segments: control-prompt checks, sentence splitting, normalization, and
+(without a refine pass) the code-stage prompt's token ids.
 
-Text only, no torch and no tokenizer, so an API server process (engine/core/client.py) runs it before a
-request reaches the engine core, and the core's step loop does not pay for it.
+No torch and no model, so an API server process (engine/core/client.py) runs it before a request reaches the
+engine core, and the core's step loop does not pay for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ttsserve.params import SynthesisRequest
+
+if TYPE_CHECKING:
+    from ttsserve.text.tokenizer import TextTokenizer
 
 
 @dataclass
@@ -19,6 +27,9 @@ class Segment:
     index: int
     text: str  # normalized text fed to the code stage (or to the refine stage first)
     dropped: list[str]  # characters normalization had to delete
+    # int32 [P]: the code-stage prompt's text ids (text/prompt.code_prompt_ids), when an API server tokenized
+    # it; None: the engine tokenizes (always with refine_text, whose code prompt is the refined text)
+    code_ids: np.ndarray | None = None
 
 
 _TAG_RE = re.compile(r"\[[\w_]+\]")
@@ -49,4 +60,19 @@ def prepare_segments(req: SynthesisRequest) -> list[Segment]:
             out.append(Segment(len(out), norm.text.strip(), list(norm.dropped)))
     if not out:
         raise ValueError("text: nothing speakable is left after normalization")
+    return out
+
+
+def tokenize_segments(req: SynthesisRequest, segments: list[Segment], tokenizer: TextTokenizer) -> list[Segment]:
+    """`segments` with their code-stage prompt ids (int32 [P] each) filled in, exactly as the engine's
+    FrontEnd.code_inputs would compute them. With `req.refine_text` they are returned unchanged: the code
+    prompt is built from the refined text, known only after the refine pass."""
+    from ttsserve.text.prompt import code_prompt_ids
+
+    if req.refine_text:
+        return segments
+    out = []
+    for s in segments:
+        ids = code_prompt_ids(tokenizer, s.text, req.code_prompt, req.voice)
+        out.append(dataclasses.replace(s, code_ids=np.asarray(ids, dtype=np.int32)))
     return out

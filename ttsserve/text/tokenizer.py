@@ -63,6 +63,20 @@ class TextTokenizer:
     def from_file(cls, file: str | os.PathLike) -> TextTokenizer:
         return cls(Tokenizer.from_file(os.fspath(file)))
 
+    def to_json(self) -> str:
+        """The whole tokenizer as one JSON string (`tokenizer.json` content, padding and truncation off):
+        what an API-server process needs to tokenize exactly as the engine does, without the checkpoint."""
+        return self._tok.to_str()
+
+    @classmethod
+    def from_json(cls, text: str) -> TextTokenizer:
+        """Inverse of `to_json`; ValueError for a string that is not a ChatTTS tokenizer."""
+        try:
+            tok = Tokenizer.from_str(text)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"not a tokenizer JSON: {e}") from None
+        return cls(tok)
+
     # ---- encoding -------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:

@@ -8,7 +8,8 @@ watches the connection: when the core process dies, every in-flight request ends
 
 random_speaker / parse_speaker run here, from the speaker statistics the core sends in its CoreInfo: the
 app calls them synchronously on the event loop, where a round trip would wait behind an engine step. They
-give the same vectors as the core's utility calls of the same names.
+give the same vectors as the core's utility calls of the same names. The core's tokenizer comes with the
+CoreInfo too, so the code prompts of requests without a refine pass are tokenized here (segment_msgs).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from zmq.utils.monitor import parse_monitor_message
 from ttsserve.engine.core.messages import (
     Abort,
     AddRequest,
-    SegmentMsg,
     ArrayMsg,
     CoreInfo,
     CoreOutputs,
     Hello,
+    SegmentMsg,
     SynthesisMsg,
     UtilityCall,
     UtilityReply,
@@ -44,7 +45,7 @@ from ttsserve.engine.core.messages import (
 from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
-from ttsserve.text.segments import prepare_segments
+from ttsserve.text.segments import prepare_segments, tokenize_segments
 
 logger = logging.getLogger("ttsserve.core_client")
 
@@ -82,6 +83,7 @@ class CoreClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._hello: asyncio.Future | None = None
+        self._tokenizer = None  # TextTokenizer, the core's (from its CoreInfo)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -105,6 +107,10 @@ class CoreClient:
         except TimeoutError:
             raise RuntimeError(f"the engine core at {self.address} did not answer in {HANDSHAKE_TIMEOUT_S:.0f} s") from None
         self.sample_rate, self.model_name = info.sample_rate, info.model_name
+        if info.tokenizer_json is not None:
+            from ttsserve.text.tokenizer import TextTokenizer
+
+            self._tokenizer = TextTokenizer.from_json(info.tokenizer_json)
         self._stats = dict(info.stats)
         self._info = info
         self._accepting = True
@@ -142,9 +148,7 @@ class CoreClient:
         rid = f"{req.request_id}@api{self.index}" if req.request_id else f"api{self.index}-{next(self._request_ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        # The text work (split, normalize, control-prompt checks) happens here, not on the core's step loop;
-        # its ValueError is the caller's 400 without a round trip.
-        segments = [SegmentMsg(s.text, s.dropped) for s in prepare_segments(req)]
+        segments = self.segment_msgs(req)
         msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
         stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
         self._streams[rid] = stream
@@ -166,6 +170,15 @@ class CoreClient:
                 stream.admitted.cancel()
             if (admitted or pending) and not finished and not self.dead:  # the consumer went away: free its blocks
                 self._post(Abort([rid]))
+
+    def segment_msgs(self, req: SynthesisRequest) -> list[SegmentMsg]:
+        """The text work, here rather than on the core's step loop: control-prompt checks, split, normalize
+        and, without refine_text, the code prompts' token ids with the core's tokenizer (the ids the core
+        would compute). ValueError (the caller's 400, without a round trip) for text nothing is left of."""
+        segments = prepare_segments(req)
+        if self._tokenizer is not None:
+            segments = tokenize_segments(req, segments, self._tokenizer)
+        return [SegmentMsg.of(s) for s in segments]
 
     def stats(self) -> dict:
         """The core's engine stats (shared by all API servers; ~0.1 s old at most), plus num_streams: this

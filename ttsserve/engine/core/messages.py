@@ -7,13 +7,15 @@ API server -> core (one DEALER per API server, identity `api-<index>`, to the co
     UtilityCall   stats / memory_report / random_speaker / parse_speaker / encode_reference_audio; UtilityReply
 
 core -> API server:
-    CoreInfo      reply to Hello: what the client serves from memory (sample rate, memory report, speaker stats)
+    CoreInfo      reply to Hello: what the client serves from memory (sample rate, memory report, speaker stats,
+                  the tokenizer)
     CoreOutputs   per engine step, one message per API server: admissions, rejections, audio, the latest stats
     UtilityReply  result or error of one UtilityCall
 
-Arrays travel as raw little-endian bytes with dtype and shape (ArrayMsg), never as lists. Errors travel as
-(kind, message): kind "value" is re-raised as ValueError, "overloaded" as EngineOverloadedError, anything
-else as RuntimeError, so a bad input still becomes the server's 400 with the core's message.
+Arrays travel as raw little-endian bytes with dtype and shape (ArrayMsg; a segment's prompt ids as int32
+bytes), never as lists. Errors travel as (kind, message): kind "value" is re-raised as ValueError,
+"overloaded" as EngineOverloadedError, anything else as RuntimeError, so a bad input still becomes the
+server's 400 with the core's message.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
+from ttsserve.text.segments import Segment
 
 ErrorKind = Literal["value", "overloaded", "runtime"]
 
@@ -115,17 +118,34 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 
 class SegmentMsg(msgspec.Struct, array_like=True, frozen=True):
-    """One text segment as engine/frontend.prepare_segments made it (normalized text, dropped characters)."""
+    """One text segment as text/segments.py made it: normalized text, dropped characters and, when the API
+    server tokenized it (no refine pass), the code-stage prompt's text ids as int32 little-endian bytes."""
 
     text: str
     dropped: list[str]
+    code_ids: bytes | None = None
+
+    @classmethod
+    def of(cls, seg: Segment) -> SegmentMsg:
+        ids = None if seg.code_ids is None else np.ascontiguousarray(seg.code_ids, dtype="<i4").tobytes()
+        return cls(seg.text, list(seg.dropped), ids)
+
+    def segment(self, index: int) -> Segment:
+        """The engine's Segment (code_ids: a read-only int32 [P] view of the bytes; the engine checks their
+        values). ValueError for bytes that are not whole int32 values."""
+        ids = None
+        if self.code_ids is not None:
+            if len(self.code_ids) % 4:
+                raise ValueError(f"segment {index}: code_ids has {len(self.code_ids)} bytes, not whole int32 values")
+            ids = np.frombuffer(self.code_ids, dtype="<i4")
+        return Segment(index, self.text, list(self.dropped), ids)
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):
     """request_id: the core's key for the request (also request.request_id). `request` is an encoded
     SynthesisMsg decoded by the core on its own, so a request that fails its checks is rejected by id.
-    segments: the text already split and normalized by the API server (None: the core does it), so that
-    per-request text work stays off the core's step loop."""
+    segments: the text already split, normalized and (without refine_text) tokenized by the API server (None:
+    the core does it), so that per-request text work stays off the core's step loop."""
 
     request_id: str
     request: msgspec.Raw
@@ -159,6 +179,8 @@ class CoreInfo(msgspec.Struct, tag="info", frozen=True):
     spk_mean: ArrayMsg
     max_queue_len: int
     stats: dict[str, Any]
+    # TextTokenizer.to_json(): the API server tokenizes code prompts itself (None: it leaves that to the core)
+    tokenizer_json: str | None = None
 
 
 class Rejection(msgspec.Struct, array_like=True, frozen=True):

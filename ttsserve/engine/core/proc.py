@@ -50,7 +50,6 @@ from ttsserve.engine.core.messages import (
     encoder,
 )
 from ttsserve.engine.errors import EngineOverloadedError
-from ttsserve.text.segments import Segment
 
 logger = logging.getLogger("ttsserve.core")
 
@@ -105,6 +104,7 @@ class EngineCore:
         std, mean = model.spk_stat if model.spk_stat is not None else (
             np.ones(model.hidden_size, np.float16), np.zeros(model.hidden_size, np.float16))
         self._spk_std, self._spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
+        self._tokenizer_json = model.tokenizer.to_json()  # once: every Hello gets it (API servers tokenize)
         self._methods: dict[str, Callable[..., Any]] = {
             "stats": lambda: self._stats, "memory_report": engine.memory_report,
             "random_speaker": self._random_speaker, "parse_speaker": self._parse_speaker,
@@ -189,7 +189,7 @@ class EngineCore:
         model = self.engine.model
         info = CoreInfo(os.getpid(), self.sample_rate, "chattts", self.engine.memory_report(), model.hidden_size,
                         ArrayMsg.of(self._spk_std), ArrayMsg.of(self._spk_mean), self.engine.cfg.max_queue_len,
-                        self._stats)
+                        self._stats, self._tokenizer_json)
         self._send(ident, encoder.encode(info))
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
@@ -203,8 +203,7 @@ class EngineCore:
             if rid in self.owner:
                 raise ValueError(f"request_id {rid!r} is already in use")
             req = dataclasses.replace(decode_synthesis(msg.request), request_id=rid)
-            segments = None if msg.segments is None else [
-                Segment(i, m.text, list(m.dropped)) for i, m in enumerate(msg.segments)]
+            segments = None if msg.segments is None else [m.segment(i) for i, m in enumerate(msg.segments)]
             self.engine.add_synthesis(req, segments)
         except (ValueError, EngineOverloadedError) as e:
             batch.rejected.append(Rejection(rid, ErrorInfo.of(e)))
