@@ -222,3 +222,12 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_every_process_freezes_its_start_up_heap(server):
+    """The core and each API server move their start-up objects out of the GC's generations (engine/core/
+    heap.py): a full collection would otherwise walk them all and pause the process's loop."""
+    srv, _ = server
+    frozen = dict(re.findall(r"(engine core|API server \d): (\d+) start-up objects frozen", srv.log()))
+    assert set(frozen) == {"engine core", "API server 0", "API server 1"}, srv.log()[-2000:]
+    assert all(int(n) > 10_000 for n in frozen.values()), frozen

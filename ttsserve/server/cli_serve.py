@@ -268,6 +268,9 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         return _config_error(e)
     app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
+    from ttsserve.engine.core.heap import freeze_startup_heap
+
+    freeze_startup_heap("server")
     # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
     # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
     config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="on",

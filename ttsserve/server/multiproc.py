@@ -276,6 +276,9 @@ def _api_server_main(index: int, sock: socket.socket, server_cfg, core_address: 
 
         rate = SharedRateLimiter(limits_address)
     app = create_app(CoreClient(core_address, index), server_cfg, rate_limiter=rate)
+    from ttsserve.engine.core.heap import freeze_startup_heap
+
+    freeze_startup_heap(f"API server {index}")
     config = uvicorn.Config(ApiServerHeader(app, index), log_level=log_level.lower(), access_log=False,
                             lifespan="on", timeout_graceful_shutdown=server_cfg.drain_timeout_s)
     uvicorn.Server(config).run(sockets=[sock])

@@ -333,6 +333,9 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
         ready.send(("error", f"{type(e).__name__}: {e}"))
         return 1
     signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
+    from ttsserve.engine.core.heap import freeze_startup_heap
+
+    freeze_startup_heap("engine core")
     ready.send(("ready", os.getpid()))
     ready.close()
     core.run()
