@@ -39,7 +39,8 @@ def test_streaming_concurrency_sweep(server) -> None:
         # the cap: at most 24 frames (512 samples each) per segment of these one-sentence texts
         assert max(r.num_samples for r in res.requests) <= 24 * 512
         # the server's own view from its /metrics: it stepped, and its phases are host time per step
-        assert s["server_steps_per_s"] > 0 and s["server_running_mean"] <= 3
+        assert s["server_steps_per_s"] > 0
+        assert s.get("server_running_mean", 0) <= 3  # sampled every 0.5 s: absent from a shorter point
         ms = s["server_step_ms"]
         assert {"schedule", "runner_prepare", "audio_step"} <= set(ms) and all(v >= 0 for v in ms.values())
         assert 0 < ms["runner"] < 1000.0 / s["server_steps_per_s"]  # a phase fits in the time between steps

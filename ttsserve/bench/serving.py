@@ -248,10 +248,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, wall_s: float) -> dict:
     """Server-side figures from /metrics scrapes: the peak of every gauge named *memory* or *kv_cache_usage*,
-    the preemption counter's increase, and -- where the server exports them -- its steps per second, the
-    mean running / waiting batch, and the host time per step of each engine phase over the run (ms)."""
+    the preemption counter's increase, and -- where the server exports them -- its steps per second and host
+    time per step of each engine phase over the run (ms, from the counters before and after), and the mean
+    running / waiting batch of the samples taken while the load ran (none for a point under 0.5 s)."""
     peaks: dict[str, float] = {}
-    for s in samples:
+    for s in samples + [after]:
         for k, v in s.items():
             if ("memory" in k or "kv_cache_usage" in k) and not k.endswith(("_created", "_total_created")):
                 peaks[k] = max(v, peaks.get(k, v))
@@ -264,6 +265,7 @@ def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, 
         out["server_steps_per_s"] = steps / max(wall_s, 1e-9)
         out["server_step_ms"] = {k[len(phase):-2]: 1000.0 * (v - before.get(k, 0.0)) / steps
                                  for k, v in after.items() if k.startswith(phase)}
+    # over the samples taken while the load ran (the scrape after it, at an idle server, would pull it down)
     for gauge, key in (("ttsserve_num_requests_running", "server_running_mean"),
                        ("ttsserve_num_requests_waiting", "server_waiting_mean")):
         values = [s[gauge] for s in samples if gauge in s]
@@ -303,13 +305,13 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
         samples: list[dict] = []
         stop = asyncio.Event()
 
-        async def sampler() -> None:
-            while not stop.is_set():
-                samples.append(await _scrape(client))
+        async def sampler() -> None:  # every 0.5 s while the load runs (not at its start, not after it)
+            while True:
                 try:
                     await asyncio.wait_for(stop.wait(), 0.5)
+                    return
                 except TimeoutError:
-                    pass
+                    samples.append(await _scrape(client))
 
         sampler_task = asyncio.create_task(sampler())
         if procs == 1:
@@ -324,7 +326,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
         stop.set()
         await sampler_task
         after = await _scrape(client)
-    figures = _server_figures(samples + [after], before, after, wall)
+    figures = _server_figures(samples, before, after, wall)
     mem = [v for k, v in figures["server_metrics_peak"].items() if "memory" in k and "bytes" in k]
     kv = [v for k, v in figures["server_metrics_peak"].items() if "kv_cache_usage" in k]
     return RunResult("server", "serve", load_kind, load, wall, sorted(records, key=lambda r: r.request_id),
