@@ -25,6 +25,7 @@ from ttsserve.attention.backend import AttentionMetadata, PagedAttention, select
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
+from ttsserve.runner.step_inputs import gather_input_rows
 from ttsserve.runner.step_types import RunnerOutput, RunnerTimings, SequenceInputs, LaunchedStep, SequenceState
 from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState, async_h2d
@@ -48,10 +49,6 @@ def runner_backend(device: torch.device, head_dim: int):
 
         return TorchPagedAttention(), False
     return backend, False
-
-
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 class ModelRunner:
@@ -332,49 +329,19 @@ class ModelRunner:
         return groups
 
     def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:
-        """[T, H] step inputs in the GPT dtype: every row's prompt ids or earlier output (recompute / decode
-        rows), embedded in one call per table (text, codes), then the speaker rows; the host indices go to
-        the device in one copy."""
-        cu = arr.cu_seqlens_q
-        text_ids, text_dst, code_ids, code_dst, spk_vecs, spk_dst = [], [], [], [], [], []
-        for b, s in enumerate(scheduled):
-            st = self.states[s.request_id]
-            num_prompt = st.num_prompt_tokens
-            start, end, off = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens, int(cu[b])
-            if start < num_prompt:
-                stop = min(end, num_prompt)
-                mask, dst = st.prompt_text_mask[start:stop], np.arange(off, off + stop - start)
-                text_ids.append(st.prompt_ids[start:stop, 0][mask])
-                text_dst.append(dst[mask])
-                code_ids.append(st.prompt_ids[start:stop][~mask])
-                code_dst.append(dst[~mask])
-                rows = st.spk_rows[(st.spk_rows >= start) & (st.spk_rows < stop)]
-                if len(rows):
-                    spk_dst.append(off + rows - start)
-                    spk_vecs += [st.spk] * len(rows)
-            if end > num_prompt:
-                first = max(start, num_prompt)
-                items = requests[s.request_id].output_token_ids[first - num_prompt:end - num_prompt]
-                dst = np.arange(off + first - start, off + end - start)
-                if st.mode == "code":
-                    code_ids.append(np.asarray(items, dtype=np.int64).reshape(-1, self.cfg.num_vq))
-                    code_dst.append(dst)
-                else:
-                    text_ids.append(np.asarray(items, dtype=np.int64))
-                    text_dst.append(dst)
-        parts = [_cat(text_ids), _cat(text_dst), _cat(code_ids).reshape(-1), _cat(code_dst), _cat(spk_dst)]
-        n_text, n_code, n_spk = len(parts[1]), len(parts[3]), len(parts[4])
-        assert n_text + n_code == int(cu[-1]), "every row is a text or a code row"
-        flat = async_h2d(torch.from_numpy(np.concatenate(parts)), self.device)
-        t_ids, t_dst, c_ids, c_dst, s_dst = flat.split([n_text, n_text, n_code * self.cfg.num_vq, n_code, n_spk])
-        embed = self.model.embed
-        x = torch.empty(int(cu[-1]), self.cfg.hidden_size, device=self.device, dtype=self.dtype)
-        if n_text:
+        """[T, H] step inputs in the GPT dtype: every row's prompt id or earlier output (runner/step_inputs.py),
+        embedded in one call per table (text, codes), then the speaker rows; the indices in one copy."""
+        rows = gather_input_rows(scheduled, arr.cu_seqlens_q, self.states, requests, self.cfg.num_vq)
+        flat = async_h2d(torch.from_numpy(rows.flat), self.device)
+        t_ids, t_dst, c_ids, c_dst, s_dst = flat.split(rows.split_sizes(self.cfg.num_vq))
+        embed, n_code = self.model.embed, rows.num_code
+        x = torch.empty(rows.num_rows, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        if rows.num_text:
             x[t_dst] = embed.embed_text(t_ids).to(self.dtype)
         if n_code:
             x[c_dst] = embed.embed_codes(c_ids.view(n_code, self.cfg.num_vq)).to(self.dtype)
-        if n_spk:  # after the text rows: the speaker replaces its [spk_emb] position's text embedding
-            x[s_dst] = async_h2d(torch.stack(spk_vecs), self.device).to(self.dtype)
+        if rows.spk_vecs:  # after the text rows: the speaker replaces its [spk_emb] position's text embedding
+            x[s_dst] = async_h2d(torch.stack(rows.spk_vecs), self.device).to(self.dtype)
         return x
 
     def _outputs(self, groups: list, host: np.ndarray) -> RunnerOutput:
