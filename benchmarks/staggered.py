@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +51,24 @@ def natural_frames(rng: random.Random) -> int:
     return rng.randint(*FRAMES)
 
 
+SERVED_LIKE = False  # --workload served: a speaker voice, normalized text, lengths ended by EOS (capped)
+
+
+def _request(engine, k: int, n: int, seed: int) -> SynthesisRequest:
+    """Request k: `n` frames exactly, raw text, no speaker; or served-like: a random speaker (as the
+    server's built-in voices), normalized text, EOS when the model samples it (at most n frames)."""
+    text = gb.TEXTS[k % len(gb.TEXTS)]
+    if not SERVED_LIKE:
+        return SynthesisRequest(text, code_params=SamplingParams(seed=seed + k, min_new_tokens=n, max_new_tokens=n),
+                                raw_text=True)
+    from ttsserve.params import Voice
+    from ttsserve.text.speaker import sample_random_speaker
+
+    std, mean = engine.model.spk_stat
+    voice = Voice(spk_emb=sample_random_speaker(np.asarray(std), np.asarray(mean), k % 8))
+    return SynthesisRequest(text, voice=voice, code_params=SamplingParams(seed=seed + k, max_new_tokens=n))
+
+
 def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
     rng = random.Random(seed)
     t0 = time.perf_counter()
@@ -57,9 +76,7 @@ def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
 
     def submit() -> None:
         nonlocal k
-        n = natural_frames(rng)
-        p = SamplingParams(seed=seed + k, min_new_tokens=n, max_new_tokens=n)
-        rid = engine.add_synthesis(SynthesisRequest(gb.TEXTS[k % len(gb.TEXTS)], code_params=p, raw_text=True))
+        rid = engine.add_synthesis(_request(engine, k, natural_frames(rng), seed))
         live[rid] = {"t_submit": time.perf_counter() - t0, "chunks": [], "samples": 0, "ttfa": None, "done": None}
         k += 1
 
@@ -142,16 +159,19 @@ def main() -> int:
     ap.add_argument("--variants", default="eager-vocoder,graphs,graphs-cadence4")
     ap.add_argument("--frames", default="140,600", help="utterance frames LO,HI, uniform (bench serve's capped "
                     "natural lengths are closer to 60,256)")
+    ap.add_argument("--workload", choices=("staggered", "served"), default="staggered",
+                    help="served: a speaker voice, normalized text, lengths ended by EOS (capped by --frames HI)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dummy-size", default="real")
     a = ap.parse_args()
-    global FRAMES
+    global FRAMES, SERVED_LIKE
     FRAMES = tuple(int(x) for x in a.frames.split(","))
+    SERVED_LIKE = a.workload == "served"
     gb.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
     model = load_model(gb.model_config())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"setup": dict(gb.SETUP), "concurrency": a.concurrency, "seconds": a.seconds, "frames": FRAMES,
+    results = {"setup": dict(gb.SETUP), "workload": a.workload, "concurrency": a.concurrency, "seconds": a.seconds, "frames": FRAMES,
                "runs": {}}
     for c in (int(x) for x in a.concurrency.split(",")):
         for name in a.variants.split(","):
