@@ -233,3 +233,26 @@ def test_default_prefill_sizes():
     assert default_prefill_sizes(4096) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                                            3072, 4096]
     assert default_prefill_sizes(100) == [16, 32, 64, 96, 100] and default_prefill_sizes(8) == [8]
+
+
+def test_or_uncompiled_retries_once_with_uncompiled_ops():
+    """The graphs' shared fallback (runner/cuda_graphs.or_uncompiled): a failure with compiled ops is retried
+    with the same ops uncompiled; a failure without compiled ops, or on the retry, propagates."""
+    from types import SimpleNamespace
+
+    from ttsserve.runner.cuda_graphs import or_uncompiled
+
+    owner, calls = SimpleNamespace(ops=SimpleNamespace(compiled=True)), []
+
+    def fails_if_compiled():
+        calls.append(owner.ops.compiled)
+        if owner.ops.compiled:
+            raise RuntimeError("injected")
+
+    or_uncompiled(owner, fails_if_compiled, "test")
+    assert calls == [True, False] and not owner.ops.compiled
+    with pytest.raises(RuntimeError, match="injected"):
+        or_uncompiled(SimpleNamespace(ops=None), lambda: (_ for _ in ()).throw(RuntimeError("injected")), "test")
+    with pytest.raises(RuntimeError, match="always"):
+        or_uncompiled(SimpleNamespace(ops=SimpleNamespace(compiled=True)),
+                      lambda: (_ for _ in ()).throw(RuntimeError("always")), "test")

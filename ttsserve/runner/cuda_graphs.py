@@ -107,6 +107,27 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
     return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]
 
 
+def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """body() captured into a new CUDA graph in `pool` (None: a new one) -> (graph, the pool it is in)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph, graph.pool() if pool is None else pool
+
+
+def or_uncompiled(owner, fn, what: str) -> None:
+    """fn(); if it fails while owner.ops (DecodeOps) is torch.compile'd, log, give the owner the same ops
+    uncompiled and run fn() again (slower, never wrong). Any other failure propagates."""
+    try:
+        fn()
+    except Exception as exc:
+        if owner.ops is None or not owner.ops.compiled:
+            raise
+        logger.warning("%s failed (%s: %s); running its ops uncompiled", what, type(exc).__name__, exc)
+        owner.ops = DecodeOps(compile=False)
+        fn()
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to 64 and of 16 up to max_num_seqs (and max_num_seqs itself)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
@@ -219,12 +240,7 @@ class DecodeGraphs:
             self.meta[:bs].copy_(self.meta_host[:bs])
             self._warm_up(bs)
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._body(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], self.pool = capture_graph(lambda: self._body(bs), self.pool)
         torch.cuda.synchronize()
         self.generation = self.runner.generation
         self.capture_s = time.perf_counter() - t0
@@ -237,16 +253,7 @@ class DecodeGraphs:
         self._or_uncompiled(lambda: self._body(bs), "torch.compile of the decode step")
 
     def _or_uncompiled(self, fn, what: str) -> None:
-        """fn(); if it fails while the ops are torch.compile'd, log and run fn() again with the same ops
-        uncompiled (slower, never wrong). Any other failure propagates."""
-        try:
-            fn()
-        except Exception as exc:
-            if self.ops is None or not self.ops.compiled:
-                raise
-            logger.warning("%s failed (%s: %s); running its ops uncompiled", what, type(exc).__name__, exc)
-            self.ops = DecodeOps(compile=False)
-            fn()
+        or_uncompiled(self, fn, what)
 
     def run(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for B = len(rows) decode rows -> (tokens [B, num_vq] int64, hidden [B, H] fp32), views of

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ttsserve.runner.cuda_graphs import DecodeOps
+from ttsserve.runner.cuda_graphs import DecodeOps, capture_graph, or_uncompiled
 
 logger = logging.getLogger(__name__)
 
@@ -109,19 +109,12 @@ class PrefillGraphs:
         """Warm and capture every piece of every bucket, largest first, into one memory pool. If the
         torch.compile'd ops fail at these shapes, capture again with the same ops uncompiled (slower pieces,
         never wrong), as the decode graphs do."""
-        try:
-            self._capture_all()
-        except Exception as exc:
-            if not self.ops.compiled:
-                raise
-            logger.warning("capturing the piecewise prefill graphs with compiled ops failed (%s: %s); "
-                           "capturing them uncompiled", type(exc).__name__, exc)
-            self.ops, self.pool = DecodeOps(compile=False), None
-            self._capture_all()
+        or_uncompiled(self, self._capture_all, "capturing the piecewise prefill graphs with compiled ops")
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         self.graphs.clear()
+        self.pool = None
         if self.runner.device.type != "cuda":
             self.graphs = {t: [None] * (self.num_layers + 1) for t in self.sizes}
             return
@@ -132,11 +125,7 @@ class PrefillGraphs:
             torch.cuda.synchronize()
             graphs = []
             for i in range(self.num_layers + 1):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self._piece(i, t)
-                if self.pool is None:
-                    self.pool = g.pool()
+                g, self.pool = capture_graph(lambda: self._piece(i, t), self.pool)
                 graphs.append(g)
             self.graphs[t] = graphs
         torch.cuda.synchronize()

@@ -10,12 +10,10 @@ Graphs hold the sampling state's addresses; when the runner's `generation` chang
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from ttsserve.runner.cuda_graphs import capture_graph, or_uncompiled
 
 _ROW, _STEP = range(2)
 
@@ -64,20 +62,11 @@ class SamplerGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool; with compiled ops that fail, again uncompiled."""
-        from ttsserve.runner.cuda_graphs import DecodeOps
-
-        try:
-            self._capture_all()
-        except Exception as exc:
-            if not self.ops.compiled:
-                raise
-            logger.warning("capturing the sampler graphs with compiled ops failed (%s: %s); capturing them "
-                           "uncompiled", type(exc).__name__, exc)
-            self.ops, self.pool = DecodeOps(compile=False), None
-            self._capture_all()
+        or_uncompiled(self, self._capture_all, "capturing the sampler graphs with compiled ops")
 
     def _capture_all(self) -> None:
         self.graphs.clear()
+        self.pool = None
         self.generation = self.runner.generation
         if self.runner.device.type != "cuda":
             self.graphs = dict.fromkeys(self.sizes)
@@ -88,12 +77,7 @@ class SamplerGraphs:
             self._fill(empty, empty, bs)
             self._body(bs)  # compiles the ops, lets cuBLAS pick its kernels
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._body(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], self.pool = capture_graph(lambda: self._body(bs), self.pool)
         for graph in self.graphs.values():  # the first launch uploads a graph: not on a live step
             graph.replay()
         torch.cuda.synchronize()
