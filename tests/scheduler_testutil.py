@@ -31,6 +31,7 @@ def create_scheduler(
     preemption_mode: str = "recompute",
     long_prefill_token_threshold: int = 0,
     admission_interval: int = 1,
+    num_scheduler_steps: int = 1,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -40,6 +41,7 @@ def create_scheduler(
         preemption_mode=preemption_mode,
         long_prefill_token_threshold=long_prefill_token_threshold,
         admission_interval=admission_interval,
+        num_scheduler_steps=num_scheduler_steps,
     )
     return Scheduler(cfg, KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks))
 
@@ -103,7 +105,11 @@ class FakeRunner:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             assert len(s.block_table) == -(-end // self.bs)
             expected = [self.expected_token(req, p) for p in range(start, end)]
-            if s.new_token_ids != expected:  # only an in-flight sample may be missing: a code decode's input
+            if s.num_steps > 1:  # a burst: its first input may be in flight, the rest are its own samples
+                assert s.mode == "code" and s.will_sample and s.num_new_tokens == s.num_steps
+                assert start >= s.num_prompt_tokens and s.new_token_ids in ([], expected[:1]), (s.request_id, start)
+                assert s.num_output_tokens == start + 1 - s.num_prompt_tokens
+            elif s.new_token_ids != expected:  # only an in-flight sample may be missing: a code decode's input
                 assert (s.mode == "code" and s.num_new_tokens == 1 and not s.new_token_ids
                         and start == s.num_prompt_tokens + len(req.output_token_ids)), (s.request_id, start)
             for pos in range(start, end):
@@ -111,7 +117,15 @@ class FakeRunner:
                 assert slot not in writes and slot not in reads, f"{s.request_id} overwrites a live slot"
                 writes.add(slot)
                 self.gpu[slot[0]][slot[1]] = self.kv(req, pos)
-            if s.will_sample:
+            if s.num_steps > 1:  # samples number start + 1 - P ... end - P, cut before the first EOS
+                burst = []
+                for idx in range(start + 1 - s.num_prompt_tokens, end + 1 - s.num_prompt_tokens):
+                    if self.stop_at.get(s.request_id) == idx:
+                        stop[s.request_id] = True
+                        break
+                    burst.append(fake_sample(req, idx))
+                sampled[s.request_id] = burst
+            elif s.will_sample:
                 idx = end - s.num_prompt_tokens
                 sampled[s.request_id] = fake_sample(req, idx)
                 if self.stop_at.get(s.request_id) == idx:
@@ -145,7 +159,8 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput, pipelined: bool = F
     # pipeline a request sits out only while its in-flight sample decides what comes next (a text token,
     # or the length limit it reaches).
     for r in sched.running:  # at most two steps in flight: the unread one and the one just scheduled
-        assert 0 <= r.num_inflight_outputs <= (2 if pipelined else 1) and r.num_inflight_tokens >= 0, r.request_id
+        k = cfg.num_scheduler_steps
+        assert 0 <= r.num_inflight_outputs <= (2 * k if pipelined else k) and r.num_inflight_tokens >= 0, r.request_id
         assert r.num_computed_tokens + r.num_inflight_tokens <= r.num_tokens_with_placeholders, r.request_id
     idle = {r.request_id for r in sched.running} - {s.request_id for s in out.scheduled}
     for rid in idle:
@@ -190,8 +205,11 @@ def run_to_completion(sched, reqs, arrivals=None, aborts=None, stop_at=None, lim
             done = ran
         for u in sched.update_from_output(*done) if done else ():
             assert u.request_id not in closed
-            if u.new_token is not None:
-                streams[u.request_id].append(u.new_token)
+            outputs = by_id[u.request_id].output_token_ids  # an update appends num_new_tokens, ending in new_token
+            assert outputs[:len(streams[u.request_id])] == streams[u.request_id]
+            assert len(outputs) == len(streams[u.request_id]) + u.num_new_tokens
+            assert u.new_token == (outputs[-1] if u.num_new_tokens else None)
+            streams[u.request_id] = list(outputs)
             if u.finished:
                 closed.add(u.request_id)
         step += 1
@@ -241,6 +259,7 @@ def scenarios(draw):
         enable_chunked_prefill=chunked,
         preemption_mode=preemption,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])) if chunked else 0,
+        num_scheduler_steps=draw(st.sampled_from([1, 1, 2, 3])),  # decode bursts in a third of the scenarios
     )
     templates = [draw(st.lists(st.integers(0, 3), min_size=1, max_size=60)) for _ in range(3)]
     reqs, arrivals, aborts, stop_at = [], {}, {}, {}

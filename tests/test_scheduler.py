@@ -178,3 +178,56 @@ def test_pipelined_step_after_eos_is_dropped_and_text_waits_for_its_token():
     assert sched.update_from_output(second, {"r0": (1, 2, 3, 4)}, {}) == []  # the wasted row: dropped
     third = sched.schedule()
     assert scheduled(third) == {"t0": (4, 1, True)} and third.scheduled[0].new_token_ids == [3]
+
+
+def _bursts(out) -> dict[str, tuple[int, int, int]]:
+    return {s.request_id: (s.num_computed_tokens, s.num_new_tokens, s.num_steps) for s in out.scheduled}
+
+
+def test_decode_bursts_chain_k_samples_and_end_at_the_length_limit():
+    sched = create_scheduler(num_scheduler_steps=3)
+    (r,) = create_requests(1, prompt_len=4, max_new_tokens=7)
+    runner = FakeRunner(sched, {"r0": r})
+    sched.add_request(r)
+    got = []
+    while sched.has_unfinished_requests():
+        out, ups = step(sched, runner)
+        got.append((_bursts(out)["r0"], [(u.num_new_tokens, u.finish_reason) for u in ups]))
+    # the prefill samples one frame; then bursts of 3 positions; the last burst's 3rd sample is past max_new_tokens
+    assert got == [((0, 4, 1), [(1, None)]), ((4, 3, 3), [(3, None)]), ((7, 3, 3), [(3, "length")])]
+    assert r.output_token_ids == [fake_sample(r, i) for i in range(7)] and r.block_table == []
+
+
+def test_decode_burst_stops_at_eos_and_near_the_model_length_decodes_one_by_one():
+    sched = create_scheduler(num_scheduler_steps=4, max_model_len=11)
+    a, b = create_requests(2, prompt_len=4, max_new_tokens=30)
+    runner = FakeRunner(sched, {"r0": a, "r1": b}, stop_at={"r0": 2})
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    out, ups = step(sched, runner)
+    assert _bursts(out) == {"r0": (4, 4, 4), "r1": (4, 4, 4)}
+    assert [(u.request_id, u.num_new_tokens, u.finish_reason) for u in ups] == [("r0", 1, "stop"), ("r1", 4, None)]
+    assert a.output_token_ids == [fake_sample(a, 0), fake_sample(a, 1)]  # the EOS and the samples after it dropped
+    got = [_bursts(step(sched, runner)[0])["r1"] for _ in range(2)]
+    assert got == [(8, 1, 1), (9, 1, 1)]  # 8 + 4 > 11 positions: no room for a burst
+    assert b.status is RequestStatus.FINISHED_LENGTH and b.num_output_tokens == 11 - 4
+
+
+def test_pipelined_bursts_continue_from_the_in_flight_burst():
+    sched = create_scheduler(num_scheduler_steps=2)
+    (r,) = create_requests(1, prompt_len=6, max_new_tokens=5)
+    sched.add_request(r)
+    first = sched.schedule()  # the prefill
+    second = sched.schedule()  # a burst from the prefill's placeholder
+    assert _bursts(second) == {"r0": (6, 2, 2)} and second.scheduled[0].new_token_ids == []
+    assert r.num_inflight_outputs == 3 and second.scheduled[0].num_output_tokens == 1
+    sched.update_from_output(first, {"r0": (1, 1, 1, 1)}, {})
+    third = sched.schedule()
+    assert _bursts(third) == {"r0": (8, 2, 2)}  # two bursts in flight: 5 outputs, nothing past them
+    sched.update_from_output(second, {"r0": [(2, 2, 2, 2), (3, 3, 3, 3)]}, {})
+    assert sched.schedule().scheduled == [] and r.num_computed_tokens == 8
+    (u,) = sched.update_from_output(third, {"r0": [(4, 4, 4, 4), (5, 5, 5, 5)]}, {})
+    assert u.finished and u.finish_reason == "length" and u.num_new_tokens == 2 and r.num_output_tokens == 5
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        create_scheduler(num_scheduler_steps=0)

@@ -25,6 +25,9 @@ class ScheduledRequest:
     num_output_tokens: int  # outputs before this step (for min_new_tokens / penalty windows)
     sampling_params: object | None = None  # Request.sampling_params, unread by the scheduler
     payload: object | None = None  # Request.payload (e.g. speaker embedding), unread by the scheduler
+    # A decode burst (multi-step decoding, num_steps > 1): the num_new_tokens == num_steps positions are that
+    # many decode steps in a row on the device, each sampling a frame whose input is the previous sample.
+    num_steps: int = 1
 
 
 @dataclass
@@ -53,9 +56,10 @@ class RequestUpdate:
     """Result of one step for one request (only requests that sampled, or finished, get one)."""
 
     request_id: str
-    new_token: object | None  # the appended item (int or 4-tuple); None on stop (EOS is not appended)
+    new_token: object | None  # the last appended item (int or 4-tuple); None when nothing was appended
     finished: bool
     finish_reason: str | None  # "stop" | "length" | None
+    num_new_tokens: int = 1  # items appended by this step (0 on a stop at once; up to num_steps in a burst)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,10 @@ class SchedulerConfig:
     admission_interval: while requests run, waiting ones are admitted on every k-th step only, together: a
         step that prefills costs more than a decode step (on a GPU it cannot replay a graph whole), so k
         arrivals share one instead of slowing k steps. An idle batch admits at once.
+    num_scheduler_steps: a code decode is a burst of this many decode steps per schedule() (multi-step
+        scheduling): the device chains them (each step's input is the previous step's sample), so the host's
+        per-step work is paid once per burst. A burst ends early on EOS or max_new_tokens: the samples after
+        it are dropped. A request without room for a whole burst under the length limit decodes one by one.
     """
 
     max_num_seqs: int = 256
@@ -57,8 +61,11 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "auto"
     long_prefill_token_threshold: int = 0
     admission_interval: int = 1
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.num_scheduler_steps <= 16:
+            raise ValueError(f"num_scheduler_steps must be in [1, 16], got {self.num_scheduler_steps}")
         if self.admission_interval < 1:
             raise ValueError(f"admission_interval must be >= 1, got {self.admission_interval}")
         if self.max_num_seqs < 1:
@@ -195,7 +202,7 @@ class Scheduler:
         return min(num_new, budget)
 
     def _schedule_running(self, st: _Step, out: SchedulerOutput) -> None:
-        bm, limit = self.block_manager, self.token_limit
+        bm, limit, burst = self.block_manager, self.token_limit, self.config.num_scheduler_steps
         # Running order is admission order, and a partial chunk only happens when a request took the
         # rest of the budget (or the per-request threshold), so a prefilling request is never ahead of
         # more decodes than the budget holds: every running request gets its token (tests check it).
@@ -209,11 +216,15 @@ class Scheduler:
             # (a text token steers the next input on the host: the refine stage's end) below its length limits.
             if inflight and (req.mode != "code" or done >= req.max_new_tokens or n_prompt + done >= limit):
                 continue
-            num_new = n_prompt + done - req.num_computed_tokens - req.num_inflight_tokens
+            start = req.num_computed_tokens + req.num_inflight_tokens
+            num_new, num_steps = n_prompt + done - start, 1
             if num_new != 1:  # a prefill chunk (_chunk asserts there is something to compute)
                 num_new = self._chunk(req, st.budget)
             elif st.budget < 1:
                 num_new = 0
+            elif burst > 1 and start >= n_prompt and req.mode == "code" and start + burst <= limit \
+                    and st.budget >= burst:
+                num_new = num_steps = burst  # a decode burst: positions [start, start + burst)
             if num_new == 0:
                 continue
             while not bm.allocate_slots(req, req.num_inflight_tokens + num_new):
@@ -222,7 +233,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule(req, num_new, st)
+                self._schedule(req, num_new, st, num_steps)
 
     def _schedule_swapped(self, st: _Step, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -261,13 +272,13 @@ class Scheduler:
             self.running.append(req)
             self._schedule(req, num_new, st)
 
-    def _schedule(self, req: Request, num_new: int, st: _Step) -> None:
+    def _schedule(self, req: Request, num_new: int, st: _Step, num_steps: int = 1) -> None:
         prompt, outputs = req.prompt_token_ids, req.output_token_ids
         n_prompt = len(prompt)
         start = req.num_computed_tokens + req.num_inflight_tokens  # req.num_scheduled_tokens
         end = start + num_new
         num_outputs = len(outputs) + req.num_inflight_outputs
-        will_sample = end == n_prompt + num_outputs
+        will_sample = end == n_prompt + num_outputs or num_steps > 1
         # req.token_slice(start, end), inlined for a decode (positions past the prompt)
         new_ids = outputs[start - n_prompt : end - n_prompt] if start >= n_prompt else req.token_slice(start, end)
         st.scheduled[req.request_id] = ScheduledRequest(  # positional: this runs per request per step
@@ -282,9 +293,10 @@ class Scheduler:
             num_outputs,  # num_output_tokens
             req.sampling_params,
             req.payload,
+            num_steps,
         )
         req.num_inflight_tokens += num_new
-        req.num_inflight_outputs += will_sample
+        req.num_inflight_outputs += num_steps if will_sample else 0
         st.budget -= num_new
 
     # ---- preemption --------------------------------------------------------------------------------
@@ -321,8 +333,9 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance every scheduled request; append samples; finish on stop / length; free finished blocks.
 
-        sampled: {request_id: token item} for every scheduled request with will_sample.
-        stop: {request_id: True} when that sample is the end marker (EOS); it is not appended.
+        sampled: {request_id: token item} for every scheduled request with will_sample; for a decode burst
+            (num_steps > 1) the list of its samples up to, without, the first EOS.
+        stop: {request_id: True} when that sample is the end marker (EOS; not appended), or the burst reached one.
         Returns one RequestUpdate per request that sampled.
         """
         updates: list[RequestUpdate] = []
@@ -338,6 +351,11 @@ class Scheduler:
             req.num_inflight_tokens -= n
             assert req.num_inflight_tokens >= 0, f"{rid}: committed more than was in flight"
             if not s.will_sample:
+                continue
+            if s.num_steps > 1:
+                update = self._commit_burst(req, s.num_steps, sampled, stop)
+                any_finished |= update.finished
+                updates.append(update)
                 continue
             req.num_inflight_outputs -= 1
             if stop and stop.get(rid, False):
@@ -355,10 +373,32 @@ class Scheduler:
                 status = RequestStatus.FINISHED_LENGTH
             self._finish(req, status)
             any_finished = True
-            updates.append(RequestUpdate(rid, token, True, status.value))
+            updates.append(RequestUpdate(rid, token, True, status.value, 0 if token is None else 1))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return updates
+
+    def _commit_burst(self, req: Request, num_steps: int, sampled: dict, stop: dict) -> RequestUpdate:
+        """Append a decode burst's samples (its positions are already committed) until EOS or a length limit."""
+        rid = req.request_id
+        req.num_inflight_outputs -= num_steps
+        items = sampled.get(rid, _MISSING)
+        if items is _MISSING or len(items) > num_steps:
+            raise ValueError(f"runner output has no burst of <= {num_steps} samples for request {rid!r}")
+        outputs, n_prompt = req.output_token_ids, len(req.prompt_token_ids)
+        room = min(req.max_new_tokens, self.token_limit - n_prompt) - len(outputs)
+        outputs.extend(items[:room])
+        n = min(len(items), room)
+        token = outputs[-1] if n else None
+        if n == room:
+            status = RequestStatus.FINISHED_LENGTH
+        elif stop and stop.get(rid, False):
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            assert n == num_steps, f"{rid}: a burst without EOS returned {n} of {num_steps} samples"
+            return RequestUpdate(rid, token, False, None, n)
+        self._finish(req, status)
+        return RequestUpdate(rid, token, True, status.value, n)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Caller removes req from its queue."""
