@@ -388,3 +388,37 @@ def test_cuda_stage_matches_cpu(tiny, stage_cls) -> None:
     assert stage.device.type == "cuda"
     wav = joined(stream(stage, "r", frames.cuda(), [1] * 300))
     assert np.abs(wav - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_multi_frame_append_batch_equals_frame_by_frame(tiny, stage_cls) -> None:
+    """A decode burst's frames [m, n, C] (step-major) in one write give the pool, and so the audio, of m
+    single-frame writes; 201 frames run past the pool's capacity (its slots shift or grow on the way)."""
+    dec, _, vocos = tiny
+    g = torch.Generator().manual_seed(9)
+    frames = torch.randn(201, 3, 64, generator=g)  # [t, request, C]
+    ids = ["x", "y", "z"]
+    out = {}
+    for m in (1, 3):
+        stage = stage_cls(dec, None, vocos)
+        for k in ids:
+            stage.add_request(k)
+        chunks = {k: [] for k in ids}
+        for t in range(0, 201, m):
+            stage.append_batch(ids, frames[t:t + m] if m > 1 else frames[t])
+            if t + m == 201:
+                for k in ids:
+                    stage.finish(k)
+            for ch in stage.step():
+                chunks[ch.req_id].append(ch)
+        while stage.num_requests:
+            for ch in stage.step():
+                chunks[ch.req_id].append(ch)
+        out[m] = {k: joined(v) for k, v in chunks.items()}
+    for k in ids:
+        assert len(out[3][k]) == len(out[1][k]) > 0
+        assert np.abs(out[3][k] - out[1][k]).max() < 1e-6
+    stage = stage_cls(dec, None, vocos)
+    stage.add_request("x")
+    with pytest.raises(ValueError, match=r"\[m, 1, C\]"):
+        stage.append_batch(["x"], torch.zeros(2, 2, 64))

@@ -72,8 +72,12 @@ class EngineConfig:
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).
     admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
-        Both None: 8 on CUDA (where a call or a prefill costs several decode steps of host time; 8 beat 4 and 1
-        on the H200, BENCHMARKS.md), 1 on the CPU.
+        Both None: 8 frames on CUDA (where a call or a prefill costs several decode steps of host time; 8 beat 4
+        and 1 on the H200, BENCHMARKS.md), i.e. 8 // num_scheduler_steps steps; 1 on the CPU.
+    num_scheduler_steps: decode bursts (multi-step scheduling, engine/scheduler.py): each schedule() runs a code
+        stream's next k decode steps on the device in a row (each step's input is the frame the last one
+        sampled), so the host's per-step work (scheduling, input packing, results, audio bookkeeping) is paid
+        once per k frames. The codes are the same as k = 1 (the counter-based sampler keys on the step).
     async_scheduling: the engine schedules and queues step n + 1 on the device before it reads step n's
         results, so the host's bookkeeping overlaps the device's work (vLLM V1's asynchronous scheduling;
         engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),
@@ -107,6 +111,7 @@ class EngineConfig:
     lookahead_frames: int | None = None
     vocoder_cadence: int | None = None
     admission_interval: int | None = None
+    num_scheduler_steps: int = 1
     async_scheduling: bool | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
@@ -137,6 +142,7 @@ class EngineConfig:
             (self.vocoder_cadence is None or 1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
             (self.admission_interval is None or 1 <= self.admission_interval <= 64,
              "admission_interval must be in [1, 64]"),
+            (1 <= self.num_scheduler_steps <= 16, "num_scheduler_steps must be in [1, 16]"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -146,8 +152,9 @@ class EngineConfig:
             self.max_num_batched_tokens = self.max_model_len
 
     def step_intervals(self, device_type: str) -> tuple[int, int]:
-        """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in."""
-        auto = 8 if device_type == "cuda" else 1
+        """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in (in engine steps:
+        on CUDA 8 frames' worth, so a decode burst of k frames per step waits 8 // k steps)."""
+        auto = max(1, 8 // self.num_scheduler_steps) if device_type == "cuda" else 1
         cadence = self.vocoder_cadence or (1 if self.lookahead_frames is not None else auto)  # windowed: none
         return cadence, self.admission_interval or auto
 

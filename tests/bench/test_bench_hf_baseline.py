@@ -93,9 +93,10 @@ def test_baseline_greedy_equals_engine_tiny() -> None:
         for rid, row in out.sampled.items():
             if not out.stopped.get(rid):
                 frames.setdefault(rid, []).append(list(row))
-        if out.hiddens is not None:
-            for i, rid in enumerate(out.hidden_ids):
-                hiddens.setdefault(rid, []).append(out.hiddens[i].float().cpu())
+        for _, ids, h in out.frames:  # h: [m, len(ids), H], m frames of each
+            for frame in h:
+                for i, rid in enumerate(ids):
+                    hiddens.setdefault(rid, []).append(frame[i].float().cpu())
         return out
 
     setattr(engine.runner, name, spy)

@@ -40,14 +40,21 @@ class FrameRecorder:
         orig_append, orig_update = engine.audio.append_batch, engine.scheduler.update_from_output
 
         def append_batch(seq_ids, h):
-            for i, seq_id in enumerate(seq_ids):
-                self.hiddens.setdefault(seq_id, []).append(h[i:i + 1].detach().cpu().numpy().copy())
+            for frames in (h if h.dim() == 3 else h[None]):  # [m, n, H]: a decode burst's m frames, step-major
+                for i, seq_id in enumerate(seq_ids):
+                    self.hiddens.setdefault(seq_id, []).append(frames[i:i + 1].detach().cpu().numpy().copy())
             return orig_append(seq_ids, h)
 
         def update(sched, sampled, stopped):
             updates = orig_update(sched, sampled, stopped)
+            bursts = {s.request_id for s in sched.scheduled if s.num_steps > 1}
             for u in updates:  # the accepted samples only: a pipelined step's dropped rows are not frames
-                self.frames.setdefault(u.request_id, []).append((sampled.get(u.request_id), stopped.get(u.request_id, False)))
+                got, stop = sampled.get(u.request_id), stopped.get(u.request_id, False)
+                if u.request_id in bursts:  # (frame, False) per appended frame; a burst's EOS row is not returned
+                    items = [(t, False) for t in got[:u.num_new_tokens]] + [(None, True)] * (u.finish_reason == "stop")
+                else:
+                    items = [(got, stop)]
+                self.frames.setdefault(u.request_id, []).extend(items)
             return updates
 
         engine.audio.append_batch = append_batch

@@ -159,6 +159,30 @@ def test_pipelined_engine_equals_synchronous_engine(real_fp32):
         np.testing.assert_allclose(rec_async.hidden(seq), rec_sync.hidden(seq), atol=1e-3, rtol=0)
 
 
+def test_decode_bursts_on_cuda_equal_single_steps(real_fp32):
+    """num_scheduler_steps=3 on CUDA (pipelined, decode graphs replayed 3 times per step, mixed steps, aborts in
+    flight, lengths ending inside a burst) against single steps: fp32, greedy: the same codes and hiddens."""
+    print(f"seed {SEED}")
+    reqs = [dataclasses.replace(r, code_params=dataclasses.replace(r.code_params, max_new_tokens=20 + 5 * i,
+                                                                  min_new_tokens=20 + 5 * i))
+            for i, r in enumerate(_requests(10, 40, greedy=True))]
+    abort = {"q2", "q7"}
+    e = _engine(real_fp32, kv_cache_memory=1 << 30, num_scheduler_steps=3)
+    assert e.pipelined and e.runner.graphs is not None and e.runner.graphs.max_steps == 3
+    rec_burst = _staggered(e, reqs, abort)
+    assert e.kv_manager.num_free_blocks == e.kv_spec.num_blocks
+    rec_one = _staggered(_engine(real_fp32, kv_cache_memory=1 << 30), reqs, abort)
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        got, want = rec_burst.codes(seq), rec_one.codes(seq)
+        if r.request_id in abort:
+            n = min(len(got), len(want))
+            assert got[:n].tolist() == want[:n].tolist(), seq
+            continue
+        assert len(got) == r.code_params.max_new_tokens and got.tolist() == want.tolist(), seq
+        np.testing.assert_allclose(rec_burst.hidden(seq), rec_one.hidden(seq), atol=1e-3, rtol=0)
+
+
 def test_golden_greedy_codes_on_cuda(tiny_cuda, tiny_speaker_np):
     """The golden tiny model (head_dim 16: torch reference attention on CUDA, no graphs) on the device."""
     a = golden_json("a_prompts.json")
@@ -189,14 +213,15 @@ def _graph_vs_eager(engine: Engine, reqs, steps: int = 30) -> list[tuple]:
     runner, state = engine.runner, engine.runner.sampling
     orig, pairs = runner.graphs.run, []
 
-    def both(rows, starts, step_idx):
+    def both(rows, starts, step_idx, num_steps=1):
+        assert num_steps == 1  # the engine's default: no decode bursts
         saved = state.last_tokens.clone(), state.ring.clone()
         t_e, h_e = runner._decode_eager(rows, starts, step_idx)
         t_e, h_e = t_e.clone(), h_e.clone()
         state.last_tokens.copy_(saved[0])
         state.ring.copy_(saved[1])
-        t_g, h_g = orig(rows, starts, step_idx)
-        pairs.append((t_e.cpu(), h_e.cpu(), t_g.clone().cpu(), h_g.clone().cpu()))
+        t_g, h_g = orig(rows, starts, step_idx)  # [B, 1, num_vq], [1, B, H]
+        pairs.append((t_e.cpu(), h_e.cpu(), t_g[:, 0].clone().cpu(), h_g[0].clone().cpu()))
         return t_g, h_g
 
     runner.graphs.run = both
@@ -252,7 +277,7 @@ def test_graph_step_has_no_host_sync(real_bf16):
     assert runner.timings.graph_steps > 5
 
 
-def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16):
+def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16, monkeypatch):
     """Pipelined, the step after n is queued before n's results are read: reading them (the runner's outputs,
     the engine's frames, rows that ended by EOS and the wasted rows after them dropped) must not wait for
     it. Written after r10, when a pageable index copy there was found by reading."""
@@ -271,11 +296,14 @@ def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16):
 
     orig_append = e._append_frames
 
-    def append(seq_ids, hiddens, updates):
-        dropped.append(len(seq_ids) - len({u.request_id for u in updates} & set(seq_ids)))
-        return orig_append(seq_ids, hiddens, updates)
+    def append(frames, updates):
+        accepted = {u.request_id: u.num_new_tokens for u in updates}
+        dropped.append(sum(accepted.get(rid, 0) <= j for j, ids, _ in frames for rid in ids))
+        return orig_append(frames, updates)
 
-    e.runner._outputs = no_sync(e.runner._outputs)
+    import ttsserve.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "runner_output", no_sync(model_runner.runner_output))
     e._append_frames = no_sync(append)
     rng = random.Random(SEED)
     reqs = [SynthesisRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))), request_id=f"eos{i}",

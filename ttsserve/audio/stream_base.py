@@ -144,14 +144,19 @@ class StreamingStage:
         st.num_frames += n
 
     def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
-        """One frame for each of many requests in one device write. frames: [len(req_ids), H] (or [.., 4]).
+        """One frame (frames [len(req_ids), C]) or m frames (frames [m, len(req_ids), C], step-major: a decode
+        burst's) for each of many requests, in one device write. C: the hidden size (or 4 codes).
 
         Called every engine step for every running stream: the per-stream work is C-level maps and one
         Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put)."""
         n = len(req_ids)
-        if frames.dim() != 2 or frames.shape[0] != n:
-            raise ValueError(f"AudioStage.append_batch: frames must be [{n}, C], got {tuple(frames.shape)}")
-        if not n:
+        if frames.dim() == 2:
+            frames = frames[None]
+        if frames.dim() != 3 or frames.shape[1] != n:
+            raise ValueError(f"AudioStage.append_batch: frames must be [{n}, C] or [m, {n}, C], "
+                             f"got {tuple(frames.shape)}")
+        m = frames.shape[0]
+        if not n or not m:
             return
         try:
             streams = list(map(self._streams.__getitem__, req_ids))
@@ -163,17 +168,22 @@ class StreamingStage:
         if any(map(_FINISHED, streams)):
             done = next(r for r, st in zip(req_ids, streams) if st.finished)
             raise ValueError(f"AudioStage: request {done!r} is finished; no more frames")
-        self._check_frames(req_ids[0], streams[0], frames)
+        self._check_frames(req_ids[0], streams[0], frames[0])
         pool = self._pools[kind]
-        pos = [st.num_frames - st.base for st in streams]  # pool position of each new frame
-        if max(pos) >= pool.capacity:
+        pos = [st.num_frames - st.base for st in streams]  # pool position of each request's first new frame
+        if max(pos) + m > pool.capacity:
             for i, st in enumerate(streams):
-                if pos[i] >= pool.capacity:
-                    self._reserve(st, 1)  # may shift this stream's frames, or grow the pool (positions kept)
+                if pos[i] + m > pool.capacity:
+                    self._reserve(st, m)  # may shift this stream's frames, or grow the pool (positions kept)
                     pos[i] = st.num_frames - st.base
         for st in streams:
-            st.num_frames += 1
-        pool.put(np.fromiter(map(_SLOT, streams), np.int64, n), np.array(pos, dtype=np.int64), frames)
+            st.num_frames += m
+        slots, first = np.fromiter(map(_SLOT, streams), np.int64, n), np.array(pos, dtype=np.int64)
+        if m == 1:
+            pool.put(slots, first, frames[0])
+        else:
+            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1),
+                     frames.reshape(m * n, -1))
 
     def finish(self, req_id: str) -> None:
         """No more frames will come: the next step() flushes the tail and emits the final chunk."""

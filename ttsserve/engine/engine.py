@@ -92,7 +92,8 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=cfg.enforce_eager, max_num_batched_tokens=cfg.max_num_batched_tokens)
+                                  enforce_eager=cfg.enforce_eager, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  num_scheduler_steps=cfg.num_scheduler_steps)
         cadence, admission = cfg.step_intervals(self.model.device.type)
         self.pipelined = cfg.pipelined(self.model.device.type)
         self.runner.pipelined = self.pipelined
@@ -103,7 +104,7 @@ class Engine:
             max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode,
-            admission_interval=admission), self.kv_manager)
+            admission_interval=admission, num_scheduler_steps=cfg.num_scheduler_steps), self.kv_manager)
         from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
 
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
@@ -284,8 +285,8 @@ class Engine:
         t4 = clock()
         updates = self.scheduler.update_from_output(done[0], out.sampled, out.stopped) if done else []
         t5 = clock()
-        if out.hiddens is not None:
-            self._append_frames(out.hidden_ids, out.hiddens, updates)
+        if out.frames:
+            self._append_frames(out.frames, updates)
         t6 = clock()
         for u in updates:
             if u.finished:
@@ -303,23 +304,33 @@ class Engine:
         self._account(t0, sched)
         return outputs
 
-    def _append_frames(self, seq_ids: list[str], hiddens, updates: list) -> None:
-        """The hidden states of accepted frames into the audio stage. A pipelined step's rows whose results
-        the scheduler dropped (EOS, abort or preemption while in flight) are not frames."""
-        accepted = {u.request_id for u in updates}
-        if not accepted.issuperset(seq_ids):
-            keep = [i for i, seq_id in enumerate(seq_ids) if seq_id in accepted]
-            if not keep:
-                return
-            seq_ids = [seq_ids[i] for i in keep]
-            # through pinned memory: a pageable copy would wait for the step already queued behind this one
-            hiddens = hiddens[async_h2d(torch.tensor(keep), hiddens.device)]
+    def _append_frames(self, frames: list, updates: list) -> None:
+        """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches): frame j of
+        a request is accepted when its update appended more than j samples. A pipelined step's rows whose
+        results the scheduler dropped (EOS, abort or preemption while in flight) and a burst's frames past
+        max_new_tokens are not frames."""
+        get = {u.request_id: u.num_new_tokens for u in updates}.get
+        for j, seq_ids, hiddens in frames:
+            m = hiddens.shape[0]
+            if min(get(s, 0) for s in seq_ids) >= j + m:
+                self._append_accepted(seq_ids, hiddens)
+                continue
+            for jj in range(j, j + m):  # some rows end inside this batch: frame by frame
+                keep = [i for i, seq_id in enumerate(seq_ids) if get(seq_id, 0) > jj]
+                if keep:
+                    # through pinned memory: a pageable copy would wait for the step queued behind this one
+                    rows = async_h2d(torch.tensor(keep), hiddens.device)
+                    self._append_accepted([seq_ids[i] for i in keep], hiddens[jj - j][rows])
+
+    def _append_accepted(self, seq_ids: list[str], hiddens) -> None:
+        """hiddens: [n, H] or [m, n, H] (m frames of each)."""
         self.audio.append_batch(seq_ids, hiddens)
+        m = 1 if hiddens.dim() == 2 else hiddens.shape[0]
         sequences, syntheses = self.sequences, self.syntheses
         for seq_id in seq_ids:
             seq = sequences[seq_id]
-            syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, 1)
-        self.counters.frames += len(seq_ids)
+            syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, m)
+        self.counters.frames += m * len(seq_ids)
 
     def _account(self, t0: float, sched) -> None:
         ms = (time.perf_counter() - t0) * 1e3
@@ -328,8 +339,8 @@ class Engine:
         c.tokens_scheduled += sched.num_scheduled_tokens
         c.last_batch_size = len(sched.scheduled)
         c.step_time_ms_ema = ms if c.steps == 1 else 0.9 * c.step_time_ms_ema + 0.1 * ms
-        if sched.scheduled:
-            self.controller.observe(len(sched.scheduled), ms)
+        if sched.scheduled:  # the latency goal is per frame: a burst step makes num_steps frames per stream
+            self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 
     def _handle_scheduler_finished(self, finished_ids: list[str]) -> None:
         """Requests the scheduler ended on its own (impossible to serve) fail their synthesis."""

@@ -137,8 +137,10 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Bucketed decode-step graphs of one ModelRunner (CUDA only; `capture()` before `run()`)."""
 
-    def __init__(self, runner, sizes: list[int], fused: bool = True, compile: bool | None = None) -> None:
-        """fused: run fused_gpt_forward and DecodeOps (compiled where `compile`, default: on CUDA)."""
+    def __init__(self, runner, sizes: list[int], fused: bool = True, compile: bool | None = None,
+                 max_steps: int = 1) -> None:
+        """fused: run fused_gpt_forward and DecodeOps (compiled where `compile`, default: on CUDA); max_steps:
+        the longest decode burst run() replays (multi-step scheduling)."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
         self.runner = runner
@@ -146,11 +148,14 @@ class DecodeGraphs:
         self.sizes = sorted(set(sizes))
         max_bs, dev = self.sizes[-1], runner.device
         self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
-        # Two pinned host buffers, used in turn: a replay's copy from its buffer may still be queued when the
-        # next replay is prepared (the engine's async scheduling queues step n + 1 before it waits for step
-        # n); it has run by the replay after that, which comes after the wait for step n.
-        self._meta_hosts = [torch.zeros(max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
-                            for _ in range(2)]
+        self.max_steps = max_steps
+        self._burst_meta = torch.zeros(max_steps, max_bs, 4, dtype=torch.int64, device=dev)
+        # Pinned host buffers [max_steps, max_bs, 4], one per run() in turn: a run's copy from its buffer may
+        # still be queued when the next run is prepared (the engine's async scheduling queues step n + 1 before
+        # it waits for step n, and a mixed step may run twice: a burst and single steps); it has run by the
+        # time the buffer comes round again, after the wait for step n.
+        self._meta_hosts = [torch.zeros(max_steps, max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+                            for _ in range(4)]
         self._turn = 0
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(max_bs, runner.cfg.num_vq, dtype=torch.int64, device=dev)
@@ -162,11 +167,11 @@ class DecodeGraphs:
 
     @property
     def meta_host(self) -> torch.Tensor:
-        return self._meta_hosts[self._turn]
+        return self._meta_hosts[self._turn][0]
 
     @property
     def _meta_np(self) -> np.ndarray:
-        return self.meta_host.numpy()
+        return self._meta_hosts[self._turn].numpy()
 
     @property
     def max_batch_size(self) -> int:
@@ -192,7 +197,7 @@ class DecodeGraphs:
         if self.runner.device.type == "cuda":
             max_len, lens_cpu = r.max_model_len, [r.max_model_len] * bs
         else:
-            m = self._meta_np[:bs]
+            m = self.meta[:bs].numpy()  # on the CPU the "device" buffer is host memory
             lens_cpu = np.where(m[:, _SLOT] >= 0, m[:, _POS] + 1, 0).tolist()
             max_len = max(lens_cpu)
         md = AttentionMetadata(
@@ -210,12 +215,12 @@ class DecodeGraphs:
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", sample_fn=self.ops.sample)
         self.hidden[:bs] = hidden
 
-    def _fill_padding(self, start: int, end: int) -> None:
-        m = self._meta_np
-        m[start:end, _ROW] = self.runner.sampling.scratch_row
-        m[start:end, _POS] = 0
-        m[start:end, _SLOT] = -1
-        m[start:end, _STEP] = 0
+    def _fill_padding(self, start: int, end: int, num_steps: int = 1) -> None:
+        m = self._meta_np[:num_steps]
+        m[:, start:end, _ROW] = self.runner.sampling.scratch_row
+        m[:, start:end, _POS] = 0
+        m[:, start:end, _SLOT] = -1
+        m[:, start:end, _STEP] = 0
 
     # ---- capture / replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -255,27 +260,46 @@ class DecodeGraphs:
     def _or_uncompiled(self, fn, what: str) -> None:
         or_uncompiled(self, fn, what)
 
-    def run(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay for B = len(rows) decode rows -> (tokens [B, num_vq] int64, hidden [B, H] fp32), views of
-        static buffers valid until the next replay. rows / starts / steps: int64 [B] (starts = position)."""
+    def run(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray,
+            num_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay num_steps decode steps for B = len(rows) rows -> (tokens [B, num_steps, num_vq] int64,
+        hidden [num_steps, B, H] fp32). rows / starts / steps: int64 [B] (starts = position) of the first step;
+        step j runs at starts + j, steps + j on the frame step j - 1 sampled. One step returns views of the
+        static buffers, valid until the next replay; a burst returns new tensors."""
         if self.generation != self.runner.generation:
             logger.info("persistent batch tensors were reallocated: re-capturing the decode graphs")
             self.capture()
+        if not 1 <= num_steps <= self.max_steps:
+            raise ValueError(f"num_steps must be in [1, {self.max_steps}], got {num_steps}")
         b = len(rows)
         bs = self.bucket(b)
-        ib = self.runner.input_batch
-        self._turn ^= 1
+        block_size, table = self.runner.block_size, self.runner.input_batch.block_table_np
+        self._turn = (self._turn + 1) % len(self._meta_hosts)
         m = self._meta_np
-        m[:b, _ROW] = rows
-        m[:b, _POS] = starts
-        block_size = self.runner.block_size
-        m[:b, _SLOT] = ib.block_table_np[rows, starts // block_size].astype(np.int64) * block_size + starts % block_size
-        m[:b, _STEP] = steps
-        self._fill_padding(b, bs)
-        self.meta[:bs].copy_(self.meta_host[:bs], non_blocking=True)
+        pos = starts[None, :] + np.arange(num_steps)[:, None]  # [num_steps, B]
+        m[:num_steps, :b, _ROW] = rows
+        m[:num_steps, :b, _POS] = pos
+        m[:num_steps, :b, _SLOT] = table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        m[:num_steps, :b, _STEP] = steps[None, :] + np.arange(num_steps)[:, None]
+        self._fill_padding(b, bs, num_steps)
+        host = self._meta_hosts[self._turn]
+        if num_steps == 1:
+            self.meta[:bs].copy_(host[0, :bs], non_blocking=True)
+            self._replay(bs)
+            return self.tokens[:b, None], self.hidden[None, :b]
+        self._burst_meta[:num_steps, :bs].copy_(host[:num_steps, :bs], non_blocking=True)
+        tokens = torch.empty(b, num_steps, self.tokens.shape[1], dtype=self.tokens.dtype, device=self.tokens.device)
+        hidden = torch.empty(num_steps, b, self.hidden.shape[1], dtype=self.hidden.dtype, device=self.hidden.device)
+        for j in range(num_steps):
+            self.meta[:bs].copy_(self._burst_meta[j, :bs])
+            self._replay(bs)
+            tokens[:, j] = self.tokens[:b]
+            hidden[j] = self.hidden[:b]
+        return tokens, hidden
+
+    def _replay(self, bs: int) -> None:
         graph = self.graphs[bs]
         if graph is None:
             self._body(bs)
         else:
             graph.replay()
-        return self.tokens[:b], self.hidden[:b]

@@ -5,7 +5,8 @@ Two paths, one result:
 - decode steps (every scheduled sequence is a code request advancing by the one frame it sampled last step):
   the input frames, sampling parameters and repetition history are already on the device (SamplingState,
   indexed by the sequence's row), so a step is a small host pack plus, on CUDA, one CUDA-graph replay
-  (runner/cuda_graphs.py) and one device-to-host copy of the sampled codes;
+  (runner/cuda_graphs.py) and one device-to-host copy of the sampled codes; a decode burst (multi-step
+  scheduling) replays the graph num_steps times in a row, each replay reading the frame the last one sampled;
 - any other step (prefill, chunked prefill, recompute, refine-text): vectorised inputs, and on CUDA the GPT
   through piecewise graphs by token bucket with only the attention eager (runner/piecewise_graphs.py); a
   mixed step replays the decode graph for its decode rows and runs the rest that way.
@@ -26,7 +27,9 @@ from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
 from ttsserve.runner.step_inputs import gather_input_rows
-from ttsserve.runner.step_types import RunnerOutput, RunnerTimings, SequenceInputs, LaunchedStep, SequenceState
+from ttsserve.runner.step_outputs import runner_output
+from ttsserve.runner.step_types import (
+    LaunchedStep, RunnerOutput, RunnerTimings, SequenceInputs, SequenceState, StepGroup)
 from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState, async_h2d
 
@@ -57,7 +60,8 @@ class ModelRunner:
 
     def __init__(self, model: ChatTTSModel, kv_spec: KVCacheSpec, spk_emb_id: int, text_eos_id: int, *,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 capture_sizes: list[int] | None = None, max_num_batched_tokens: int = 4096) -> None:
+                 capture_sizes: list[int] | None = None, max_num_batched_tokens: int = 4096,
+                 num_scheduler_steps: int = 1) -> None:
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.cfg = model.gpt_config
@@ -85,7 +89,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager and graphable:
             from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
-            self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs))
+            self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs),
+                                       max_steps=num_scheduler_steps)
             self.graphs.capture()
             from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
 
@@ -171,22 +176,28 @@ class ModelRunner:
         rows = self._assign_rows(scheduled, requests)
         tm = self.timings
         tm.steps += 1
-        decode = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1 and s.will_sample
+        # decode rows: code requests past their prompt advancing by the frame(s) they sample (num_steps of them)
+        decode = [i for i, s in enumerate(scheduled) if s.num_new_tokens == s.num_steps and s.will_sample
                   and s.mode == "code" and s.num_computed_tokens >= s.num_prompt_tokens]
-        if len(decode) == len(scheduled):
-            groups = [self._decode_group(scheduled, rows)]
-        elif decode and (self.pipelined or self.graphs is not None and self.graphs.can_run(len(decode))):
+        bursts = {scheduled[i].num_steps for i in decode}
+        if len(decode) == len(scheduled) and len(bursts) == 1:
+            groups = [self._decode_group(scheduled, rows, bursts.pop())]
+        elif decode and (self.pipelined or max(bursts) > 1 or self.graphs is not None and self.graphs.can_run(len(decode))):
             # A mixed step: the decode rows replay their graph, the prefill / text rows run after it on the
             # general path. Off CUDA one forward over all rows reads the weights once, which is what a CPU
             # step is bound by; but pipelined, the decode rows' inputs may be on the device only, which
-            # only the decode path reads.
+            # only the decode path reads (as a burst's are).
+            groups = []
+            for k in sorted(bursts, reverse=True):
+                idx = [i for i in decode if scheduled[i].num_steps == k]
+                groups.append(self._decode_group([scheduled[i] for i in idx], rows[idx], k))
             rest = sorted(set(range(len(scheduled))) - set(decode))
-            groups = [self._decode_group([scheduled[i] for i in decode], rows[decode])]
-            groups += self._execute_general([scheduled[i] for i in rest], rows[rest], requests)
-            tm.mixed_graph_steps += self.graphs is not None
+            if rest:
+                groups += self._execute_general([scheduled[i] for i in rest], rows[rest], requests)
+            tm.mixed_graph_steps += self.graphs is not None and bool(rest)
         else:
             groups = self._execute_general(scheduled, rows, requests)
-        flat = [t.reshape(-1) for _, _, t, _ in groups]
+        flat = [g.tokens.reshape(-1) for g in groups]
         flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         event = None
         if flat.device.type == "cuda":
@@ -194,23 +205,25 @@ class ModelRunner:
             host.copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = flat
+        else:  # pipelined, the next step (queued before this one is read) may rewrite a static buffer viewed here
+            host = flat.clone() if self.pipelined else flat
         tm.prepare_ms += (time.perf_counter() - t0) * 1e3
         return LaunchedStep(groups, host, event)
 
-    def _decode_group(self, scheduled: list, rows: np.ndarray) -> tuple:
-        """Code decode rows (one new frame each, past the prompt): a graph replay where one fits, else eager."""
+    def _decode_group(self, scheduled: list, rows: np.ndarray, num_steps: int = 1) -> StepGroup:
+        """Code decode rows (num_steps new frames each, past the prompt): graph replays where one fits, else
+        eager; each of the num_steps steps reads the frame the previous one sampled (on the device)."""
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
         steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
         if self.graphs is not None and self.graphs.can_run(len(scheduled)):
-            tokens, hidden = self.graphs.run(rows, starts, steps)
-            if self.pipelined:  # the next replay, queued before this is read, rewrites the static buffer
+            tokens, hidden = self.graphs.run(rows, starts, steps, num_steps)
+            if self.pipelined and num_steps == 1:  # the next replay, queued before this is read, rewrites it
                 hidden = hidden.clone()
             self.timings.graph_steps += 1
         else:
-            tokens, hidden = self._decode_eager(rows, starts, steps)
-        return "code", scheduled, tokens, hidden
+            outs = [self._decode_eager(rows, starts + j, steps + j) for j in range(num_steps)]
+            tokens, hidden = torch.stack([t for t, _ in outs], dim=1), torch.stack([h for _, h in outs])
+        return StepGroup("code", scheduled, tokens, hidden, num_steps)
 
     def wait(self, launched: LaunchedStep | None) -> RunnerOutput:
         """The sampled tokens of a launched step (the one device-to-host sync of the step)."""
@@ -220,7 +233,7 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         t1 = time.perf_counter()
-        out = self._outputs(launched.groups, launched.host.numpy())
+        out = runner_output(launched.groups, launched.host.numpy(), self.cfg.audio_eos_id, self.text_eos_id)
         self.timings.forward_ms += (t1 - t0) * 1e3
         self.timings.output_ms += (time.perf_counter() - t1) * 1e3
         return out
@@ -325,7 +338,7 @@ class ModelRunner:
             else:
                 rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
                 tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
-            groups.append((mode, [scheduled[i] for i in idx], tokens, h if mode == "code" else None))
+            groups.append(StepGroup(mode, [scheduled[i] for i in idx], tokens[:, None], h[None] if mode == "code" else None))
         return groups
 
     def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:
@@ -343,34 +356,3 @@ class ModelRunner:
         if rows.spk_vecs:  # after the text rows: the speaker replaces its [spk_emb] position's text embedding
             x[s_dst] = async_h2d(torch.stack(rows.spk_vecs), self.device).to(self.dtype)
         return x
-
-    def _outputs(self, groups: list, host: np.ndarray) -> RunnerOutput:
-        """The per-request dicts from the sampled tokens of every group, back to back in `host`."""
-        out = RunnerOutput()
-        offset = 0
-        hidden_ids, hiddens = [], []
-        for mode, group, tokens, hidden in groups:
-            n, width = len(group), tokens.shape[1]
-            rows = host[offset:offset + n * width].reshape(n, width)
-            offset += n * width
-            ids = [s.request_id for s in group]
-            if mode == "text":
-                toks = rows[:, 0].tolist()
-                out.sampled.update(zip(ids, toks))
-                out.stopped.update(zip(ids, [t == self.text_eos_id for t in toks]))
-                continue
-            stop = (rows == self.cfg.audio_eos_id).any(axis=1)
-            out.sampled.update(zip(ids, map(tuple, rows.tolist())))
-            out.stopped.update(zip(ids, stop.tolist()))
-            if not stop.any():
-                hidden_ids.append(ids)
-                hiddens.append(hidden)
-            elif not stop.all():
-                keep = np.flatnonzero(~stop)
-                hidden_ids.append([ids[i] for i in keep])
-                # async: a pageable copy would wait for the step already queued behind this one (pipelined)
-                hiddens.append(hidden[async_h2d(torch.from_numpy(keep), hidden.device)])
-        if hiddens:  # a mixed step has two code groups: the graphed decode rows and the eager ones
-            out.hidden_ids = [i for ids in hidden_ids for i in ids]
-            out.hiddens = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
-        return out

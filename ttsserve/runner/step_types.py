@@ -51,24 +51,37 @@ class SequenceState:
 
 @dataclass
 class RunnerOutput:
-    """sampled[req_id]: a 4-tuple of codes (code) or a token id (text), for requests that sampled this step.
-    stopped[req_id]: the sampled row is EOS (any codebook for code).
-    hidden_ids / hiddens: code requests that sampled a non-EOS frame and the hidden state that produced it,
-    [len(hidden_ids), H] fp32 on the device (the Decoder's input, spec 4.5). Valid until the next execute().
+    """sampled[req_id]: for requests that sampled this step, a 4-tuple of codes (code) or a token id (text);
+    for a decode burst (ScheduledRequest.num_steps > 1) the list of its frames before the first EOS.
+    stopped[req_id]: the sampled row is EOS (any codebook for code), or the burst reached one.
+    frames: the hidden states of the non-EOS frames, the Decoder's input (spec 4.5), as (j, req_ids, hidden
+    [m, len(req_ids), H] fp32 on the device) batches: frames j .. j + m - 1 of this step for each listed
+    request (m, j > 0 only in decode bursts). Valid until the next execute().
     """
 
     sampled: dict[str, object] = field(default_factory=dict)
     stopped: dict[str, bool] = field(default_factory=dict)
-    hidden_ids: list[str] = field(default_factory=list)
-    hiddens: torch.Tensor | None = None
+    frames: list[tuple[int, list[str], torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class StepGroup:
+    """Rows of a launched step that sampled together: tokens int64 [B, num_steps, width] on the device (width
+    num_vq for code, 1 for text); hidden fp32 [num_steps, B, H] for code (None for text)."""
+
+    mode: str
+    scheduled: list
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None
+    num_steps: int = 1
 
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: (mode, scheduled, tokens, hidden) groups, and the sampled tokens' host
-    copy (pinned; `event` marks its arrival, None when already there)."""
+    """A step queued on the device: its StepGroups, and the sampled tokens' host copy (pinned; `event` marks
+    its arrival, None when already there)."""
 
-    groups: list
+    groups: list[StepGroup]
     host: torch.Tensor
     event: object | None
 

@@ -1,0 +1,90 @@
+"""Decode bursts (num_scheduler_steps > 1, multi-step scheduling) on the CPU: k decode steps per schedule, each
+reading the frame the last one sampled, give the codes, hidden states and audio of single steps, with bursts
+cut by EOS and by max_new_tokens, staggered arrivals (bursts beside prefill chunks), the decode graphs'
+static-buffer body and asynchronous scheduling."""
+
+import random
+
+import numpy as np
+import pytest
+from engine_testutil import FrameRecorder, make_engine
+
+from ttsserve.params import SamplingParams, SynthesisRequest
+from ttsserve.runner.cuda_graphs import DecodeGraphs
+
+WORDS = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "model"]
+
+
+def _requests() -> list[SynthesisRequest]:
+    """Three that end at max_new_tokens (31, 32, 45: cut inside a burst for k = 2, 3) and four that end at the
+    dummy model's EOS (whose position depends on the text)."""
+    rng = random.Random(5)
+    reqs = []
+    for i, n in enumerate([31, 32, 45, 0, 0, 0, 0]):
+        params = SamplingParams(seed=70 + i, temperature=0.7, top_k=20, repetition_penalty=1.05,
+                                max_new_tokens=n or 300, min_new_tokens=n)
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))
+        reqs.append(SynthesisRequest(text, code_params=params, raw_text=True, request_id=f"b{i}"))
+    return reqs
+
+
+def _run(model, reqs, k: int, graphs: bool = False, **kw):
+    """Request i arrives at step 3 * i with a small token budget, so prefill chunks share steps with bursts."""
+    e = make_engine(model, max_model_len=512, max_num_batched_tokens=32, num_scheduler_steps=k, **kw)
+    if graphs:  # off CUDA the "graphs" run their captured body eagerly on the static buffers
+        e.runner.graphs = DecodeGraphs(e.runner, [1, 2, 4, 8], max_steps=k)
+        e.runner.graphs.capture()
+    rec = FrameRecorder(e)
+    bursts, audio, finals = [0], {}, {}
+    launch = e.runner.launch
+
+    def counting_launch(sched, requests):
+        bursts[0] += sum(s.num_steps > 1 for s in sched.scheduled)
+        return launch(sched, requests)
+
+    e.runner.launch = counting_launch
+    for step in range(5000):
+        if step % 3 == 0 and step // 3 < len(reqs):
+            e.add_synthesis(reqs[step // 3])
+        for out in e.step():
+            audio.setdefault(out.request_id, []).append(out.samples)
+            if out.finished:
+                finals[out.request_id] = out
+        if step // 3 >= len(reqs) and not e.has_unfinished():
+            break
+    return rec, {r: np.concatenate(a) for r, a in audio.items()}, finals, bursts[0]
+
+
+@pytest.mark.parametrize("k, graphs, pipelined", [(2, False, False), (3, True, False), (3, True, True)])
+def test_decode_bursts_equal_single_steps(tiny_model, k, graphs, pipelined):
+    reqs = _requests()
+    rec1, audio1, finals1, _ = _run(tiny_model, reqs, 1, graphs=graphs, async_scheduling=pipelined)
+    reck, audiok, finalsk, num_bursts = _run(tiny_model, reqs, k, graphs=graphs, async_scheduling=pipelined)
+    assert num_bursts > 50
+    cut_by_eos = 0
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        codes = rec1.codes(seq)
+        np.testing.assert_array_equal(reck.codes(seq), codes)
+        np.testing.assert_allclose(reck.hidden(seq), rec1.hidden(seq), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(audiok[r.request_id], audio1[r.request_id], atol=1e-5, rtol=0)
+        assert finalsk[r.request_id].finish_reason == finals1[r.request_id].finish_reason
+        assert finalsk[r.request_id].num_frames == finals1[r.request_id].num_frames == len(codes)
+        if finals1[r.request_id].finish_reason == "stop":
+            cut_by_eos += (len(codes) - 1) % k != 0  # frame 0 is the prefill's; bursts cover 1..k, k+1..2k, ...
+        else:
+            assert len(codes) == r.code_params.max_new_tokens
+    assert cut_by_eos >= 1  # an EOS inside a burst: the samples after it were dropped
+
+
+def test_cuda_step_intervals_count_frames():
+    """The CUDA defaults of vocoder_cadence and admission_interval are 8 frames' worth of steps."""
+    from ttsserve.config import EngineConfig
+
+    assert EngineConfig().step_intervals("cuda") == (8, 8)
+    assert EngineConfig(num_scheduler_steps=4).step_intervals("cuda") == (2, 2)
+    assert EngineConfig(num_scheduler_steps=16).step_intervals("cuda") == (1, 1)
+    assert EngineConfig(num_scheduler_steps=4).step_intervals("cpu") == (1, 1)
+    assert EngineConfig(num_scheduler_steps=4, admission_interval=3).step_intervals("cuda") == (2, 3)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        EngineConfig(num_scheduler_steps=0)
