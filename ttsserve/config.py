@@ -78,6 +78,8 @@ class EngineConfig:
         stream's next k decode steps on the device in a row (each step's input is the frame the last one
         sampled), so the host's per-step work (scheduling, input packing, results, audio bookkeeping) is paid
         once per k frames. The codes are the same as k = 1 (the counter-based sampler keys on the step).
+        None: 4 on CUDA with async scheduling (the H200: 1,030 against 886 audio-s/s engine alone, 925 against
+        601 served, BENCHMARKS.md), else 1 (a CPU step is bound by its compute, not by the host's bookkeeping).
     async_scheduling: the engine schedules and queues step n + 1 on the device before it reads step n's
         results, so the host's bookkeeping overlaps the device's work (vLLM V1's asynchronous scheduling;
         engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),
@@ -111,7 +113,7 @@ class EngineConfig:
     lookahead_frames: int | None = None
     vocoder_cadence: int | None = None
     admission_interval: int | None = None
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int | None = None
     async_scheduling: bool | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
@@ -142,7 +144,8 @@ class EngineConfig:
             (self.vocoder_cadence is None or 1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
             (self.admission_interval is None or 1 <= self.admission_interval <= 64,
              "admission_interval must be in [1, 64]"),
-            (1 <= self.num_scheduler_steps <= 16, "num_scheduler_steps must be in [1, 16]"),
+            (self.num_scheduler_steps is None or 1 <= self.num_scheduler_steps <= 16,
+             "num_scheduler_steps must be in [1, 16]"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -154,9 +157,15 @@ class EngineConfig:
     def step_intervals(self, device_type: str) -> tuple[int, int]:
         """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in (in engine steps:
         on CUDA 8 frames' worth, so a decode burst of k frames per step waits 8 // k steps)."""
-        auto = max(1, 8 // self.num_scheduler_steps) if device_type == "cuda" else 1
+        auto = max(1, 8 // self.scheduler_steps(device_type)) if device_type == "cuda" else 1
         cadence = self.vocoder_cadence or (1 if self.lookahead_frames is not None else auto)  # windowed: none
         return cadence, self.admission_interval or auto
+
+    def scheduler_steps(self, device_type: str) -> int:
+        """num_scheduler_steps with the default of `device_type` filled in."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return 4 if device_type == "cuda" and self.pipelined(device_type) else 1
 
     def pipelined(self, device_type: str) -> bool:
         """async_scheduling with the default of `device_type` filled in."""

@@ -93,7 +93,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=cfg.enforce_eager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  num_scheduler_steps=cfg.num_scheduler_steps)
+                                  num_scheduler_steps=cfg.scheduler_steps(self.model.device.type))
         cadence, admission = cfg.step_intervals(self.model.device.type)
         self.pipelined = cfg.pipelined(self.model.device.type)
         self.runner.pipelined = self.pipelined
@@ -104,7 +104,8 @@ class Engine:
             max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode,
-            admission_interval=admission, num_scheduler_steps=cfg.num_scheduler_steps), self.kv_manager)
+            admission_interval=admission, num_scheduler_steps=cfg.scheduler_steps(self.model.device.type)),
+            self.kv_manager)
         from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
 
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
