@@ -231,3 +231,17 @@ def test_pipelined_bursts_continue_from_the_in_flight_burst():
     assert u.finished and u.finish_reason == "length" and u.num_new_tokens == 2 and r.num_output_tokens == 5
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         create_scheduler(num_scheduler_steps=0)
+
+
+def test_bursts_leave_a_token_for_every_running_request():
+    """A burst takes k tokens of the step's budget only while every request after it still gets one."""
+    sched = create_scheduler(num_scheduler_steps=3, max_num_seqs=4, max_num_batched_tokens=6)
+    reqs = create_requests(4, prompt_len=1, max_new_tokens=20)
+    runner = FakeRunner(sched, {r.request_id: r for r in reqs})
+    for r in reqs:
+        sched.add_request(r)
+    step(sched, runner)  # the four prefills, one token each
+    out, _ = step(sched, runner)
+    assert [s.num_steps for s in out.scheduled] == [3, 1, 1, 1] and out.num_scheduled_tokens == 6
+    drain(sched, runner)
+    assert all(r.output_token_ids == [fake_sample(r, i) for i in range(20)] for r in reqs)

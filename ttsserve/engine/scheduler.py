@@ -207,7 +207,8 @@ class Scheduler:
         # rest of the budget (or the per-request threshold), so a prefilling request is never ahead of
         # more decodes than the budget holds: every running request gets its token (tests check it).
         # The step's hot loop: lengths read once (Request's properties cost a call each); a decode skips _chunk.
-        for req in list(self.running):
+        running = list(self.running)
+        for i, req in enumerate(running):
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this step
             inflight = req.num_inflight_outputs
@@ -223,7 +224,7 @@ class Scheduler:
             elif st.budget < 1:
                 num_new = 0
             elif burst > 1 and start >= n_prompt and req.mode == "code" and start + burst <= limit \
-                    and st.budget >= burst:
+                    and st.budget - burst >= len(running) - i - 1:  # a token left for each request after it
                 num_new = num_steps = burst  # a decode burst: positions [start, start + burst)
             if num_new == 0:
                 continue
