@@ -140,3 +140,30 @@ def test_pipelined_abort_in_flight(tiny_model, solo_codes):
     for r in reqs[:3]:
         frames = [t for t, _ in rec.frames.get(f"{r.request_id}/0/code", [])]
         assert frames == solo_codes[r.request_id][:len(frames)]
+
+
+def _frames(model, reqs, **engine_kw) -> tuple[dict, object]:
+    """{request id: appended frames (EOS excluded)}, the engine."""
+    e = make_engine(model, **engine_kw)
+    rec = FrameRecorder(e)
+    for r in reqs:
+        e.add_synthesis(r)
+    run_all(e)
+    return {r.request_id: rec.codes(f"{r.request_id}/0/code").tolist() for r in reqs}, e
+
+
+@pytest.mark.parametrize("mode, pipelined", [("recompute", False), ("swap", False), ("recompute", True),
+                                             ("swap", True)])
+def test_decode_bursts_across_preemption(tiny_model, mode, pipelined):
+    """Bursts of 3 in a KV pool of 16 blocks (24 would leave the bursts' batch without preemptions; preemption by recompute / swap drops bursts in flight, a
+    resumed request re-initialises its row from host state): the frames of single steps without pressure."""
+    reqs = _requests(64)[:24]
+    want, _ = _frames(tiny_model, reqs, max_num_batched_tokens=64)
+    got, e = _frames(tiny_model, reqs, max_num_batched_tokens=64, num_scheduler_steps=3, async_scheduling=pipelined,
+                     kv_cache_memory=16 * 16 * 1024, preemption_mode=mode,
+                     swap_space=(64 * 16 * 1024) / 2**30 if mode == "swap" else 0.0)
+    st = e.stats()
+    assert st["num_preemptions_total"] > 0 and (mode != "swap" or st["num_swaps_total"] > 0)
+    assert st["num_free_blocks"] == st["num_blocks"]
+    for r in reqs:
+        assert got[r.request_id] == want[r.request_id], r.request_id
