@@ -155,8 +155,9 @@ def _frames(model, reqs, **engine_kw) -> tuple[dict, object]:
 @pytest.mark.parametrize("mode, pipelined", [("recompute", False), ("swap", False), ("recompute", True),
                                              ("swap", True)])
 def test_decode_bursts_across_preemption(tiny_model, mode, pipelined):
-    """Bursts of 3 in a KV pool of 16 blocks (24 would leave the bursts' batch without preemptions; preemption by recompute / swap drops bursts in flight, a
-    resumed request re-initialises its row from host state): the frames of single steps without pressure."""
+    """Bursts of 3 in a KV pool of 16 blocks, small enough to preempt (by recompute / swap) requests with
+    bursts in flight, which are dropped; a resumed request re-initialises its row from host state. Every
+    request still gets the frames of single steps without pressure."""
     reqs = _requests(64)[:24]
     want, _ = _frames(tiny_model, reqs, max_num_batched_tokens=64)
     got, e = _frames(tiny_model, reqs, max_num_batched_tokens=64, num_scheduler_steps=3, async_scheduling=pipelined,
