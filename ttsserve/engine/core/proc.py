@@ -96,9 +96,7 @@ class EngineCore:
         self.batches: dict[bytes, _Batch] = {}  # one per API server that said Hello
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="ttsserve-utility")
         self._worker_sockets = threading.local()
-        self._stats: dict[str, Any] = engine.stats()
-        self._stats_raw = msgspec.Raw(encoder.encode(self._stats))  # encoded once per step, sent to every server
-        self._stats_version = 0
+        self._stats_version = 0  # bumped by every step; the stats are built when a server is due for them
         self._stop_deadline: float | None = None
         model = engine.model
         std, mean = model.spk_stat if model.spk_stat is not None else (
@@ -106,7 +104,7 @@ class EngineCore:
         self._spk_std, self._spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
         self._tokenizer_json = model.tokenizer.to_json()  # once: every Hello gets it (API servers tokenize)
         self._methods: dict[str, Callable[..., Any]] = {
-            "stats": lambda: self._stats, "memory_report": engine.memory_report,
+            "stats": engine.stats, "memory_report": engine.memory_report,
             "random_speaker": self._random_speaker, "parse_speaker": self._parse_speaker,
             "encode_reference_audio": self._encode_reference_audio,
         }
@@ -189,7 +187,7 @@ class EngineCore:
         model = self.engine.model
         info = CoreInfo(os.getpid(), self.sample_rate, "chattts", self.engine.memory_report(), model.hidden_size,
                         ArrayMsg.of(self._spk_std), ArrayMsg.of(self._spk_mean), self.engine.cfg.max_queue_len,
-                        self._stats, self._tokenizer_json)
+                        self.engine.stats(), self._tokenizer_json)
         self._send(ident, encoder.encode(info))
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
@@ -262,8 +260,6 @@ class EngineCore:
         except Exception as e:  # one guarded place: fail this step's requests, keep serving
             logger.exception("engine step failed")
             outputs = self._fail_all(self.engine, f"internal error: {type(e).__name__}: {e}")
-        self._stats = self.engine.stats()
-        self._stats_raw = msgspec.Raw(encoder.encode(self._stats))
         self._stats_version += 1
         for out in outputs:
             ident = self.owner.get(out.request_id)
@@ -281,12 +277,15 @@ class EngineCore:
 
     def _flush(self) -> None:
         now = time.monotonic()
+        stats_raw = None
         for ident, b in list(self.batches.items()):
             stats = None
-            # Outputs carry the stats of their step (a finished request is gone from them); stats alone are
-            # sent when they changed, at most every STATS_INTERVAL_S.
-            if b.stats_version != self._stats_version and (b.outputs or now - b.stats_sent_at >= STATS_INTERVAL_S):
-                stats, b.stats_version, b.stats_sent_at = self._stats_raw, self._stats_version, now
+            # Stats reach each server when they changed, at most every STATS_INTERVAL_S (with its outputs or
+            # alone): built and encoded once for every server due, not on every step.
+            if b.stats_version != self._stats_version and now - b.stats_sent_at >= STATS_INTERVAL_S:
+                if stats_raw is None:
+                    stats_raw = msgspec.Raw(encoder.encode(self.engine.stats()))
+                stats, b.stats_version, b.stats_sent_at = stats_raw, self._stats_version, now
             if not (b.admitted or b.rejected or b.outputs or stats is not None):
                 continue
             msg = CoreOutputs(b.admitted, b.rejected, b.outputs, stats)
