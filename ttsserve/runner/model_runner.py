@@ -182,7 +182,8 @@ class ModelRunner:
         bursts = {scheduled[i].num_steps for i in decode}
         if len(decode) == len(scheduled) and len(bursts) == 1:
             groups = [self._decode_group(scheduled, rows, bursts.pop())]
-        elif decode and (self.pipelined or max(bursts) > 1 or self.graphs is not None and self.graphs.can_run(len(decode))):
+        elif decode and (self.pipelined or max(bursts) > 1
+                         or self.graphs is not None and self.graphs.can_run(len(decode))):
             # A mixed step: the decode rows replay their graph, the prefill / text rows run after it on the
             # general path. Off CUDA one forward over all rows reads the weights once, which is what a CPU
             # step is bound by; but pipelined, the decode rows' inputs may be on the device only, which
@@ -338,7 +339,8 @@ class ModelRunner:
             else:
                 rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
                 tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
-            groups.append(StepGroup(mode, [scheduled[i] for i in idx], tokens[:, None], h[None] if mode == "code" else None))
+            groups.append(StepGroup(mode, [scheduled[i] for i in idx], tokens[:, None],
+                                    h[None] if mode == "code" else None))
         return groups
 
     def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:
