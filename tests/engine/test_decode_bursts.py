@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from engine_testutil import FrameRecorder, make_engine
 
-from ttsserve.params import SamplingParams, SynthesisRequest
+from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 from ttsserve.runner.cuda_graphs import DecodeGraphs
 
 WORDS = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "model"]
 
 
-def _requests() -> list[SynthesisRequest]:
-    """Three that end at max_new_tokens (31, 32, 45: cut inside a burst for k = 2, 3) and four that end at the
-    dummy model's EOS (whose position depends on the text)."""
+def _requests(speaker=None) -> list[SynthesisRequest]:
+    """Three that end at max_new_tokens (31, 32, 45: cut inside a burst for k = 2, 3), four that end at the
+    dummy model's EOS (whose position depends on the text), and one with a speaker whose code stage starts
+    after a refine-text stage (text tokens are never bursts)."""
     rng = random.Random(5)
     reqs = []
     for i, n in enumerate([31, 32, 45, 0, 0, 0, 0]):
@@ -25,6 +26,10 @@ def _requests() -> list[SynthesisRequest]:
                                 max_new_tokens=n or 300, min_new_tokens=n)
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))
         reqs.append(SynthesisRequest(text, code_params=params, raw_text=True, request_id=f"b{i}"))
+    reqs.append(SynthesisRequest("hello world this is a test", voice=Voice(spk_emb=speaker), refine_text=True,
+                                 refine_params=SamplingParams(seed=3, max_new_tokens=12),
+                                 code_params=SamplingParams(seed=77, max_new_tokens=37, min_new_tokens=37),
+                                 request_id="refined"))
     return reqs
 
 
@@ -56,8 +61,8 @@ def _run(model, reqs, k: int, graphs: bool = False, **kw):
 
 
 @pytest.mark.parametrize("k, graphs, pipelined", [(2, False, False), (3, True, False), (3, True, True)])
-def test_decode_bursts_equal_single_steps(tiny_model, k, graphs, pipelined):
-    reqs = _requests()
+def test_decode_bursts_equal_single_steps(tiny_model, tiny_speaker, k, graphs, pipelined):
+    reqs = _requests(tiny_speaker)
     rec1, audio1, finals1, _ = _run(tiny_model, reqs, 1, graphs=graphs, async_scheduling=pipelined)
     reck, audiok, finalsk, num_bursts = _run(tiny_model, reqs, k, graphs=graphs, async_scheduling=pipelined)
     assert num_bursts > 50
