@@ -6,7 +6,12 @@
 # Env: TESTS=0 skips the tests, STAG=0 the engine benchmark, SERVE=0 the server; SERVE_ARGS adds server flags,
 #      FORMATS (default pcm:32,128,256) format:concurrencies[:client processes] items, e.g. "pcm:128:1 pcm:128:4
 #      mp3:128" (client processes default to CLIENT_PROCS, 4: one Python client saturates), DUR seconds per point,
-#      STAG_VARIANTS / STAG_CONC / STAG_SECONDS the engine benchmark's.
+#      STAG_VARIANTS / STAG_CONC / STAG_SECONDS / STAG_FRAMES the engine benchmark's.
+# The fourth pass (BENCHMARKS.md), e.g. r15's engine points and r18's served points:
+#   TESTS=0 SERVE=0 STAG_VARIANTS=pipelined-k4,pipelined,pipelined-k8 STAG_SECONDS=10 STAG_FRAMES=60,256 \
+#       bash benchmarks/gpu_served.sh OUT
+#   TEST_FILES="tests/gpu tests/test_sampler.py tests/test_audio_stage.py tests/test_gpt_parity.py" STAG=0 \
+#       SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128 pcm:256 mp3:128" DUR=20 bash benchmarks/gpu_served.sh OUT
 set -u
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
@@ -22,7 +27,8 @@ fi
 if [ "${STAG:-1}" = 1 ]; then
     timeout "${STAG_TIMEOUT:-200}" python3 benchmarks/staggered.py --out "$OUT" \
         --concurrency "${STAG_CONC:-128}" --seconds "${STAG_SECONDS:-15}" \
-        --variants "${STAG_VARIANTS:-eager-vocoder,graphs,graphs-cadence4}" > "$OUT/staggered.txt" 2> "$OUT/staggered.log"
+        --variants "${STAG_VARIANTS:-eager-vocoder,graphs,graphs-cadence4}" --frames "${STAG_FRAMES:-140,600}" \
+        > "$OUT/staggered.txt" 2> "$OUT/staggered.log"
     echo "staggered rc=$?"; cat "$OUT/staggered.txt"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
