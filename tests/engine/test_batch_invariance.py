@@ -29,12 +29,17 @@ def _requests(n: int, seed: int = 0) -> list[SynthesisRequest]:
     return reqs
 
 
-def _codes(model, reqs, **engine_kw) -> tuple[dict, object]:
+def _run(model, reqs, **engine_kw) -> tuple[FrameRecorder, object]:
     e = make_engine(model, **engine_kw)
     rec = FrameRecorder(e)
     for r in reqs:
         e.add_synthesis(r)
     run_all(e)
+    return rec, e
+
+
+def _codes(model, reqs, **engine_kw) -> tuple[dict, object]:
+    rec, e = _run(model, reqs, **engine_kw)
     return {r.request_id: [t for t, _ in rec.frames[f"{r.request_id}/0/code"]] for r in reqs}, e
 
 
@@ -144,11 +149,7 @@ def test_pipelined_abort_in_flight(tiny_model, solo_codes):
 
 def _frames(model, reqs, **engine_kw) -> tuple[dict, object]:
     """{request id: appended frames (EOS excluded)}, the engine."""
-    e = make_engine(model, **engine_kw)
-    rec = FrameRecorder(e)
-    for r in reqs:
-        e.add_synthesis(r)
-    run_all(e)
+    rec, e = _run(model, reqs, **engine_kw)
     return {r.request_id: rec.codes(f"{r.request_id}/0/code").tolist() for r in reqs}, e
 
 

@@ -63,10 +63,11 @@ class Engine:
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
         self.kv_spec = self._plan_kv()
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
+        burst = cfg.scheduler_steps(self.model.device.type)
         self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=cfg.enforce_eager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  num_scheduler_steps=cfg.scheduler_steps(self.model.device.type))
+                                  num_scheduler_steps=burst)
         cadence, admission = cfg.step_intervals(self.model.device.type)
         self.pipelined = cfg.pipelined(self.model.device.type)
         self.runner.pipelined = self.pipelined
@@ -77,8 +78,7 @@ class Engine:
             max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode,
-            admission_interval=admission, num_scheduler_steps=cfg.scheduler_steps(self.model.device.type)),
-            self.kv_manager)
+            admission_interval=admission, num_scheduler_steps=burst), self.kv_manager)
         from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
 
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
@@ -313,7 +313,7 @@ class Engine:
         c.tokens_scheduled += sched.num_scheduled_tokens
         c.last_batch_size = len(sched.scheduled)
         c.step_time_ms_ema = ms if c.steps == 1 else 0.9 * c.step_time_ms_ema + 0.1 * ms
-        if sched.scheduled:  # the latency goal is per frame: a burst step makes num_steps frames per stream
+        if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 
     def _handle_scheduler_finished(self, finished_ids: list[str]) -> None:
