@@ -222,3 +222,21 @@ def test_output_is_clean_and_stable(text, lang):
 def test_am_pm_with_dots_keeps_the_sentence_end():
     assert normalize_text("We left at 5 p.m. Then it rained.").text == "We left at five p m. Then it rained."
     assert normalize_text("We left at 5 p.m. and ate.").text == "We left at five p m and ate."
+
+
+def test_warm_up_text_path_pays_the_normalizers_imports_in_a_fresh_process():
+    """What a server runs before it reports ready: it must load what the first request would (cn2an and
+    num2words, imported lazily by prepare_segments), and the texts must pass the real text path."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ttsserve.text.segments import warm_up_text_path\n"
+        "before = {m: m in sys.modules for m in ('cn2an', 'num2words', 'ttsserve.text.normalize')}\n"
+        "assert not any(before.values()), before\n"
+        "seconds = warm_up_text_path()\n"
+        "assert all(m in sys.modules for m in before), sys.modules.keys()\n"
+        "assert seconds > 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

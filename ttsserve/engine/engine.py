@@ -110,7 +110,10 @@ class Engine:
         allocator's first blocks; on an H200 a cold engine's first pass ran 2.5x slower than its second)."""
         t0 = time.perf_counter()
         frames = self.first_audio_frames + 2 * self.cfg.max_chunk_frames
-        texts = ["warm up", "warm up the engine with a longer prompt than the first one", "and a third"]
+        # prompts of ~10, ~30 and ~130 positions: every query tile of the eagerly run prefill attention kernel
+        # (runner/piecewise_graphs.py; triton_paged.py picks 16, 32 or 64 rows) compiles here, not in a request
+        long = "and a fourth, long enough that its prefill runs the attention kernel's largest query tile, " * 2
+        texts = ["warm up", "warm up the engine with a longer prompt than the first one", "and a third", long]
         for i, text in enumerate(texts):
             p = SamplingParams(seed=i, min_new_tokens=frames + 7 * i, max_new_tokens=frames + 7 * i)
             self.add_synthesis(SynthesisRequest(text, code_params=p, raw_text=True, request_id=f"__warmup{i}"))

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ttsserve.params import SynthesisRequest, Voice
-from ttsserve.text.segments import Segment, prepare_segments
+from ttsserve.text.segments import Segment, prepare_segments, warm_up_text_path
 
 __all__ = ["FrontEnd", "Segment", "check_room", "prepare_segments"]
 
@@ -26,6 +26,7 @@ class FrontEnd:
     def __init__(self, tokenizer, num_vq: int = 4) -> None:
         self.tokenizer = tokenizer
         self.num_vq = num_vq
+        warm_up_text_path(tokenizer)  # the first request must not pay the normalizer's imports
 
     def segments(self, req: SynthesisRequest) -> list[Segment]:
         return prepare_segments(req)

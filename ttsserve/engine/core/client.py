@@ -45,7 +45,7 @@ from ttsserve.engine.core.messages import (
 from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
-from ttsserve.text.segments import prepare_segments, tokenize_segments
+from ttsserve.text.segments import prepare_segments, tokenize_segments, warm_up_text_path
 
 logger = logging.getLogger("ttsserve.core_client")
 
@@ -111,6 +111,7 @@ class CoreClient:
             from ttsserve.text.tokenizer import TextTokenizer
 
             self._tokenizer = TextTokenizer.from_json(info.tokenizer_json)
+        logger.debug("text path warmed up in %.2f s", warm_up_text_path(self._tokenizer))
         self._stats = dict(info.stats)
         self._info = info
         self._accepting = True
