@@ -5,10 +5,12 @@ drains, and a dead core fails in-flight requests and turns /ready and /health to
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ import pytest
 from tests.server.conftest import wait_until
 from tests.server.helpers import parse_sse, same_audio
 from tests.server.multiproc_helpers import ServeProcess
+from ttsserve.server.preflight import REUSE_PORT_BALANCES
 
 SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm", "seed": 5,
           "max_new_tokens": 24}
@@ -117,9 +120,41 @@ def test_voices_are_visible_from_every_api_server(server):
     assert clients["0"].get(f"/v1/audio/voices/{vid}").status_code == 404
 
 
+@pytest.mark.skipif(not REUSE_PORT_BALANCES, reason="SO_REUSEPORT balances connections on Linux only")
+def test_a_burst_of_connections_spreads_over_the_api_servers(server):
+    """64 connections opened at once (clients arriving together, or reconnecting after a restart): on one
+    shared socket the first process to wake accepted all that were pending (128-0-0-0 seen on 4 servers),
+    and keep-alive kept them there. Each API server has its own socket of a SO_REUSEPORT group instead, so
+    the kernel's hash spreads them: fewer than 12 of 64 on one of 2 servers has a chance of about 1e-7."""
+    srv, _ = server
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+
+    async def burst(n: int) -> Counter:
+        conns = await asyncio.gather(*[asyncio.open_connection(host, int(port)) for _ in range(n)])
+        seen: Counter = Counter()
+        try:
+            for _, writer in conns:
+                writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            for reader, _ in conns:
+                head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).decode().lower()
+                seen[re.search(r"^x-api-server: (\d+)", head, re.MULTILINE).group(1)] += 1
+        finally:
+            for _, writer in conns:
+                writer.close()
+        return seen
+
+    seen = asyncio.run(burst(64))
+    assert sorted(seen) == ["0", "1"] and min(seen.values()) >= 12, seen
+
+
 def test_a_killed_api_server_is_restarted(server):
     srv, clients = server
     os.kill(srv.pid_of("API server 1"), signal.SIGKILL)
+    assert wait_until(lambda: "API server 1 exited" in srv.log(), timeout=30), srv.log()
+    # Until it is back, new connections all reach API server 0: none waits on the dead one's socket.
+    for _ in range(8):
+        r = httpx.get(srv.url + "/health", timeout=5)
+        assert r.status_code == 200 and r.headers["x-api-server"] == "0"
     assert wait_until(lambda: len(re.findall(r"API server 1: pid", srv.log())) == 2, timeout=30), srv.log()
     clients["1"].close()
     srv.wait_ready(60)

@@ -58,6 +58,31 @@ def test_a_port_in_use():
         _assert_refused([*TINY, "--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use")
 
 
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="no SO_REUSEPORT here")
+def test_several_api_servers_never_join_a_port_group_they_did_not_make():
+    """With --api-server-count > 1 each API server gets a socket of one SO_REUSEPORT group. Another
+    server of this user already listening on the port with SO_REUSEPORT would silently take half of the
+    traffic if we joined its group: the port is probed with a plain bind first, so it is 'in use'."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        _assert_refused([*TINY, "--port", str(port), "--api-server-count", "2"],
+                        f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    from ttsserve.server.preflight import bind_socket
+
+    first = bind_socket("127.0.0.1", 0, reuse_port=True)  # ours: another socket of the group may join it
+    try:
+        port = first.getsockname()[1]
+        first.listen()
+        bind_socket("127.0.0.1", port, join=True).close()
+        with pytest.raises(ValueError, match="Address already in use"):
+            bind_socket("127.0.0.1", port)  # and a plain socket (anyone else) may not
+    finally:
+        first.close()
+
+
 def test_a_bad_engine_value():
     # A value EngineConfig accepts but the model's sizes refuse: found from config.json alone, before the load.
     _assert_refused([*TINY, "--kv-cache-memory", "16K"], "KV cache budget of 0.0 MiB holds fewer than 2 blocks")

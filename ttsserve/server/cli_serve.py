@@ -18,7 +18,7 @@ import re
 import sys
 
 from ttsserve.config import EngineConfig
-from ttsserve.server.preflight import bind_socket, check_engine_config
+from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
 
 logger = logging.getLogger("ttsserve.server")
 ENV_PREFIX = "TTSSERVE_"
@@ -251,7 +251,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
         # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.
         check_engine_config(engine_cfg)
-        sock = bind_socket(host, port)
+        sock = bind_socket(host, port, reuse_port=api_servers > 1 and REUSE_PORT_BALANCES)
     except ValueError as e:
         return _config_error(e)
     if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (server/multiproc.py)

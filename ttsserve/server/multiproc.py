@@ -6,12 +6,18 @@ own interpreter.
 
 Processes (all `spawn`ed; the children get their own process group, so Ctrl-C reaches only the launcher,
 and die with the launcher even if it is SIGKILLed):
-  launcher         binds the listening socket once (listen() only once the core is ready: until then a
+  launcher         binds the listening socket(s) (listen() only once the core is ready: until then a
                    connection is refused rather than left hanging), starts and supervises the others,
                    hosts the shared rate limiter (server/shared_limits.py), owns SIGTERM / SIGINT
   engine core      engine/core/proc.py: the Engine and its step loop, at ipc://<run dir>/core.sock
-  API server i     uvicorn + the FastAPI app around a CoreClient, accepting on the inherited socket; every
+  API server i     uvicorn + the FastAPI app around a CoreClient, accepting on its inherited socket; every
                    response carries `X-API-Server: i`
+
+Connections: on Linux each API server listens on its own socket of one SO_REUSEPORT group, and the kernel
+hashes each new connection to one of them. On one shared socket, whichever process woke first accepted
+every connection then pending: 128 connections opened at once (a burst of clients, a restart under load)
+landed 128-0-0-0 or 98-29-1-0 on 4 API servers, and with keep-alive stayed there, so with mp3 five of 8
+servers ran at 100% CPU while the others idled (BENCHMARKS.md, r19). Elsewhere all share one socket.
 
 Shared state: voices in one SQLite file (a `:memory:` store becomes a file in the run directory, so a voice
 made through one API server is visible to all), Prometheus counters in PROMETHEUS_MULTIPROC_DIR (a scrape
@@ -38,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from ttsserve.server.preflight import bind_socket
+from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket
 
 logger = logging.getLogger("ttsserve.launcher")
 ENV_COUNT = "TTSSERVE_API_SERVER_COUNT"
@@ -73,7 +79,8 @@ def api_server_count(args: argparse.Namespace, env: dict[str, str] | None = None
 def run_api_servers(engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int,
                     sock: socket.socket | None = None) -> int:
     """The launcher's main (count >= 1). Returns the exit status (see the module docstring). sock: the
-    listening socket, bound but not listening (None: bound here)."""
+    first listening socket, bound but not listening (None: bound here); with count > 1 on Linux, bound with
+    preflight.bind_socket(reuse_port=True)."""
     _configure_logging(log_level, "launcher")
     run_dir = tempfile.mkdtemp(prefix="ttsserve-")
     try:
@@ -102,7 +109,9 @@ class _Launcher:
         self.servers: list = [None] * count
         self.restart_at = [0.0] * count
         self.backoff = [1.0] * count
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | None = None  # the first listening socket
+        self.reuse_port = count > 1 and REUSE_PORT_BALANCES
+        self.socks: list[socket.socket | None] = []  # API server i's (one shared socket without reuse_port)
         self.limiter = None
 
     # ---- the launcher's life -----------------------------------------------------------------------
@@ -110,7 +119,7 @@ class _Launcher:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
-            self.sock = self.sock or bind_socket(self.host, self.port)
+            self.sock = self.sock or bind_socket(self.host, self.port, reuse_port=self.reuse_port)
         except ValueError as e:
             logger.error("%s", e)
             return 1
@@ -121,6 +130,7 @@ class _Launcher:
         try:
             if self._start_core():
                 self.sock.listen(_BACKLOG)
+                self.socks = [self.sock] + [None] * (self.count - 1 if self.reuse_port else 0)
                 self._start_limiter()
                 for i in range(self.count):
                     self._start_server(i)
@@ -175,10 +185,34 @@ class _Launcher:
         self.limiter = RateLimitService(RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute),
                                         self.limits_address).start()
 
+    def _socket_for(self, i: int) -> socket.socket:
+        """API server i's socket: the one shared socket, or its own of the SO_REUSEPORT group. A new one is
+        only bound here: the API server listens on it once its app is up, and the kernel hashes connections
+        over listening sockets only, so a starting or restarting API server is sent none until it can serve."""
+        if not self.reuse_port:
+            return self.socks[0]
+        if self.socks[i] is None:
+            self.socks[i] = bind_socket(self.host, self.port, join=True)
+        return self.socks[i]
+
+    def _drop_socket(self, i: int) -> None:
+        """API server i died: close our copy of its socket, so the kernel stops sending it connections that
+        nobody would accept until the restart (those queued on it are reset). The last one open stays: the
+        port must not be lost."""
+        if self.reuse_port and self.socks[i] is not None and sum(s is not None for s in self.socks) > 1:
+            self.socks[i].close()
+            self.socks[i] = None
+
     def _start_server(self, i: int) -> None:
+        try:
+            sock = self._socket_for(i)
+        except ValueError as e:  # the port's group could not take another socket: retry like a crash
+            logger.error("API server %d: %s; retrying in %.0f s", i, e, self.backoff[i])
+            self.restart_at[i] = time.monotonic() + self.backoff[i]
+            return
         p = self.mp.Process(
             target=_api_server_main, name=f"ttsserve-api-{i}", daemon=False,
-            args=(i, self.sock, self.server_cfg, self.core_address, self.limits_address, self.log_level,
+            args=(i, sock, self.server_cfg, self.core_address, self.limits_address, self.log_level,
                   os.getpid()))
         p.start()
         self.servers[i] = p
@@ -199,6 +233,7 @@ class _Launcher:
             now = time.monotonic()
             for i, p in enumerate(self.servers):
                 if p is not None and not p.is_alive():
+                    self._drop_socket(i)
                     logger.error("API server %d exited (status %s); restarting in %.0f s", i, p.exitcode,
                                  self.backoff[i])
                     self.servers[i], self.restart_at[i] = None, now + self.backoff[i]
@@ -209,8 +244,8 @@ class _Launcher:
 
     def _stop_all(self) -> int:
         """API servers first (they drain), then the core. 0 when everything exited cleanly."""
-        if self.sock is not None:
-            self.sock.close()  # our copy: once the API servers close theirs, new connections are refused
+        for sock in {id(s): s for s in [self.sock, *self.socks] if s is not None}.values():
+            sock.close()  # our copies: once the API servers close theirs, new connections are refused
         clean = True
         servers = [p for p in self.servers if p is not None and p.is_alive()]
         for p in servers:

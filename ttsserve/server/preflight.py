@@ -8,6 +8,7 @@ and raises ValueError with a one-line message naming the setting; `run_serve` pr
 from __future__ import annotations
 
 import socket
+import sys
 
 from ttsserve.config import EngineConfig, GPTConfig
 
@@ -51,18 +52,31 @@ def _gpt_config(cfg: EngineConfig, root) -> GPTConfig:
         raise ValueError(f"{path}: not a readable JSON file ({e})") from None
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+# Linux spreads a port's new connections over the listening sockets of one SO_REUSEPORT group by a hash of
+# the connection's addresses; elsewhere (macOS, Windows) the option does not balance, so all share one socket.
+REUSE_PORT_BALANCES = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def bind_socket(host: str, port: int, reuse_port: bool = False, join: bool = False) -> socket.socket:
     """A socket bound to host:port, not yet listening (uvicorn listens once the engine is up; until then a
     client is refused, not left hanging). Held through the model load, so no other process can take the port
     meanwhile. The address family and SO_REUSEADDR follow uvicorn's own binding. ValueError if it cannot bind
-    (port in use, no such address, a privileged port)."""
+    (port in use, no such address, a privileged port).
+
+    reuse_port: the first socket of an SO_REUSEPORT group (one listening socket per API server). The port
+    is first probed with a plain bind, so a group some other server of this user already holds is an error,
+    not a silent share of its traffic. join: another socket of the group this process already holds."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    if reuse_port and not join:
+        bind_socket(host, port).close()
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port or join:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
         raise ValueError(f"cannot listen on {shown}: {e.strerror or e} (--host / --port)") from None
     return sock
