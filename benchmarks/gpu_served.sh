@@ -12,6 +12,9 @@
 #       bash benchmarks/gpu_served.sh OUT
 #   TEST_FILES="tests/gpu tests/test_sampler.py tests/test_audio_stage.py tests/test_gpt_parity.py" STAG=0 \
 #       SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128 pcm:256 mp3:128" DUR=20 bash benchmarks/gpu_served.sh OUT
+# The fifth pass's (r20) points, one server each (the mp3 test of `benchmarks/mp3_encode_speed.py` is separate):
+#   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="mp3:128 pcm:128 pcm:256" DUR=20 bash benchmarks/gpu_served.sh OUT
+#   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 12" FORMATS="mp3:128 pcm:128" DUR=20 bash benchmarks/gpu_served.sh OUT
 set -u
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
