@@ -59,8 +59,10 @@ REUSE_PORT_BALANCES = sys.platform.startswith("linux") and hasattr(socket, "SO_R
 
 def bind_socket(host: str, port: int, reuse_port: bool = False, join: bool = False) -> socket.socket:
     """A socket bound to host:port, not yet listening (uvicorn listens once the engine is up; until then a
-    client is refused, not left hanging). Held through the model load, so no other process can take the port
-    meanwhile. The address family and SO_REUSEADDR follow uvicorn's own binding. ValueError if it cannot bind
+    client is refused, not left hanging). Held through the model load, so a process binding it meanwhile
+    without SO_REUSEADDR is refused (Linux lets two SO_REUSEADDR sockets bind while neither listens, so a
+    second uvicorn started during the load would win the port: rare, and then listen() fails after the
+    load). The address family and SO_REUSEADDR follow uvicorn's own binding. ValueError if it cannot bind
     (port in use, no such address, a privileged port).
 
     reuse_port: the first socket of an SO_REUSEPORT group (one listening socket per API server). The port

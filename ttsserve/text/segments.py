@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,8 +92,6 @@ def warm_up_text_path(tokenizer: TextTokenizer | None = None) -> float:
     seconds it took. A server calls it before it reports ready: the first call of a fresh process pays
     the normalizer's imports and regex compiles (0.33 s on a 2-core CPU), which would otherwise stall the
     first requests' event loop, every one queued behind the first."""
-    import time
-
     t0 = time.perf_counter()
     for text in _WARM_UP_TEXTS:
         req = SynthesisRequest(text)
