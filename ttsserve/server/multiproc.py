@@ -6,8 +6,9 @@ own interpreter.
 
 Processes (all `spawn`ed; the children get their own process group, so Ctrl-C reaches only the launcher,
 and die with the launcher even if it is SIGKILLed):
-  launcher         binds the listening socket(s) (listen() only once the core is ready: until then a
-                   connection is refused rather than left hanging), starts and supervises the others,
+  launcher         binds the listening socket(s) (listening only once the core is ready, or on Linux once
+                   each API server is: until then a connection is refused rather than left hanging),
+                   starts and supervises the others,
                    hosts the shared rate limiter (server/shared_limits.py), owns SIGTERM / SIGINT
   engine core      engine/core/proc.py: the Engine and its step loop, at ipc://<run dir>/core.sock
   API server i     uvicorn + the FastAPI app around a CoreClient, accepting on its inherited socket; every
@@ -129,7 +130,8 @@ class _Launcher:
         status = 1
         try:
             if self._start_core():
-                self.sock.listen(_BACKLOG)
+                if not self.reuse_port:  # one shared socket: connections queue while the API servers start
+                    self.sock.listen(_BACKLOG)
                 self.socks = [self.sock] + [None] * (self.count - 1 if self.reuse_port else 0)
                 self._start_limiter()
                 for i in range(self.count):
@@ -186,9 +188,10 @@ class _Launcher:
                                         self.limits_address).start()
 
     def _socket_for(self, i: int) -> socket.socket:
-        """API server i's socket: the one shared socket, or its own of the SO_REUSEPORT group. A new one is
-        only bound here: the API server listens on it once its app is up, and the kernel hashes connections
-        over listening sockets only, so a starting or restarting API server is sent none until it can serve."""
+        """API server i's socket: the one shared socket, or its own of the SO_REUSEPORT group. Those are only
+        bound here: each API server listens on its own once its app is up, and the kernel hashes connections
+        over listening sockets only, so a starting or restarting API server is sent none until it can serve
+        (and clients arriving during a start are spread over the servers up, not queued on the first)."""
         if not self.reuse_port:
             return self.socks[0]
         if self.socks[i] is None:
