@@ -247,7 +247,7 @@ class _Launcher:
 
     def _stop_all(self) -> int:
         """API servers first (they drain), then the core. 0 when everything exited cleanly."""
-        for sock in {id(s): s for s in [self.sock, *self.socks] if s is not None}.values():
+        for sock in {self.sock, *self.socks} - {None}:  # self.sock is socks[0] once the core started
             sock.close()  # our copies: once the API servers close theirs, new connections are refused
         clean = True
         servers = [p for p in self.servers if p is not None and p.is_alive()]
