@@ -95,3 +95,24 @@ def test_cuda_step_intervals_count_frames():
     assert EngineConfig(num_scheduler_steps=4, admission_interval=3).step_intervals("cuda") == (2, 3)
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineConfig(num_scheduler_steps=0)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_pipelined_first_audio_step(tiny_model, deferred):
+    """The CUDA schedule's time to first audio in engine steps: 1 prefill step (it samples frame 1), the bursts
+    for the remaining first_audio_frames - 1 frames, 1 step to read the last burst's results (pipelined) and,
+    with the deferred vocoder, 1 to collect its call. The vocoder call is queued in the step that reads the frames
+    (not the next one), and the cadence does not hold a first chunk back."""
+    k = 4
+    e = make_engine(tiny_model, num_scheduler_steps=k, async_scheduling=True, vocoder_cadence=2,
+                    admission_interval=2)
+    e.audio.deferred = deferred  # the CUDA engine's mode; on the CPU the call's results are at hand at once
+    p = SamplingParams(seed=1, min_new_tokens=200, max_new_tokens=200)
+    e.add_synthesis(SynthesisRequest("hello world", code_params=p, raw_text=True, request_id="a"))
+    first = None
+    for step in range(1, 60):
+        if any(len(out.samples) for out in e.step()) and first is None:
+            first = step
+            break
+    bursts = -(-(e.first_audio_frames - 1) // k)
+    assert first == 1 + bursts + 1 + deferred

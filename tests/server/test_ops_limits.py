@@ -57,6 +57,14 @@ def test_health_ready_models_metrics(serve_real):
     assert steps == stats["steps_total"] > 0
     phase = _metric(text, "ttsserve_engine_phase_seconds_total", '{phase="runner_prepare"}')
     assert phase == pytest.approx(stats["runner_breakdown_ms"]["prepare_ms"] * steps / 1000)
+    hist = stats["step_time_histogram"]  # every step in one bucket, the buckets and the max in seconds
+    assert _metric(text, "ttsserve_engine_step_seconds_count") == sum(hist["counts"]) == steps
+    assert _metric(text, "ttsserve_engine_step_seconds_bucket", '{le="+Inf"}') == steps
+    assert _metric(text, "ttsserve_engine_step_seconds_sum") == pytest.approx(hist["sum_ms"] / 1000)
+    below = sum(hist["counts"][:hist["le_ms"].index(50.0) + 1])
+    assert _metric(text, "ttsserve_engine_step_seconds_bucket", '{le="0.05"}') == below
+    longest = _metric(text, "ttsserve_engine_step_max_seconds")
+    assert 0 < longest == hist["max_ms"] / 1000 and longest * 1000 * steps >= hist["sum_ms"]
     srv.stop()
     assert not eng.ready
 

@@ -166,7 +166,7 @@ class IncrementalAudioStage(StreamingStage):
 
     def _plan(self) -> tuple[list[_Feed], list[AudioChunk]]:
         feeds, empty = [], []
-        if self._steps % self.cadence:
+        if self._steps % self.cadence and not self._first_chunk_due():
             return feeds, empty  # off-cadence step: due streams wait for the next shared call
         for req_id, st in self._streams.items():
             if st.final_out:
@@ -176,6 +176,13 @@ class IncrementalAudioStage(StreamingStage):
             elif (n := self._feed_count(st)) > 0:
                 feeds.append(_Feed(req_id, st, n))
         return feeds, empty
+
+    def _first_chunk_due(self) -> bool:
+        """A stream can emit its first chunk: the cadence does not hold it back (its wait is the time to first
+        audio), and the call it makes takes every other due stream along."""
+        need = self.first_chunk_frames + self.right_context_frames
+        return any(st.num_emitted_frames == 0 and (st.finished or st.num_frames >= need) and not st.final_out
+                   for st in self._streams.values())
 
     def _launch(self) -> Pending | None:
         self._steps += 1

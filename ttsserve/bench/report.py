@@ -113,11 +113,12 @@ def _server_side(results: Sequence[RunResult]) -> list[str]:
         return []
     phases = list(rows[0]["server_step_ms"])
     lines = ["", "server side (its /metrics over the run; host ms per engine step by phase)", "",
-             "| load | steps/s | running | waiting | " + " | ".join(phases) + " |",
-             "|---|---:|---:|---:|" + "---:|" * len(phases)]
+             "| load | steps/s | steps > 20 / 50 ms | running | waiting | " + " | ".join(phases) + " |",
+             "|---|---:|---|---:|---:|" + "---:|" * len(phases)]
     for s in rows:
-        ms = s["server_step_ms"]
-        lines.append(f"| {s['load_kind']} {s['load']:g} | {_f(s['server_steps_per_s'], 1)} | "
+        ms, slow = s["server_step_ms"], s.get("server_steps_over_ms") or {}
+        slow_cell = " / ".join(f"{slow[k]:.0f}" for k in ("20", "50")) if slow else "-"
+        lines.append(f"| {s['load_kind']} {s['load']:g} | {_f(s['server_steps_per_s'], 1)} | {slow_cell} | "
                      f"{_f(s.get('server_running_mean'), 1)} | {_f(s.get('server_waiting_mean'), 1)} | "
                      + " | ".join(_f(ms.get(p), 3) for p in phases) + " |")
     return lines

@@ -248,8 +248,9 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, wall_s: float) -> dict:
     """Server-side figures from /metrics scrapes: the peak of every gauge named *memory* or *kv_cache_usage*,
-    the preemption counter's increase, and -- where the server exports them -- its steps per second and host
-    time per step of each engine phase over the run (ms, from the counters before and after), and the mean
+    the preemption counter's increase, and -- where the server exports them -- its steps per second, host
+    time per step of each engine phase over the run (ms, from the counters before and after), how many steps
+    took over 20 and over 50 ms (server_steps_over_ms), and the mean
     running / waiting batch of the samples taken while the load ran (none for a point under 0.5 s)."""
     peaks: dict[str, float] = {}
     for s in samples + [after]:
@@ -265,6 +266,10 @@ def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, 
         out["server_steps_per_s"] = steps / max(wall_s, 1e-9)
         out["server_step_ms"] = {k[len(phase):-2]: 1000.0 * (v - before.get(k, 0.0)) / steps
                                  for k, v in after.items() if k.startswith(phase)}
+        if 'ttsserve_engine_step_seconds_bucket{le="+Inf"}' in after:  # steps over 20 / 50 ms: a tail's cause?
+            le = {ms: f'ttsserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}' for ms in (20, 50)}
+            out["server_steps_over_ms"] = {str(ms): steps - (after.get(k, 0.0) - before.get(k, 0.0))
+                                           for ms, k in le.items()}
     # over the samples taken while the load ran (the scrape after it, at an idle server, would pull it down)
     for gauge, key in (("ttsserve_num_requests_running", "server_running_mean"),
                        ("ttsserve_num_requests_waiting", "server_waiting_mean")):

@@ -84,8 +84,8 @@ class Engine:
         self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
                                       first_chunk_frames=cfg.first_chunk_frames, max_chunk_frames=cfg.max_chunk_frames,
                                       lookahead_frames=cfg.lookahead_frames, cadence=cadence,
-                                      device=self.model.device,
-                                      deferred=self.model.device.type == "cuda", net_dtype=vocoder_net_dtype(self.model))
+                                      device=self.model.device, deferred=self.model.device.type == "cuda",
+                                      net_dtype=vocoder_net_dtype(self.model))
         if self.model.device.type == "cuda":
             self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
             if not cfg.enforce_eager and hasattr(self.audio, "enable_cuda_graphs"):
@@ -241,7 +241,8 @@ class Engine:
         """One engine step. On CUDA the GPT step is queued first, then the vocoder's host work runs while the
         device computes (its kernels queue behind the step), then the step's one sync. Pipelined
         (async_scheduling), the step queued here is the next one: this call then reads the results of the
-        step queued by the previous call, while the device already runs this one."""
+        step queued by the previous call while the device already runs this one, and queues the vocoder
+        after that read, so the frames it brought are decoded in this call, not the next (a step sooner)."""
         tm, clock = self.timings, time.perf_counter
         t0 = clock()
         self.scheduler.max_num_seqs_limit = self.controller.limit
@@ -252,7 +253,7 @@ class Engine:
         t1 = clock()
         launched = self.runner.launch(sched, self.requests)
         t2 = clock()
-        chunks = self.audio.step() if self.audio.deferred else None
+        chunks = self.audio.step() if self.audio.deferred and not self.pipelined else None
         t3 = clock()
         if self.pipelined:
             done, self._in_flight = self._in_flight, (sched, launched) if launched is not None else None
@@ -316,6 +317,7 @@ class Engine:
         c.tokens_scheduled += sched.num_scheduled_tokens
         c.last_batch_size = len(sched.scheduled)
         c.step_time_ms_ema = ms if c.steps == 1 else 0.9 * c.step_time_ms_ema + 0.1 * ms
+        c.observe_step(ms)
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 
@@ -384,21 +386,20 @@ class Engine:
         return rid, int(seg)
 
     def stats(self) -> dict:
-        s, c = self.scheduler, self.counters
+        s, c, rt = self.scheduler, self.counters, self.runner.timings
         return {
             "num_running": s.num_running, "num_waiting": s.num_waiting, "num_swapped": s.num_swapped,
             "num_syntheses": len(self.syntheses), "kv_cache_usage": self.kv_manager.usage,
             "num_free_blocks": self.kv_manager.num_free_blocks, "num_blocks": self.kv_spec.num_blocks,
             "num_preemptions_total": c.preemptions, "num_swaps_total": c.swaps, "steps_total": c.steps,
             "frames_total": c.frames, "step_time_ms_ema": c.step_time_ms_ema,
+            "step_time_histogram": c.step_time_histogram(),
             "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
-            "cuda_graphs": self.runner.graphs is not None,
-            "graph_steps_total": self.runner.timings.graph_steps,
-            "mixed_graph_steps_total": self.runner.timings.mixed_graph_steps,
-            "piecewise_prefill_steps_total": self.runner.timings.piecewise_steps,
-            "sampler_graph_steps_total": self.runner.timings.sampler_graph_steps,
+            "cuda_graphs": self.runner.graphs is not None, "graph_steps_total": rt.graph_steps,
+            "mixed_graph_steps_total": rt.mixed_graph_steps, "piecewise_prefill_steps_total": rt.piecewise_steps,
+            "sampler_graph_steps_total": rt.sampler_graph_steps,
             "step_breakdown_ms": self.timings.as_dict(c.steps),
-            "runner_breakdown_ms": self.runner.timings.per_step(),
+            "runner_breakdown_ms": rt.per_step(),
             "async_scheduling": self.pipelined,
             "warm": self.runner.wait_warm(0),
         }

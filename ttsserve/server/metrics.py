@@ -9,6 +9,7 @@ engine gauges once: the engine core is shared, so its stats are the same from ev
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
@@ -63,6 +64,7 @@ class _EngineCollector:
             family.add_metric([], float(value))
             yield family
         yield from self._phases(stats)
+        yield from self._step_times(stats)
 
     @staticmethod
     def _phases(stats: dict):
@@ -78,6 +80,21 @@ class _EngineCollector:
                 prefix = "runner_" if group == "runner_breakdown_ms" else ""
                 family.add_metric([prefix + name.removesuffix("_ms")], per_step_ms * steps / 1000.0)
         yield family
+
+    @staticmethod
+    def _step_times(stats: dict):
+        """The engine steps' wall times: a tail of first audio shows here as steps far above the mean."""
+        hist = stats.get("step_time_histogram")
+        if not isinstance(hist, dict):
+            return
+        cumulative = list(itertools.accumulate(hist["counts"]))
+        bounds = [str(ms / 1000.0) for ms in hist["le_ms"]] + ["+Inf"]
+        family = HistogramMetricFamily("ttsserve_engine_step_seconds", "Engine step wall time (s)")
+        family.add_metric([], list(zip(bounds, cumulative)), sum_value=hist["sum_ms"] / 1000.0)
+        yield family
+        longest = GaugeMetricFamily("ttsserve_engine_step_max_seconds", "Longest engine step since start (s)")
+        longest.add_metric([], hist["max_ms"] / 1000.0)
+        yield longest
 
     def describe(self):
         return []
