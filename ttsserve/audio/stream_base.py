@@ -117,6 +117,7 @@ class StreamingStage:
         self.frames_padded_total = 0  # B * max row length, summed over calls
         self.calls_total = 0  # batched network calls
         self.chunks_total = 0
+        self.collects_total = self.polled_total = 0  # deferred calls read back; those of them poll() handed out
 
     # ---- requests ------------------------------------------------------------------------------------
     @property
@@ -245,6 +246,17 @@ class StreamingStage:
         self._pending = pending
         return done
 
+    def poll(self) -> list[AudioChunk]:
+        """Deferred mode: the chunks of the call in flight if the device has finished it (never waits), else
+        []. Between steps this hands a call's audio out as soon as it exists instead of at the end of the
+        next step, a step's host time later."""
+        pending = self._pending
+        if pending is None or (pending.event is not None and not pending.event.query()):
+            return []
+        self._pending = None
+        self.polled_total += 1
+        return self._collect(pending)
+
     def flush(self) -> list[AudioChunk]:
         """Chunks still in flight (deferred mode), waiting for the device."""
         pending, self._pending = self._pending, None
@@ -278,6 +290,7 @@ class StreamingStage:
     def _collect(self, pending: Pending | None) -> list[AudioChunk]:
         if pending is None:
             return []
+        self.collects_total += 1
         if pending.event is not None:
             pending.event.synchronize()
         # a copy: the chunks must not pin the (pinned, pooled) transfer buffer

@@ -137,6 +137,9 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
+                outputs = self.engine.poll_audio()  # audio finished meanwhile leaves before the next step
+                for out in outputs:
+                    self._deliver(out)
                 outputs = self.engine.step()
             except Exception as e:  # one guarded place: fail this step's requests, keep serving
                 logger.exception("engine step failed")

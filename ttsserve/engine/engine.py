@@ -125,7 +125,7 @@ class Engine:
         self.runner.timings = type(self.runner.timings)()
         self.controller = BatchSizeController(self.cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)
         self.audio.calls_total = self.audio.frames_decoded_total = self.audio.frames_padded_total = 0
-        self.audio.chunks_total = 0
+        self.audio.chunks_total = self.audio.collects_total = self.audio.polled_total = 0
         logger.info("warmed up in %.1f s", time.perf_counter() - t0)
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -282,6 +282,11 @@ class Engine:
         self._account(t0, sched)
         return outputs
 
+    def poll_audio(self) -> list[AudioOutput]:
+        """Between steps: the outputs of the vocoder call in flight if the device finished it (never waits)."""
+        chunks = self.audio.poll() if self.audio.deferred else []
+        return self._collect_audio(chunks) if chunks else []
+
     def _append_frames(self, frames: list, updates: list) -> None:
         """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches): frame j of
         a request is accepted when its update appended more than j samples. A pipelined step's rows whose
@@ -394,6 +399,7 @@ class Engine:
             "num_preemptions_total": c.preemptions, "num_swaps_total": c.swaps, "steps_total": c.steps,
             "frames_total": c.frames, "step_time_ms_ema": c.step_time_ms_ema,
             "step_time_histogram": c.step_time_histogram(),
+            "audio_collects_total": self.audio.collects_total, "audio_polled_total": self.audio.polled_total,
             "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
             "cuda_graphs": self.runner.graphs is not None, "graph_steps_total": rt.graph_steps,
             "mixed_graph_steps_total": rt.mixed_graph_steps, "piecewise_prefill_steps_total": rt.piecewise_steps,

@@ -40,6 +40,9 @@ _ENGINE_GAUGES = {
     "num_preemptions_total": ("ttsserve_num_preemptions", "Preemptions since start", "counter"),
     "num_swaps_total": ("ttsserve_num_swaps", "Swap-outs since start", "counter"),
     "steps_total": ("ttsserve_engine_steps", "Engine steps since start", "counter"),
+    "audio_collects_total": ("ttsserve_vocoder_results", "Vocoder calls whose audio was read back", "counter"),
+    "audio_polled_total": ("ttsserve_vocoder_results_polled", "Of those, the ones handed out between steps "
+                           "(done before the next step needed them)", "counter"),
     "warm": ("ttsserve_engine_warm", "1 once the start-up work left to the background (the CPU server's "
              "compilation) is done: the steady speed; 0 while it runs", "gauge"),
 }
