@@ -137,17 +137,13 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.poll_audio()  # audio finished meanwhile leaves before the next step
-                for out in outputs:
-                    self._deliver(out)
-                outputs = self.engine.step()
+                outputs = self.engine.step(emit=self._deliver_all)  # audio done early leaves in mid-step
             except Exception as e:  # one guarded place: fail this step's requests, keep serving
                 logger.exception("engine step failed")
                 outputs = self._fail_all(f"internal error: {type(e).__name__}: {e}")
             self._stats = self.engine.stats()
             self._last_step = time.monotonic()
-            for out in outputs:
-                self._deliver(out)
+            self._deliver_all(outputs)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -166,6 +162,10 @@ class AsyncEngine:
                 continue
             self._streams[rid] = stream
             fut.set_result(rid)
+
+    def _deliver_all(self, outputs: list[AudioOutput]) -> None:
+        for out in outputs:
+            self._deliver(out)
 
     def _deliver(self, out: AudioOutput) -> None:
         stream = self._streams.get(out.request_id)

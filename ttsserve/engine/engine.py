@@ -10,6 +10,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -237,12 +238,14 @@ class Engine:
         return bool(self.syntheses)
 
     # ---- the step ----------------------------------------------------------------------------------
-    def step(self) -> list[AudioOutput]:
+    def step(self, emit: Callable[[list[AudioOutput]], None] | None = None) -> list[AudioOutput]:
         """One engine step. On CUDA the GPT step is queued first, then the vocoder's host work runs while the
         device computes (its kernels queue behind the step), then the step's one sync. Pipelined
         (async_scheduling), the step queued here is the next one: this call then reads the results of the
         step queued by the previous call while the device already runs this one, and queues the vocoder
-        after that read, so the frames it brought are decoded in this call, not the next (a step sooner)."""
+        after that read, so the frames it brought are decoded in this call, not the next (a step sooner).
+        emit: called in mid-step with the outputs of the last call's vocoder if the device has finished it by
+        then (poll_audio), so they can leave before this step's end; the rest are returned."""
         tm, clock = self.timings, time.perf_counter
         t0 = clock()
         self.scheduler.max_num_seqs_limit = self.controller.limit
@@ -253,6 +256,8 @@ class Engine:
         t1 = clock()
         launched = self.runner.launch(sched, self.requests)
         t2 = clock()
+        if emit is not None and (early := self.poll_audio()):
+            emit(early)
         chunks = self.audio.step() if self.audio.deferred and not self.pipelined else None
         t3 = clock()
         if self.pipelined:

@@ -256,15 +256,17 @@ class EngineCore:
     # ---- stepping and sending ----------------------------------------------------------------------
     def _step(self) -> None:
         try:
-            # audio the device finished since the last step leaves now, not a step's host time later
-            self._dispatch(self.engine.poll_audio())
-            self._flush()
-            outputs = self.engine.step()
+            # audio the device finished since the last step leaves in mid-step, not at the step's end
+            outputs = self.engine.step(emit=self._emit)
         except Exception as e:  # one guarded place: fail this step's requests, keep serving
             logger.exception("engine step failed")
             outputs = self._fail_all(self.engine, f"internal error: {type(e).__name__}: {e}")
         self._stats_version += 1
         self._dispatch(outputs)
+
+    def _emit(self, outputs: list) -> None:
+        self._dispatch(outputs)
+        self._flush()
 
     def _dispatch(self, outputs: list) -> None:
         for out in outputs:
