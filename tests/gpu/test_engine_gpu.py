@@ -374,3 +374,36 @@ def test_profiled_kv_budget_honours_utilization():
     budget, free, total = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0 < budget < 0.3 * total
     assert budget + (total - free) <= 0.3 * total + (1 << 30)  # what the process already holds counts
+
+
+def test_mid_step_audio_on_cuda_equals_end_of_step_audio(tiny_cuda):
+    """Engine.step(emit=...) on CUDA (pipelined, deferred vocoder, the defaults): a vocoder call whose event has
+    completed by the time the next GPT step is queued hands its audio out then (once), the rest at the step's
+    end, and every request's audio is what step() alone returns."""
+    print(f"seed {SEED}")
+    reqs = _requests(6, 70, greedy=True)
+
+    def audio_of(use_emit: bool) -> tuple[dict, Engine]:
+        e = _engine(tiny_cuda)
+        assert e.pipelined and e.audio.deferred
+        got: dict[str, list] = {}
+
+        def keep(outputs) -> None:
+            for out in outputs:
+                got.setdefault(out.request_id, []).append(out.samples)
+
+        for i, r in enumerate(reqs):
+            e.add_synthesis(r)
+            for _ in range(3):  # staggered: chunk boundaries of different requests on different steps
+                keep(e.step(emit=keep) if use_emit else e.step())
+        while e.has_unfinished():
+            keep(e.step(emit=keep) if use_emit else e.step())
+        return {rid: np.concatenate(a) for rid, a in got.items()}, e
+
+    plain, _ = audio_of(False)
+    early, e = audio_of(True)
+    assert set(early) == set(plain) == {r.request_id for r in reqs}
+    for rid, audio in plain.items():
+        np.testing.assert_allclose(early[rid], audio, atol=1e-5, rtol=0)
+    # a tiny model's vocoder call is done long before the host has queued the next step
+    assert 0 < e.audio.polled_total <= e.audio.collects_total
