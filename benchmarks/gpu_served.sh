@@ -15,6 +15,10 @@
 # The fifth pass's (r20) points, one server each (the mp3 test of `benchmarks/mp3_encode_speed.py` is separate):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="mp3:128 pcm:128 pcm:256" DUR=20 bash benchmarks/gpu_served.sh OUT
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 12" FORMATS="mp3:128 pcm:128" DUR=20 bash benchmarks/gpu_served.sh OUT
+# The sixth pass's (r22-r24): the served points as the fifth pass's (8 API servers, pcm:128 twice, then pcm:256), and
+# the engine alone per tree with TTFA in steps: python3 benchmarks/staggered.py --out DIR --concurrency 128 --seconds 10 \
+#     --variants pipelined,pipelined-fc4 --frames 60,256   (an older tree: run its own copy of the script, and run
+#     `python3 -m ttsserve.cli serve` from inside a tree's directory: -m puts the working directory first on sys.path)
 set -u
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"

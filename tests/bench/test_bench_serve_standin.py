@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tests.bench.live_server import LiveServer
 from ttsserve.bench.report import build_report, write_report
-from ttsserve.bench.serving import ServeSpec, check_loopback, parse_prometheus, run_serving
+from ttsserve.bench.serving import ServeSpec, check_loopback, histogram_quantile, parse_prometheus, run_serving
 
 CHUNK = 2400  # samples per chunk: 0.1 s at 24 kHz
 
@@ -143,3 +143,12 @@ def test_auto_client_procs(monkeypatch):
     assert auto_client_procs("qps", 50.0) == 1
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert auto_client_procs("concurrency", 128) == 1  # a 2-core machine keeps one process
+
+
+def test_histogram_quantile_interpolates_within_a_bucket() -> None:
+    buckets = [(0.1, 10.0), (0.2, 60.0), (0.3, 100.0), (float("inf"), 100.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.18)  # rank 50: 40 of the 50 in (0.1, 0.2]
+    assert histogram_quantile(0.05, buckets) == pytest.approx(0.05)  # from 0 in the first bucket
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.2975)
+    assert histogram_quantile(0.99, [(0.1, 0.0), (float("inf"), 4.0)]) == 0.1  # past every bound: the last one
+    assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None and histogram_quantile(0.5, []) is None

@@ -105,6 +105,10 @@ def _client_cpu(s: dict) -> str:
     return f"{max(cpu):.2f} x {len(cpu)}" if cpu else "-"
 
 
+def _pair(q: dict | None) -> str:
+    return f"{_f(q.get('p50'), 3)} / {_f(q.get('p99'), 3)}" if q else "-"
+
+
 def _server_side(results: Sequence[RunResult]) -> list[str]:
     """The server's own view of each point (from its /metrics): steps/s, mean batch, host ms per step phase."""
     rows = [r.summary() for r in results]
@@ -113,12 +117,16 @@ def _server_side(results: Sequence[RunResult]) -> list[str]:
         return []
     phases = list(rows[0]["server_step_ms"])
     lines = ["", "server side (its /metrics over the run; host ms per engine step by phase)", "",
-             "| load | steps/s | steps > 20 / 50 ms | running | waiting | " + " | ".join(phases) + " |",
-             "|---|---:|---|---:|---:|" + "---:|" * len(phases)]
+             "| load | steps/s | steps > 20 / 50 ms | TTFA p50 / p99, engine; API servers (s) | running | waiting | "
+             + " | ".join(phases) + " |",
+             "|---|---:|---|---|---:|---:|" + "---:|" * len(phases)]
     for s in rows:
         ms, slow = s["server_step_ms"], s.get("server_steps_over_ms") or {}
         slow_cell = " / ".join(f"{slow[k]:.0f}" for k in ("20", "50")) if slow else "-"
+        ttfa = s.get("server_ttfa_s") or {}
+        ttfa_cell = "; ".join(_pair(ttfa.get(who)) for who in ("engine", "api")) if ttfa else "-"
         lines.append(f"| {s['load_kind']} {s['load']:g} | {_f(s['server_steps_per_s'], 1)} | {slow_cell} | "
+                     f"{ttfa_cell} | "
                      f"{_f(s.get('server_running_mean'), 1)} | {_f(s.get('server_waiting_mean'), 1)} | "
                      + " | ".join(_f(ms.get(p), 3) for p in phases) + " |")
     return lines

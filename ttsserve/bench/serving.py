@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -270,6 +271,12 @@ def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, 
             le = {ms: f'ttsserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}' for ms in (20, 50)}
             out["server_steps_over_ms"] = {str(ms): steps - (after.get(k, 0.0) - before.get(k, 0.0))
                                            for ms, k in le.items()}
+    ttfa = {who: {f"p{q}": histogram_quantile(q / 100, buckets) for q in (50, 99)}
+            for who, name in (("engine", "ttsserve_engine_time_to_first_audio_seconds"),
+                              ("api", "ttsserve_time_to_first_audio_seconds"))
+            if (buckets := _bucket_increase(before, after, name))}
+    if ttfa:  # the server's own view of time to first audio: where a tail the clients see comes from
+        out["server_ttfa_s"] = ttfa
     # over the samples taken while the load ran (the scrape after it, at an idle server, would pull it down)
     for gauge, key in (("ttsserve_num_requests_running", "server_running_mean"),
                        ("ttsserve_num_requests_waiting", "server_waiting_mean")):
@@ -277,6 +284,32 @@ def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, 
         if values:
             out[key] = sum(values) / len(values)
     return out
+
+
+def _bucket_increase(before: dict, after: dict, name: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative (le, count) buckets increase between two scrapes, summed over its labels."""
+    inc: dict[float, float] = {}
+    for key, value in after.items():
+        if key.startswith(name + "_bucket{") and (m := re.search(r'le="([^"]+)"', key)):
+            le = float(m.group(1))  # "+Inf" parses as inf
+            inc[le] = inc.get(le, 0.0) + value - before.get(key, 0.0)
+    return sorted(inc.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of cumulative (le, count) buckets, linear within a bucket (PromQL's histogram_quantile);
+    None without observations; the last finite bound when it falls in the +Inf bucket."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank, lo, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (rank - below) / max(count - below, 1e-12)
+        lo, below = le, count
+    return lo
 
 
 CLIENTS_PER_PROC = 32  # closed-loop streams one Python client process keeps up with (BENCHMARKS.md, r6)

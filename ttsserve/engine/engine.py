@@ -22,10 +22,10 @@ from ttsserve.engine.block_manager import KVCacheManager
 from ttsserve.engine.frontend import FrontEnd, Segment, check_room
 from ttsserve.engine.request import Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
-from ttsserve.engine.step_stats import EngineCounters, StepTimings
+from ttsserve.engine.step_stats import EngineCounters, StepTimings, gc_pauses
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
-from ttsserve.params import SamplingParams, SynthesisRequest
+from ttsserve.params import SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
@@ -50,6 +50,8 @@ class _Synthesis:
     seed: int
     segments: list[Segment]
     seq_ids: set[str] = field(default_factory=set)
+    arrived: float = field(default_factory=time.monotonic)
+    heard: bool = False  # its first audio left
 
 
 class Engine:
@@ -97,8 +99,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live engine sequences (scheduler Requests)
         self.sequences: dict[str, _Sequence] = {}
         self.syntheses: dict[str, _Synthesis] = {}
-        self.counters = EngineCounters()
-        self.timings = StepTimings()
+        self.counters, self.timings, self._gc = EngineCounters(), StepTimings(), gc_pauses()
         self._finishing: dict[str, str] = {}  # code seq_id -> finish reason, until its final audio chunk
         self._ids = itertools.count()
         if self.model.device.type == "cuda" and not cfg.enforce_eager:
@@ -106,28 +107,10 @@ class Engine:
         logger.info(self.memory_report())
 
     def warm_up(self) -> None:
-        """Serve a few staggered synthetic requests to the end, then zero every counter: the first real
-        requests must not pay one-time costs (the prefill path's kernel choices and compiled shapes, the
-        allocator's first blocks; on an H200 a cold engine's first pass ran 2.5x slower than its second)."""
-        t0 = time.perf_counter()
-        frames = self.first_audio_frames + 2 * self.cfg.max_chunk_frames
-        # prompts of ~10, ~30 and ~130 positions: every query tile of the eagerly run prefill attention kernel
-        # (runner/piecewise_graphs.py; triton_paged.py picks 16, 32 or 64 rows) compiles here, not in a request
-        long = "and a fourth, long enough that its prefill runs the attention kernel's largest query tile, " * 2
-        texts = ["warm up", "warm up the engine with a longer prompt than the first one", "and a third", long]
-        for i, text in enumerate(texts):
-            p = SamplingParams(seed=i, min_new_tokens=frames + 7 * i, max_new_tokens=frames + 7 * i)
-            self.add_synthesis(SynthesisRequest(text, code_params=p, raw_text=True, request_id=f"__warmup{i}"))
-            for _ in range(3):  # the next one's prefill shares a step with these decodes
-                self.step()
-        while self.has_unfinished():
-            self.step()
-        self.counters, self.timings = EngineCounters(), StepTimings()
-        self.runner.timings = type(self.runner.timings)()
-        self.controller = BatchSizeController(self.cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)
-        self.audio.calls_total = self.audio.frames_decoded_total = self.audio.frames_padded_total = 0
-        self.audio.chunks_total = self.audio.collects_total = self.audio.polled_total = 0
-        logger.info("warmed up in %.1f s", time.perf_counter() - t0)
+        """Serve a few synthetic requests to the end, then zero every counter (engine/warm_up.py)."""
+        from ttsserve.engine.warm_up import warm_up
+
+        warm_up(self)
 
     # ---- memory ------------------------------------------------------------------------------------
     def _plan_kv(self) -> KVCacheSpec:
@@ -247,7 +230,7 @@ class Engine:
         emit: called in mid-step with the outputs of the last call's vocoder if the device has finished it by
         then (poll_audio), so they can leave before this step's end; the rest are returned."""
         tm, clock = self.timings, time.perf_counter
-        t0 = clock()
+        t0, gc_s = clock(), self._gc.total_s()
         self.scheduler.max_num_seqs_limit = self.controller.limit
         sched = self.scheduler.schedule()
         self._handle_scheduler_finished(sched.finished_ids)
@@ -280,11 +263,12 @@ class Engine:
         t8 = clock()
         outputs = self._collect_audio(chunks)
         t9 = clock()
-        for name, dt in (("schedule_ms", t1 - t0), ("runner_ms", t2 - t1 + t4 - t3), ("update_ms", t5 - t4),
-                         ("audio_append_ms", t6 - t5), ("finish_ms", t7 - t6), ("audio_step_ms", t3 - t2 + t8 - t7),
-                         ("outputs_ms", t9 - t8)):
+        phases = {"schedule_ms": t1 - t0, "runner_ms": t2 - t1 + t4 - t3, "update_ms": t5 - t4,
+                  "audio_append_ms": t6 - t5, "finish_ms": t7 - t6, "audio_step_ms": t3 - t2 + t8 - t7,
+                  "outputs_ms": t9 - t8}
+        for name, dt in phases.items():
             setattr(tm, name, getattr(tm, name) + dt * 1e3)
-        self._account(t0, sched)
+        self._account(t0, sched, phases, gc_s)
         return outputs
 
     def poll_audio(self) -> list[AudioOutput]:
@@ -320,14 +304,10 @@ class Engine:
             syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, m)
         self.counters.frames += m * len(seq_ids)
 
-    def _account(self, t0: float, sched) -> None:
+    def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float) -> None:
         ms = (time.perf_counter() - t0) * 1e3
-        c = self.counters
-        c.steps += 1
-        c.tokens_scheduled += sched.num_scheduled_tokens
-        c.last_batch_size = len(sched.scheduled)
-        c.step_time_ms_ema = ms if c.steps == 1 else 0.9 * c.step_time_ms_ema + 0.1 * ms
-        c.observe_step(ms)
+        gc_ms = (self._gc.total_s() - gc_s) * 1e3
+        self.counters.observe_step(ms, phases, len(sched.scheduled), sched.num_scheduled_tokens, gc_ms)
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 
@@ -385,7 +365,11 @@ class Engine:
         outputs: list[AudioOutput] = []
         for rid in touched:
             syn = self.syntheses[rid]
-            outputs.extend(syn.tracker.drain())
+            drained = syn.tracker.drain()
+            if not syn.heard and any(o.samples.size for o in drained):
+                syn.heard = True
+                self.counters.first_audio.observe(time.monotonic() - syn.arrived)
+            outputs.extend(drained)
             if syn.tracker.done:
                 del self.syntheses[rid]
         return outputs
@@ -403,8 +387,10 @@ class Engine:
             "num_free_blocks": self.kv_manager.num_free_blocks, "num_blocks": self.kv_spec.num_blocks,
             "num_preemptions_total": c.preemptions, "num_swaps_total": c.swaps, "steps_total": c.steps,
             "frames_total": c.frames, "step_time_ms_ema": c.step_time_ms_ema,
-            "step_time_histogram": c.step_time_histogram(),
+            "step_time_histogram": c.step_times.as_dict(), "first_audio_histogram": c.first_audio.as_dict(),
             "audio_collects_total": self.audio.collects_total, "audio_polled_total": self.audio.polled_total,
+            "slow_steps_total": c.slow_steps, "gc_pause_seconds_total": list(self._gc.seconds),
+            "gc_collections_total": list(self._gc.counts),
             "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
             "cuda_graphs": self.runner.graphs is not None, "graph_steps_total": rt.graph_steps,
             "mixed_graph_steps_total": rt.mixed_graph_steps, "piecewise_prefill_steps_total": rt.piecewise_steps,

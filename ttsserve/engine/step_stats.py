@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import bisect
+import gc
+import logging
+import time
 from dataclasses import dataclass, field
 
-# Upper bounds (ms) of the step-time histogram: a served H200 step is ~10 ms; a tail of first audio comes from
+logger = logging.getLogger("ttsserve.engine.engine")
+
+# Upper bounds (s) of the step-time histogram: a served H200 step is ~10 ms; a tail of first audio comes from
 # steps far beyond it (a large prefill, many final vocoder calls, a stalled host), which the mean hides.
-STEP_TIME_BUCKETS_MS = (5.0, 10.0, 15.0, 20.0, 30.0, 50.0, 100.0, 250.0, 1000.0)
+STEP_TIME_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+# ... and of the engine's time to first audio (add_synthesis -> the first output with samples): 25-ms steps
+# around the H200's ~0.2 s, so its p99 can be told from the API servers' and the clients'.
+FIRST_AUDIO_BUCKETS_S = (0.05, 0.1, 0.125, 0.15, 0.175, 0.2, 0.225, 0.25, 0.275, 0.3, 0.35, 0.4, 0.5, 0.75, 1.0,
+                         2.0, 5.0, 10.0)
+# A slow step: over SLOW_STEP_FACTOR x the moving average and SLOW_STEP_MIN_MS; one in SLOW_STEP_LOG_INTERVAL_S
+# is logged with what it held (a stalled step delays the first audio of every stream in flight).
+SLOW_STEP_FACTOR, SLOW_STEP_MIN_MS, SLOW_STEP_LOG_INTERVAL_S = 4.0, 20.0, 10.0
 
 
 @dataclass
@@ -28,6 +40,28 @@ class StepTimings:
 
 
 @dataclass
+class Histogram:
+    """Fixed-bucket histogram of seconds; counts per bucket, not cumulative (one more than bounds: the last
+    counts what is above every bound)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum_s: float = 0.0
+    max_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1  # a bound is inclusive, as Prometheus' le
+        self.sum_s += seconds
+        self.max_s = max(self.max_s, seconds)
+
+    def as_dict(self) -> dict:
+        return {"le_s": list(self.bounds), "counts": list(self.counts), "sum_s": self.sum_s, "max_s": self.max_s}
+
+
+@dataclass
 class EngineCounters:
     steps: int = 0
     frames: int = 0
@@ -36,17 +70,56 @@ class EngineCounters:
     swaps: int = 0
     step_time_ms_ema: float = 0.0
     last_batch_size: int = 0
-    step_time_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TIME_BUCKETS_MS) + 1))
-    step_time_ms_sum: float = 0.0
-    step_time_ms_max: float = 0.0
+    step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS_S))
+    first_audio: Histogram = field(default_factory=lambda: Histogram(FIRST_AUDIO_BUCKETS_S))
+    slow_steps: int = 0
+    slow_step_logged_at: float = float("-inf")
 
-    def observe_step(self, ms: float) -> None:
-        self.step_time_counts[bisect.bisect_left(STEP_TIME_BUCKETS_MS, ms)] += 1
-        self.step_time_ms_sum += ms
-        self.step_time_ms_max = max(self.step_time_ms_max, ms)
+    def observe_step(self, ms: float, phases_s: dict[str, float], rows: int, tokens: int, gc_ms: float) -> None:
+        """One step's wall time (ms) with its phases (s), rows, scheduled tokens and GC pause inside it (ms)."""
+        self.steps += 1
+        self.tokens_scheduled += tokens
+        self.last_batch_size = rows
+        ema = self.step_time_ms_ema
+        self.step_time_ms_ema = ms if self.steps == 1 else 0.9 * ema + 0.1 * ms
+        self.step_times.observe(ms / 1e3)
+        if self.steps > 20 and ms > max(SLOW_STEP_MIN_MS, SLOW_STEP_FACTOR * ema):
+            self.slow_steps += 1
+            now = time.monotonic()
+            if now - self.slow_step_logged_at >= SLOW_STEP_LOG_INTERVAL_S:
+                self.slow_step_logged_at = now
+                where = ", ".join(f"{k.removesuffix('_ms')} {v * 1e3:.1f}" for k, v in phases_s.items())
+                logger.info("slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
+                            "GC %.1f ms; %d slow steps so far)", ms, ema, where, rows, tokens, gc_ms,
+                            self.slow_steps)
 
-    def step_time_histogram(self) -> dict:
-        """{"le_ms": the finite upper bounds, "counts": steps per bucket, not cumulative (one more than le_ms:
-        the last counts the steps above every bound), "sum_ms", "max_ms"}."""
-        return {"le_ms": list(STEP_TIME_BUCKETS_MS), "counts": list(self.step_time_counts),
-                "sum_ms": self.step_time_ms_sum, "max_ms": self.step_time_ms_max}
+
+class GcPauses:
+    """This process's garbage-collector pauses per generation (seconds and passes), from gc.callbacks. One per
+    process (`gc_pauses()`): the collector is process-wide, so every engine of the process reads the same."""
+
+    def __init__(self) -> None:
+        self.seconds, self.counts = [0.0, 0.0, 0.0], [0, 0, 0]
+        self._started = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        g = info["generation"]
+        self.seconds[g] += time.perf_counter() - self._started
+        self.counts[g] += 1
+
+    def total_s(self) -> float:
+        return self.seconds[0] + self.seconds[1] + self.seconds[2]
+
+
+_GC_PAUSES: GcPauses | None = None
+
+
+def gc_pauses() -> GcPauses:
+    global _GC_PAUSES
+    if _GC_PAUSES is None:
+        _GC_PAUSES = GcPauses()
+        gc.callbacks.append(_GC_PAUSES._on_gc)
+    return _GC_PAUSES

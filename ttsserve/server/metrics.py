@@ -22,12 +22,16 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ttsserve.engine.step_stats import FIRST_AUDIO_BUCKETS_S
+
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
 # prometheus_client picks file-backed values when it is imported with this set; render the same way.
 _MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
+# the engine's buckets, so the two histograms of time to first audio read side by side (a tail's whereabouts)
+_TTFA_BUCKETS = (*FIRST_AUDIO_BUCKETS_S, 20.0, 40.0, 80.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 # engine.stats() key -> (metric name, help, kind)
@@ -40,6 +44,8 @@ _ENGINE_GAUGES = {
     "num_preemptions_total": ("ttsserve_num_preemptions", "Preemptions since start", "counter"),
     "num_swaps_total": ("ttsserve_num_swaps", "Swap-outs since start", "counter"),
     "steps_total": ("ttsserve_engine_steps", "Engine steps since start", "counter"),
+    "slow_steps_total": ("ttsserve_engine_slow_steps", "Engine steps over 4x the moving average (and 20 ms); "
+                         "the core logs one a while with what it held", "counter"),
     "audio_collects_total": ("ttsserve_vocoder_results", "Vocoder calls whose audio was read back", "counter"),
     "audio_polled_total": ("ttsserve_vocoder_results_polled", "Of those, the ones handed out between steps "
                            "(done before the next step needed them)", "counter"),
@@ -86,18 +92,30 @@ class _EngineCollector:
 
     @staticmethod
     def _step_times(stats: dict):
-        """The engine steps' wall times: a tail of first audio shows here as steps far above the mean."""
-        hist = stats.get("step_time_histogram")
-        if not isinstance(hist, dict):
-            return
-        cumulative = list(itertools.accumulate(hist["counts"]))
-        bounds = [str(ms / 1000.0) for ms in hist["le_ms"]] + ["+Inf"]
-        family = HistogramMetricFamily("ttsserve_engine_step_seconds", "Engine step wall time (s)")
-        family.add_metric([], list(zip(bounds, cumulative)), sum_value=hist["sum_ms"] / 1000.0)
-        yield family
-        longest = GaugeMetricFamily("ttsserve_engine_step_max_seconds", "Longest engine step since start (s)")
-        longest.add_metric([], hist["max_ms"] / 1000.0)
-        yield longest
+        """The engine steps' wall times and the engine's share of time to first audio: a tail of first audio
+        that is not in the engine's is the API servers' or the network's; one in it shows as long steps."""
+        for key, name, help_ in (
+                ("step_time_histogram", "ttsserve_engine_step_seconds", "Engine step wall time (s)"),
+                ("first_audio_histogram", "ttsserve_engine_time_to_first_audio_seconds",
+                 "Time from a request reaching the engine to its first audio leaving it (s)")):
+            hist = stats.get(key)
+            if not isinstance(hist, dict):
+                continue
+            bounds = [str(b) for b in hist["le_s"]] + ["+Inf"]
+            family = HistogramMetricFamily(name, help_)
+            family.add_metric([], list(zip(bounds, itertools.accumulate(hist["counts"]))), sum_value=hist["sum_s"])
+            yield family
+        if isinstance(hist := stats.get("step_time_histogram"), dict):
+            longest = GaugeMetricFamily("ttsserve_engine_step_max_seconds", "Longest engine step since start (s)")
+            longest.add_metric([], hist["max_s"])
+            yield longest
+        pauses = stats.get("gc_pause_seconds_total")
+        if isinstance(pauses, list):
+            family = CounterMetricFamily("ttsserve_engine_gc_pause_seconds", "The engine process's garbage "
+                                         "collector pauses since start (s)", labels=["generation"])
+            for g, seconds in enumerate(pauses):
+                family.add_metric([str(g)], seconds)
+            yield family
 
     def describe(self):
         return []
@@ -117,7 +135,7 @@ class ServerMetrics:
         self.requests = Counter("ttsserve_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.ttfa = Histogram("ttsserve_time_to_first_audio_seconds", "Time from request to first audio bytes",
-                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+                              ["endpoint"], buckets=_TTFA_BUCKETS, registry=r)
         self.latency = Histogram("ttsserve_request_latency_seconds", "Time from request to the last audio byte",
                                  ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.audio_seconds = Counter("ttsserve_audio_seconds", "Seconds of audio produced", registry=r)
