@@ -11,7 +11,10 @@ class _Node:
     pass
 
 
-def test_freeze_moves_live_objects_out_of_the_collected_generations():
+def test_freeze_moves_live_objects_out_of_the_collected_generations(monkeypatch):
+    import ttsserve.engine.core.heap as heap
+
+    monkeypatch.setattr(heap, "_froze_this_process", False)  # restored after: later engines must not freeze
     node = _Node()
     node.self = node  # a live cycle: what only the cyclic GC would ever look at
     assert any(o is node for o in gc.get_objects())
@@ -25,4 +28,47 @@ def test_freeze_moves_live_objects_out_of_the_collected_generations():
         assert any(o is late for o in gc.get_objects())  # objects made afterwards are collected as usual
     finally:
         gc.unfreeze()
-    assert any(o is node for o in gc.get_objects())
+    assert any(o is node for o in gc.get_objects()) and heap._froze_this_process
+
+
+class _Warming:
+    """An engine whose background start-up work (the CPU compile) finishes when the test says."""
+
+    def __init__(self) -> None:
+        self.warm = False
+
+    def wait_warm(self, timeout=None) -> bool:
+        return self.warm
+
+
+def test_freeze_when_warm_freezes_what_the_background_work_built(monkeypatch):
+    import ttsserve.engine.core.heap as heap
+
+    eng = _Warming()
+    freeze = heap.FreezeWhenWarm(eng, "test")
+    assert freeze.pending
+    monkeypatch.setattr(heap, "_froze_this_process", True)  # as a serving process after freeze_startup_heap
+    try:
+        freeze.check()  # still compiling: nothing happens
+        built = _Node()  # what the compile leaves behind, alive for good
+        built.self = built
+        assert any(o is built for o in gc.get_objects())
+        eng.warm = True
+        freeze.check()
+        assert not freeze.pending and not any(o is built for o in gc.get_objects())
+        freeze.check()  # once
+    finally:
+        gc.unfreeze()
+
+
+def test_freeze_when_warm_does_nothing_where_nothing_was_frozen_or_pending(monkeypatch):
+    import ttsserve.engine.core.heap as heap
+
+    monkeypatch.setattr(heap, "_froze_this_process", False)  # a test process: its engines come and go
+    eng = _Warming()
+    freeze = heap.FreezeWhenWarm(eng, "test")
+    eng.warm = True
+    before = gc.get_freeze_count()
+    freeze.check()
+    assert gc.get_freeze_count() == before == 0 and not freeze.pending
+    assert not heap.FreezeWhenWarm(eng, "test").pending  # warm from the start (CUDA): nothing to wait for

@@ -248,8 +248,8 @@ class StreamingStage:
 
     def poll(self) -> list[AudioChunk]:
         """Deferred mode: the chunks of the call in flight if the device has finished it (never waits), else
-        []. Between steps this hands a call's audio out as soon as it exists instead of at the end of the
-        next step, a step's host time later."""
+        []. The engine polls in mid-step, so a call's audio leaves once it exists instead of at the end of
+        the next step (its collect), most of a step's host time later."""
         pending = self._pending
         if pending is None or (pending.event is not None and not pending.event.query()):
             return []

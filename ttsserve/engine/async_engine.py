@@ -20,6 +20,7 @@ import numpy as np
 
 from ttsserve.config import EngineConfig
 from ttsserve.engine.engine import Engine
+from ttsserve.engine.core.heap import FreezeWhenWarm
 from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
@@ -128,7 +129,9 @@ class AsyncEngine:
             from ttsserve.runner.cpu_threads import configure_cpu_threads
 
             configure_cpu_threads(self.engine.cfg.cpu_threads)  # the engine thread runs every torch op
+        freeze = FreezeWhenWarm(self.engine, "server")
         while not self._stopping:
+            freeze.check()
             self._drain_inbox()
             # Aborted requests are released by the scheduler's next step, so step while any remain.
             if not (self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()):

@@ -272,7 +272,8 @@ class Engine:
         return outputs
 
     def poll_audio(self) -> list[AudioOutput]:
-        """Between steps: the outputs of the vocoder call in flight if the device finished it (never waits)."""
+        """The outputs of the vocoder call in flight if the device has finished it (never waits; step() polls
+        in mid-step for its emit, and a caller may poll between steps)."""
         chunks = self.audio.poll() if self.audio.deferred else []
         return self._collect_audio(chunks) if chunks else []
 

@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from ttsserve.engine.core.heap import FreezeWhenWarm, freeze_startup_heap
 from ttsserve.engine.core.messages import (
     Abort,
     AddRequest,
@@ -98,6 +99,7 @@ class EngineCore:
         self._worker_sockets = threading.local()
         self._stats_version = 0  # bumped by every step; the stats are built when a server is due for them
         self._stop_deadline: float | None = None
+        self._freeze = FreezeWhenWarm(engine, "engine core")
         model = engine.model
         std, mean = model.spk_stat if model.spk_stat is not None else (
             np.ones(model.hidden_size, np.float16), np.zeros(model.hidden_size, np.float16))
@@ -127,6 +129,7 @@ class EngineCore:
                 if self._busy():
                     self._step()
                 self._flush()
+                self._freeze.check()
         finally:
             self._close()
 
@@ -340,7 +343,6 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
         ready.send(("error", f"{type(e).__name__}: {e}"))
         return 1
     signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
-    from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap("engine core")
     ready.send(("ready", os.getpid()))
