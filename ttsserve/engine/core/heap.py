@@ -33,9 +33,9 @@ def freeze_startup_heap(process: str) -> int:
 
 class FreezeWhenWarm:
     """Freezes again once the engine's background start-up work is done, if it had any (the CPU server
-    compiles after /ready, building ~1M objects: in a CPU server a full pass over them paused one step for
-    305 ms, and every later full pass walks them again) and this process froze its start-up heap (never in a
-    test process). check() after each step; cheap once done."""
+    compiles after /ready and leaves ~320k long-lived objects: full passes over them took 90-340 ms, one
+    stalled a served step for 305 ms, and every later pass walks them again) and this process froze its
+    start-up heap (never in a test process). check() after each step; cheap once done."""
 
     def __init__(self, engine, process: str) -> None:
         self.engine, self.process = engine, process
