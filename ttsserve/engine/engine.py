@@ -231,6 +231,7 @@ class Engine:
         then (poll_audio), so they can leave before this step's end; the rest are returned."""
         tm, clock = self.timings, time.perf_counter
         t0, gc_s = clock(), self._gc.total_s()
+        vocoder0 = (self.audio.calls_total, self.audio.frames_decoded_total)
         self.scheduler.max_num_seqs_limit = self.controller.limit
         sched = self.scheduler.schedule()
         self._handle_scheduler_finished(sched.finished_ids)
@@ -268,7 +269,8 @@ class Engine:
                   "outputs_ms": t9 - t8}
         for name, dt in phases.items():
             setattr(tm, name, getattr(tm, name) + dt * 1e3)
-        self._account(t0, sched, phases, gc_s)
+        vocoder = (self.audio.calls_total - vocoder0[0], self.audio.frames_decoded_total - vocoder0[1])
+        self._account(t0, sched, phases, gc_s, vocoder)
         return outputs
 
     def poll_audio(self) -> list[AudioOutput]:
@@ -305,10 +307,10 @@ class Engine:
             syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, m)
         self.counters.frames += m * len(seq_ids)
 
-    def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float) -> None:
+    def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
         ms = (time.perf_counter() - t0) * 1e3
         gc_ms = (self._gc.total_s() - gc_s) * 1e3
-        self.counters.observe_step(ms, phases, len(sched.scheduled), sched.num_scheduled_tokens, gc_ms)
+        self.counters.observe_step(ms, phases, len(sched.scheduled), sched.num_scheduled_tokens, gc_ms, vocoder)
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 

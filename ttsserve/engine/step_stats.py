@@ -75,8 +75,10 @@ class EngineCounters:
     slow_steps: int = 0
     slow_step_logged_at: float = float("-inf")
 
-    def observe_step(self, ms: float, phases_s: dict[str, float], rows: int, tokens: int, gc_ms: float) -> None:
-        """One step's wall time (ms) with its phases (s), rows, scheduled tokens and GC pause inside it (ms)."""
+    def observe_step(self, ms: float, phases_s: dict[str, float], rows: int, tokens: int, gc_ms: float,
+                     vocoder: tuple[int, int] = (0, 0)) -> None:
+        """One step's wall time (ms) with its phases (s), rows, scheduled tokens, the GC pause inside it (ms)
+        and its vocoder work (calls queued, frames they decode)."""
         self.steps += 1
         self.tokens_scheduled += tokens
         self.last_batch_size = rows
@@ -90,8 +92,8 @@ class EngineCounters:
                 self.slow_step_logged_at = now
                 where = ", ".join(f"{k.removesuffix('_ms')} {v * 1e3:.1f}" for k, v in phases_s.items())
                 logger.info("slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
-                            "GC %.1f ms; %d slow steps so far)", ms, ema, where, rows, tokens, gc_ms,
-                            self.slow_steps)
+                            "vocoder %d calls, %d frames; GC %.1f ms; %d slow steps so far)", ms, ema, where, rows,
+                            tokens, *vocoder, gc_ms, self.slow_steps)
 
 
 class GcPauses:
