@@ -99,4 +99,7 @@ class Cluster:
         return pid
 
     def wait_all_ready(self, timeout_s: float = 90.0) -> None:
+        """Every replica answers /ready, and the balancer has probed them since (it probes every 1 s,
+        LoadBalancer.probe_interval_s): until then a replica that just came up is not in its rotation yet."""
         wait_ready([self.replica_url(i) for i in range(len(self.replica_ports))], timeout_s, self.proc, self.log)
+        time.sleep(1.5)
