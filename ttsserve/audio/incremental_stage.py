@@ -153,13 +153,18 @@ class IncrementalAudioStage(StreamingStage):
         last = hop * (2 * st.num_frames - 1)  # one past the utterance's last sample
         return -(-(last + half + hop * self._lag[st.use_codes]) // self.samples_per_frame)
 
+    @property
+    def _first_call_frames(self) -> int:
+        """Frames a stream's first call needs: its first chunk and the right context."""
+        return self.first_chunk_frames + self.right_context_frames
+
     def _feed_count(self, st: Stream) -> int:
         """Frames to feed this stream now (0: not ready)."""
         fed, pending = st.num_emitted_frames, st.num_frames - st.num_emitted_frames
         if st.finished:
             n = self._frames_to_finish(st) - fed
         elif fed == 0:
-            n = pending if pending >= self.first_chunk_frames + self.right_context_frames else 0
+            n = pending if pending >= self._first_call_frames else 0
         else:
             n = pending if pending >= self._chunk_frames(st.num_chunks) else 0
         return min(n, self.max_call_frames)
@@ -180,7 +185,7 @@ class IncrementalAudioStage(StreamingStage):
     def _first_chunk_due(self) -> bool:
         """A stream can emit its first chunk: the cadence does not hold it back (its wait is the time to first
         audio), and the call it makes takes every other due stream along."""
-        need = self.first_chunk_frames + self.right_context_frames
+        need = self._first_call_frames
         return any(st.num_emitted_frames == 0 and (st.finished or st.num_frames >= need) and not st.final_out
                    for st in self._streams.values())
 

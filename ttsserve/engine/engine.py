@@ -276,7 +276,7 @@ class Engine:
     def poll_audio(self) -> list[AudioOutput]:
         """The outputs of the vocoder call in flight if the device has finished it (never waits; step() polls
         in mid-step for its emit, and a caller may poll between steps)."""
-        chunks = self.audio.poll() if self.audio.deferred else []
+        chunks = self.audio.poll()  # [] unless a deferred call is in flight and done
         return self._collect_audio(chunks) if chunks else []
 
     def _append_frames(self, frames: list, updates: list) -> None:

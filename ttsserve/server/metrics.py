@@ -47,8 +47,8 @@ _ENGINE_GAUGES = {
     "slow_steps_total": ("ttsserve_engine_slow_steps", "Engine steps over 4x the moving average (and 20 ms); "
                          "the core logs one a while with what it held", "counter"),
     "audio_collects_total": ("ttsserve_vocoder_results", "Vocoder calls whose audio was read back", "counter"),
-    "audio_polled_total": ("ttsserve_vocoder_results_polled", "Of those, the ones handed out between steps "
-                           "(done before the next step needed them)", "counter"),
+    "audio_polled_total": ("ttsserve_vocoder_results_polled", "Of those, the ones handed out in mid-step "
+                           "(done by the time the next GPT step was queued)", "counter"),
     "warm": ("ttsserve_engine_warm", "1 once the start-up work left to the background (the CPU server's "
              "compilation) is done: the steady speed; 0 while it runs", "gauge"),
 }
