@@ -105,7 +105,7 @@ def test_cache_hit_never_covers_the_whole_prompt():
 
 
 def a_first_block(bm: KVCacheManager, tokens: list) -> int:
-    (bid,) = [b for h, b in bm.cached_blocks.items() if h.tokens == tuple(tokens)]
+    (bid,) = [b for h, b in bm.cached_blocks.items() if h[1] == tuple(tokens)]
     return bid
 
 
@@ -238,3 +238,21 @@ def test_prefix_stats_count_admissions_not_failed_attempts():
 def test_request_rejects_unhashable_prompt_items():
     with pytest.raises(ValueError, match="hashable"):
         Request("x", [[1, 2, 3, 4]])
+
+
+def test_cached_block_keys_leave_the_garbage_collector():
+    """The prefix cache keeps one key per full block ever computed (hundreds of thousands in a GPU's pool).
+    Each must become untracked by the GC (an exact tuple of untracked items): tracked keys made every full
+    collection of the served engine core walk them, a 20-55-ms stall of the step loop (r26, BENCHMARKS.md)."""
+    import gc
+
+    bm = KVCacheManager(num_gpu_blocks=64, block_size=4)
+    for n in range(8):
+        r = make_req(f"r{n}", [(n, i, i, i) for i in range(17)], prefix_key="spk")
+        admit(bm, r)
+        finish_prefill(r)
+        bm.free(r)  # the computed full blocks are published and stay cached
+    assert len(bm.cached_blocks) == 8 * 4
+    for _ in range(3):  # a pass untracks a tuple once its items are: inner tuples first, one level a pass
+        gc.collect()
+    assert not [h for h in bm.cached_blocks if gc.is_tracked(h)]

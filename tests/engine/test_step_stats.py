@@ -25,7 +25,8 @@ def test_a_slow_step_is_counted_and_logged_once_a_while(caplog):
     (rec,) = caplog.records
     msg = rec.getMessage()
     assert "slow engine step: 95.0 ms" in msg and "schedule 90.0, runner 5.0" in msg
-    assert "12 rows, 400 tokens" in msg and "vocoder 2 calls, 348 frames" in msg and "GC 61.5 ms" in msg
+    assert "12 rows, 400 tokens" in msg and "vocoder 2 calls, 348 frames" in msg and "GC 61.5 ms, " in msg
+    assert "objects in generation 2" in msg  # what the full pass had to walk
     for _ in range(3):
         c.observe_step(200.0, PHASES, rows=8, tokens=8, gc_ms=0.0)
     assert c.slow_steps >= 2 and len(caplog.records) == 1  # counted, not logged again within the interval

@@ -91,9 +91,12 @@ class EngineCounters:
             if now - self.slow_step_logged_at >= SLOW_STEP_LOG_INTERVAL_S:
                 self.slow_step_logged_at = now
                 where = ", ".join(f"{k.removesuffix('_ms')} {v * 1e3:.1f}" for k, v in phases_s.items())
+                # what a full pass walks (O(objects), once per interval at most): long-lived tracked objects
+                # the start-up freeze did not cover are what makes such a pause grow with uptime
+                gen2 = f", {len(gc.get_objects(2))} objects in generation 2" if gc_ms > 0 else ""
                 logger.info("slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
-                            "vocoder %d calls, %d frames; GC %.1f ms; %d slow steps so far)", ms, ema, where, rows,
-                            tokens, *vocoder, gc_ms, self.slow_steps)
+                            "vocoder %d calls, %d frames; GC %.1f ms%s; %d slow steps so far)", ms, ema, where, rows,
+                            tokens, *vocoder, gc_ms, gen2, self.slow_steps)
 
 
 class GcPauses:
