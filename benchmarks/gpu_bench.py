@@ -305,7 +305,7 @@ def sec_streams(ctx: dict) -> dict:
 
 @torch.no_grad()
 def sec_vocoder(ctx: dict) -> dict:
-    from ttsserve.audio.frame_pool import to_device
+    from ttsserve.h2d import to_device
     from ttsserve.audio.stage import AudioStage
 
     m, out = ctx["model"], {}

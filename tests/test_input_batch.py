@@ -87,3 +87,41 @@ def test_cpu_default_shares_the_host_array() -> None:
     assert not ib.mirror and ib.block_table[row, :3].tolist() == [5, 6, 7]  # before any flush
     ib.flush_block_tables()
     assert _equal(ib)
+
+
+class _RunningCopy:
+    """A device copy the test controls: query() is False until done; synchronize() is a wait (and counted)."""
+
+    def __init__(self) -> None:
+        self.done, self.waits = False, 0
+
+    def record(self, stream=None) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.done = True
+
+
+def test_writing_tables_never_waits_for_a_copy_and_staging_alternates() -> None:
+    """The host table is not what a copy reads: writing it while the last flush's copy still runs (on CUDA,
+    queued behind the device's previous step) does not wait; a staging table is reused two flushes later and
+    waits only if its copy has still not run. The device table is the host's after every flush."""
+    ib = InputBatch(4, MAX_BLOCKS, 16, torch.device("cpu"), mirror=True)
+    ib._copied = [_RunningCopy(), _RunningCopy()]
+    rows = [ib.assign(f"r{i}")[0] for i in range(4)]
+    tables = [[i] for i in range(4)]
+    waits_before = [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1], [1, 1]]  # flushes 2, 3 reuse a still-running one
+    for flush in range(6):
+        for r, t in zip(rows, tables):
+            t.append(10 * flush + r)
+            ib.sync_block_table(r, t)  # the last flush's copy is "running": no wait
+        assert [c.waits for c in ib._copied] == waits_before[flush]
+        ib.flush_block_tables()
+        assert _equal(ib)
+        if flush == 3:
+            ib._copied[0].done = ib._copied[1].done = True  # the device caught up: the next reuses don't wait
+    assert [c.waits for c in ib._copied] == [1, 1]

@@ -6,15 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-
-def to_device(values, device: torch.device) -> Tensor:
-    """int64 tensor of a (nested) list on `device` without waiting for queued device work: a blocking H2D
-    copy synchronises the stream, so go through pinned memory (pooled by torch) and copy asynchronously."""
-    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
+from ttsserve.h2d import to_device
 
 
 class FramePool:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
-from ttsserve.audio.frame_pool import to_device
+from ttsserve.h2d import to_device
 from ttsserve.audio.incremental import (
     NOT_FINISHED,
     IncrementalDecoder,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
-from ttsserve.audio.frame_pool import to_device
+from ttsserve.h2d import to_device
 from ttsserve.audio.stream_base import (
     AudioChunk,
     ChunkSpec,

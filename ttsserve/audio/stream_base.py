@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
-from ttsserve.audio.frame_pool import FramePool, to_device
+from ttsserve.audio.frame_pool import FramePool
+from ttsserve.h2d import to_device
 from ttsserve.audio.vocos import Vocos
 
 

@@ -26,7 +26,7 @@ import time
 import torch
 from torch import Tensor
 
-from ttsserve.audio.frame_pool import to_device
+from ttsserve.h2d import to_device
 from ttsserve.audio.incremental import NOT_FINISHED
 
 logger = logging.getLogger(__name__)

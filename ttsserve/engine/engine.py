@@ -29,7 +29,7 @@ from ttsserve.params import SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
-from ttsserve.sample.state import async_h2d
+from ttsserve.h2d import async_h2d
 
 logger = logging.getLogger(__name__)
 

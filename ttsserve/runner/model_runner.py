@@ -31,7 +31,8 @@ from ttsserve.runner.step_outputs import runner_output
 from ttsserve.runner.step_types import (
     LaunchedStep, RunnerOutput, RunnerTimings, SequenceInputs, SequenceState, StepGroup)
 from ttsserve.sample.sampler import sample
-from ttsserve.sample.state import SamplingState, async_h2d
+from ttsserve.h2d import async_h2d
+from ttsserve.sample.state import SamplingState
 
 DEFAULT_HISTORY_WINDOW = 16
 logger = logging.getLogger(__name__)

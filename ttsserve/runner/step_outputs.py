@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ttsserve.runner.step_types import RunnerOutput, StepGroup
-from ttsserve.sample.state import async_h2d
+from ttsserve.h2d import async_h2d
 
 
 def runner_output(groups: list[StepGroup], host: np.ndarray, audio_eos_id: int, text_eos_id: int) -> RunnerOutput:

@@ -13,19 +13,12 @@ from collections.abc import Sequence
 import torch
 
 from ttsserve.params import SamplingParams
+from ttsserve.h2d import async_h2d
 from ttsserve.sample.sampler import SamplingBatch
 
 # Columns of the float64 / int64 parameter tables.
 _TOP_P, _PENALTY = 0, 1  # fparams[:, :2]; temperatures follow in fparams[:, 2:2 + num_vq]
 _TOP_K, _GREEDY, _SEED, _MIN_NEW, _WINDOW = range(5)
-
-
-def async_h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> `device` without waiting for queued device work (a blocking host-to-device copy
-    synchronises the stream): through pinned memory, pooled by torch, copied asynchronously. CPU: as is."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class SamplingState:
