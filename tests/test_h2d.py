@@ -58,3 +58,9 @@ def test_cpu_targets_take_the_host_tensor_as_is() -> None:
     assert async_h2d(t, torch.device("cpu")) is t
     assert to_device(np.arange(3), torch.device("cpu")).tolist() == [0, 1, 2]
     assert to_device([[1, 2], [3, 4]], torch.device("cpu")).dtype == torch.int64
+
+
+def test_a_part_filled_exactly_is_still_left_through_its_event() -> None:
+    ring = _TestRing()
+    assert [ring._reserve(1024) for _ in range(5)] == [0, 1024, 2048, 3072, 0]
+    assert len(ring.recorded) == 4 and ring.waits == 1  # part 0 reused while its copies were "queued"

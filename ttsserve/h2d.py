@@ -29,10 +29,10 @@ class PinnedRing:
     """A pinned host ring buffer of `nbytes`, filled round-robin; see the module docstring."""
 
     def __init__(self, nbytes: int = RING_BYTES, num_parts: int = 4, pin: bool = True) -> None:
-        self.part = nbytes // num_parts
+        self.part = nbytes // num_parts // _ALIGN * _ALIGN
         self.buf = torch.empty(self.part * num_parts, dtype=torch.uint8, pin_memory=pin)
         self.bytes = self.buf.numpy()
-        self.num_parts, self.offset = num_parts, 0
+        self.num_parts, self.current, self.pos = num_parts, 0, 0  # the part being filled, bytes used in it
         self.events: list[torch.cuda.Event | None] = [None] * num_parts  # recorded on leaving part i
         self.waits = 0  # reuses that had to wait for the device (should stay 0)
         self._lock = threading.Lock()
@@ -51,17 +51,17 @@ class PinnedRing:
 
     def _reserve(self, n: int) -> int:
         """The ring offset of n free bytes, moving to the next part (waiting for its last copies) if needed."""
-        part, pos = divmod(self.offset, self.part)
-        if pos + n > self.part:
-            self.events[part] = self._record()  # after every copy queued from this part
-            part = (part + 1) % self.num_parts
-            event, self.events[part] = self.events[part], None
+        size = -(-n // _ALIGN) * _ALIGN
+        if self.pos + size > self.part:
+            self.events[self.current] = self._record()  # after every copy queued from this part
+            self.current = (self.current + 1) % self.num_parts
+            event, self.events[self.current] = self.events[self.current], None
             if event is not None and not event.query():
                 self.waits += 1
                 event.synchronize()
-            self.offset = part * self.part
-        start = self.offset
-        self.offset += -(-n // _ALIGN) * _ALIGN
+            self.pos = 0
+        start = self.current * self.part + self.pos
+        self.pos += size
         return start
 
     def _record(self):
