@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
-from ttsserve.h2d import to_device
 from ttsserve.audio.incremental import (
     NOT_FINISHED,
     IncrementalDecoder,
@@ -35,6 +34,7 @@ from ttsserve.audio.stream_base import (
     crop_rows,
 )
 from ttsserve.audio.vocos import Vocos
+from ttsserve.h2d import to_device
 
 if TYPE_CHECKING:
     from ttsserve.audio.vocoder_graphs import VocoderGraphs

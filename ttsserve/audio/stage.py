@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
-from ttsserve.h2d import to_device
 from ttsserve.audio.stream_base import (
     AudioChunk,
     ChunkSpec,
@@ -33,6 +32,7 @@ from ttsserve.audio.stream_base import (
     crop_rows,
 )
 from ttsserve.audio.vocos import Vocos
+from ttsserve.h2d import to_device
 
 __all__ = ["AudioChunk", "AudioStage", "context_frames"]
 

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
 from ttsserve.audio.frame_pool import FramePool
-from ttsserve.h2d import to_device
 from ttsserve.audio.vocos import Vocos
+from ttsserve.h2d import to_device
 
 
 @dataclass

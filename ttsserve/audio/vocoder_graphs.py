@@ -26,8 +26,8 @@ import time
 import torch
 from torch import Tensor
 
-from ttsserve.h2d import to_device
 from ttsserve.audio.incremental import NOT_FINISHED
+from ttsserve.h2d import to_device
 
 logger = logging.getLogger(__name__)
 

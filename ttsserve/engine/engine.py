@@ -24,12 +24,12 @@ from ttsserve.engine.request import Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.step_stats import EngineCounters, StepTimings, gc_pauses
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
+from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
 from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
-from ttsserve.h2d import async_h2d
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, select_backend
+from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
@@ -31,7 +32,6 @@ from ttsserve.runner.step_outputs import runner_output
 from ttsserve.runner.step_types import (
     LaunchedStep, RunnerOutput, RunnerTimings, SequenceInputs, SequenceState, StepGroup)
 from ttsserve.sample.sampler import sample
-from ttsserve.h2d import async_h2d
 from ttsserve.sample.state import SamplingState
 
 DEFAULT_HISTORY_WINDOW = 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ttsserve.runner.step_types import RunnerOutput, StepGroup
 from ttsserve.h2d import async_h2d
+from ttsserve.runner.step_types import RunnerOutput, StepGroup
 
 
 def runner_output(groups: list[StepGroup], host: np.ndarray, audio_eos_id: int, text_eos_id: int) -> RunnerOutput:

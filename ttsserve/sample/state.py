@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ttsserve.params import SamplingParams
 from ttsserve.h2d import async_h2d
+from ttsserve.params import SamplingParams
 from ttsserve.sample.sampler import SamplingBatch
 
 # Columns of the float64 / int64 parameter tables.
