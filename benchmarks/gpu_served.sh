@@ -4,7 +4,7 @@
 # Every step writes under OUT as it goes, so a call cut short still returns what it measured.
 #   bash benchmarks/gpu_served.sh OUT
 # Env: TESTS=0 skips the tests, STAG=0 the engine benchmark, SERVE=0 the server; SERVE_ARGS adds server flags,
-#      FORMATS (default pcm:32,128,256) format:concurrencies[:client processes] items, e.g. "pcm:128:1 pcm:128:4
+#      FORMATS (default pcm:32,128,256) format:concurrencies[:client processes[:seconds]] items, e.g. "pcm:128:1 pcm:128:4
 #      mp3:128" (client processes default to CLIENT_PROCS, 4: one Python client saturates), DUR seconds per point,
 #      STAG_VARIANTS / STAG_CONC / STAG_SECONDS / STAG_FRAMES the engine benchmark's.
 # The fourth pass (BENCHMARKS.md), e.g. r15's engine points and r18's served points:
@@ -19,7 +19,11 @@
 # the engine alone per tree with TTFA in steps: python3 benchmarks/staggered.py --out DIR --concurrency 128 --seconds 10 \
 #     --variants pipelined,pipelined-fc4 --frames 60,256   (an older tree: run its own copy of the script, and run
 #     `python3 -m ttsserve.cli serve` from inside a tree's directory: -m puts the working directory first on sys.path)
+# The seventh pass's (r26-r29; py-spy was attached by hand during a last point, BENCHMARKS.md):
+#   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128:4:20 pcm:128:4:20 pcm:256:4:12" \
+#       bash benchmarks/gpu_served.sh OUT
 set -u
+point=0
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}"
@@ -48,12 +52,12 @@ if [ "${SERVE:-1}" = 1 ]; then
         sleep 0.5
     done
     echo "server ready after ${SECONDS}s (script clock)"
-    for spec in ${FORMATS:-pcm:32,128,256}; do  # format:concurrencies[:client processes]
-        IFS=: read -r fmt conc procs <<< "$spec"
+    for spec in ${FORMATS:-pcm:32,128,256}; do  # format:concurrencies[:client processes[:seconds]]
+        IFS=: read -r fmt conc procs dur <<< "$spec"
         procs=${procs:-${CLIENT_PROCS:-4}}
-        name="serve_${fmt}_c${conc//,/-}_p$procs"
+        name="serve_${fmt}_c${conc//,/-}_p${procs}_$((++point))"
         timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.cli bench serve --url http://127.0.0.1:8000 \
-            --concurrency "$conc" --client-procs "$procs" --duration "${DUR:-25}" --num-requests 100000 \
+            --concurrency "$conc" --client-procs "$procs" --duration "${dur:-${DUR:-25}}" --num-requests 100000 \
             --no-plots --no-progress --response-format "$fmt" --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
         echo "bench serve $spec rc=$?"; tail -12 "$OUT/$name.txt" | head -6
     done
