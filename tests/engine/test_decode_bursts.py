@@ -120,3 +120,42 @@ def test_pipelined_first_audio_step(tiny_model, deferred, poll):
             break
     bursts = -(-(e.first_audio_frames - 1) // k)
     assert first == 1 + bursts + 1 + (deferred and not poll)
+
+
+def test_a_batch_with_rows_ending_inside_it_is_appended_once_per_accepted_count(tiny_model):
+    """A burst's [k, n, H] hidden states where some rows accepted fewer than k frames (EOS, max_new_tokens, or
+    a pipelined row the previous step ended) reach the audio stage as one append per distinct count, each
+    row with exactly its accepted frames: at 128 streams most pipelined steps hold such a row, and
+    frame-by-frame appends of every row cost 2.3x the host time (`benchmarks/append_frames_cost.py`)."""
+    import torch
+
+    from ttsserve.engine.outputs import RequestUpdate
+
+    e = make_engine(tiny_model, max_model_len=512)
+    for i in range(5):
+        e.add_synthesis(SynthesisRequest("hello world", raw_text=True, request_id=f"g{i}",
+                                         code_params=SamplingParams(seed=i, min_new_tokens=200, max_new_tokens=200)))
+    for _ in range(6):
+        e.step()
+    ids = sorted(s for s, seq in e.sequences.items() if seq.mode == "code")
+    assert len(ids) == 5
+    hidden = torch.randn(4, 5, e.audio._pools[False].data.shape[2], generator=torch.Generator().manual_seed(3))
+    counts = [4, 0, 2, 4, 1]
+    calls, got = [], {s: [] for s in ids}
+    append = e.audio.append_batch
+
+    def recording_append(seq_ids, frames):
+        calls.append(len(seq_ids))
+        for i, s in enumerate(seq_ids):
+            got[s].append(frames[:, i])
+        return append(seq_ids, frames)
+
+    e.audio.append_batch = recording_append
+    before = {s: e.audio._streams[s].num_frames for s in ids}
+    e._append_frames([(0, ids, hidden)], [RequestUpdate(s, None, False, None, n) for s, n in zip(ids, counts)])
+    assert sorted(calls) == [1, 1, 2]  # counts 4 (two rows), 2 and 1; the row with none is not appended
+    for i, (s, n) in enumerate(zip(ids, counts)):
+        assert e.audio._streams[s].num_frames - before[s] == n
+        if n:
+            (frames,) = got[s]
+            assert torch.equal(frames, hidden[:n, i])

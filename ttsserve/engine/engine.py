@@ -287,15 +287,18 @@ class Engine:
         get = {u.request_id: u.num_new_tokens for u in updates}.get
         for j, seq_ids, hiddens in frames:
             m = hiddens.shape[0]
-            if min(get(s, 0) for s in seq_ids) >= j + m:
+            accepted = [min(max(get(s, 0) - j, 0), m) for s in seq_ids]  # frames of this batch, per row
+            if min(accepted) == m:
                 self._append_accepted(seq_ids, hiddens)
                 continue
-            for jj in range(j, j + m):  # some rows end inside this batch: frame by frame
-                keep = [i for i, seq_id in enumerate(seq_ids) if get(seq_id, 0) > jj]
-                if keep:
-                    # through pinned memory: a pageable copy would wait for the step queued behind this one
-                    rows = async_h2d(torch.tensor(keep), hiddens.device)
-                    self._append_accepted([seq_ids[i] for i in keep], hiddens[jj - j][rows])
+            # Some rows end inside this batch (or were dropped): one append per accepted count, so the usual
+            # case (a pipelined step whose batch holds a row the previous step ended) stays one [m, n, H]
+            # append of the other rows, not m appends of every row.
+            for a in sorted(set(accepted) - {0}, reverse=True):
+                keep = [i for i, n in enumerate(accepted) if n == a]
+                # through pinned memory: a pageable copy would wait for the step queued behind this one
+                rows = async_h2d(torch.tensor(keep), hiddens.device)
+                self._append_accepted([seq_ids[i] for i in keep], hiddens[:a, rows])
 
     def _append_accepted(self, seq_ids: list[str], hiddens) -> None:
         """hiddens: [n, H] or [m, n, H] (m frames of each)."""
