@@ -235,7 +235,11 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         t1 = time.perf_counter()
-        out = runner_output(launched.groups, launched.host.numpy(), self.cfg.audio_eos_id, self.text_eos_id)
+        # one bulk copy out of the pinned buffer, then element reads (tolist) from ordinary memory: in r27's
+        # profile of the served core on the H200's VM, reading the pinned array element by element took ~10x
+        # what it takes here (runner_output's tolist line 5.3% of the core's samples, 0.5 ms a step);
+        # the copy's effect there has not been measured
+        out = runner_output(launched.groups, launched.host.numpy().copy(), self.cfg.audio_eos_id, self.text_eos_id)
         self.timings.forward_ms += (t1 - t0) * 1e3
         self.timings.output_ms += (time.perf_counter() - t1) * 1e3
         return out
