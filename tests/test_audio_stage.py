@@ -373,23 +373,6 @@ def test_bf16_frame_buffer_decodes_in_the_networks_dtype(tiny, stage_cls) -> Non
     assert np.abs(wav - one_shot(dec, vocos, frames.bfloat16().float())).max() < 1e-5
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("stage_cls", STAGES)
-def test_cuda_stage_matches_cpu(tiny, stage_cls) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dec, _, vocos = random_nets(12, hidden=768, dec_dim=512, dec_layers=12, voc_dim=512, voc_layers=8)
-    frames = torch.randn(300, 768, generator=torch.Generator().manual_seed(13))
-    ref = one_shot(dec, vocos, frames)
-    dec_c, voc_c = copy.deepcopy(dec).cuda(), copy.deepcopy(vocos).cuda()
-    stage = stage_cls(dec_c, None, voc_c, deferred=True)
-    assert stage.device.type == "cuda"
-    wav = joined(stream(stage, "r", frames.cuda(), [1] * 300))
-    assert np.abs(wav - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))
-
-
 @pytest.mark.parametrize("stage_cls", STAGES)
 def test_multi_frame_append_batch_equals_frame_by_frame(tiny, stage_cls) -> None:
     """A decode burst's frames [m, n, C] (step-major) in one write give the pool, and so the audio, of m
@@ -422,62 +405,3 @@ def test_multi_frame_append_batch_equals_frame_by_frame(tiny, stage_cls) -> None
     stage.add_request("x")
     with pytest.raises(ValueError, match=r"\[m, 1, C\]"):
         stage.append_batch(["x"], torch.zeros(2, 2, 64))
-
-
-class _FakeEvent:
-    """A device call's completion the test controls: query() is True once done; synchronize() completes it."""
-
-    def __init__(self) -> None:
-        self.done, self.waited = False, False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = self.waited = True
-
-
-@pytest.mark.parametrize("stage_cls", STAGES)
-def test_deferred_calls_are_read_back_when_finished_without_waiting(tiny, stage_cls) -> None:
-    """A deferred stage never waits for a call the device is still running (that wait held the served engine's
-    host loop for the vocoder's device time every step): step() and poll() hand out the finished calls in
-    launch order, and step() waits only when MAX_IN_FLIGHT calls would be in flight. The audio is unchanged."""
-    dec, _, vocos = tiny
-    frames = torch.randn(120, 64, generator=torch.Generator().manual_seed(21))
-    ref = joined(stream(stage_cls(dec, None, vocos, first_chunk_frames=4, max_chunk_frames=8), "r", frames))
-    stage = stage_cls(dec, None, vocos, first_chunk_frames=4, max_chunk_frames=8, deferred=True)
-    events: list[_FakeEvent] = []
-    to_host = stage._to_host
-
-    def to_host_on_a_device(pieces):  # as on CUDA: the samples arrive when the event says so
-        flat, _ = to_host(pieces)
-        events.append(_FakeEvent())
-        return flat, events[-1]
-
-    stage._to_host = to_host_on_a_device
-    stage.add_request("r")
-    chunks: list[AudioChunk] = []
-    for t in range(120):
-        stage.append("r", frames[t : t + 1])
-        launched = len(events)
-        got = stage.step()
-        if len(events) == launched or len(events) < 2:
-            continue
-        # two calls in flight now at most, and none was waited for while it stayed below that
-        assert got == [] and not any(e.waited for e in events) and stage.has_pending
-        assert stage.poll() == []  # the device has finished nothing
-        events[-2].done = True
-        polled = stage.poll()  # the older call, finished, leaves without a wait
-        assert polled and all(ch.req_id == "r" for ch in polled) and stage.has_pending
-        chunks += polled
-        break
-    for t in range(t + 1, 120):  # now the device never finishes on its own: step() waits for the oldest
-        stage.append("r", frames[t : t + 1])
-        chunks += stage.step()
-        assert len(stage._in_flight) <= stage.MAX_IN_FLIGHT
-    stage.finish("r")
-    chunks += stage.step()
-    chunks += stage.flush()
-    assert events and any(e.waited for e in events) and not stage.has_pending and stage.num_requests == 0
-    assert stage.polled_total == 1 and stage.collects_total == len(events)
-    np.testing.assert_allclose(joined(chunks), ref, atol=1e-6)

@@ -287,10 +287,10 @@ class Engine:
         get = {u.request_id: u.num_new_tokens for u in updates}.get
         for j, seq_ids, hiddens in frames:
             m = hiddens.shape[0]
-            accepted = [min(max(get(s, 0) - j, 0), m) for s in seq_ids]  # frames of this batch, per row
-            if min(accepted) == m:
+            if min(get(s, 0) for s in seq_ids) >= j + m:
                 self._append_accepted(seq_ids, hiddens)
                 continue
+            accepted = [min(max(get(s, 0) - j, 0), m) for s in seq_ids]  # frames of this batch, per row
             # Some rows end inside this batch (or were dropped): one append per accepted count, so the usual
             # case (a pipelined step whose batch holds a row the previous step ended) stays one [m, n, H]
             # append of the other rows, not m appends of every row.

@@ -70,6 +70,7 @@ class InputBatch:
         self.block_table_np = host.numpy()
         self.block_table = host.to(self.device, copy=True) if self.mirror else host
         self._staging = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2 if self.mirror else 0)]
+        self._staging_np = [t.numpy() for t in self._staging]
         self._dirty_lo, self._dirty_hi = max_rows + 1, 0  # rows [lo, hi) were written since the last flush
 
     @property
@@ -146,9 +147,8 @@ class InputBatch:
         i = self._next_staging
         self._next_staging = 1 - i
         self._staging_writable(i)
-        staging = self._staging[i]
-        staging.numpy()[lo:hi] = self.block_table_np[lo:hi]
-        self.block_table[lo:hi].copy_(staging[lo:hi], non_blocking=True)
+        self._staging_np[i][lo:hi] = self.block_table_np[lo:hi]
+        self.block_table[lo:hi].copy_(self._staging[i][lo:hi], non_blocking=True)
         if self._copied[i] is not None:
             self._copied[i].record(self._stream)
             self._copy_pending[i] = True
