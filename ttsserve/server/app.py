@@ -52,6 +52,7 @@ from ttsserve.server.streaming import (
     until_disconnect,
 )
 from ttsserve.server.voices import VoiceResolver, VoiceStore, register_voice_routes
+from ttsserve.server.warm_start import warm_up_api_server
 
 logger = logging.getLogger("ttsserve.server")
 
@@ -287,6 +288,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *, rate_limiter=None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        await warm_up_api_server(st)
         logger.info("ttsserve ready: %s", engine.memory_report())
         try:
             yield
@@ -301,7 +303,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *, rate_limiter=None) ->
     install_error_handlers(app)
     bearer = HTTPBearer(auto_error=False, description="API key (only when the server has --api-key)")
 
-    def identity(request: Request, _=Depends(bearer)) -> str:
+    async def identity(request: Request, _=Depends(bearer)) -> str:  # async: a sync one runs in a worker thread
         return st.identity(request)
 
     @app.post("/v1/audio/speech", responses={200: _AUDIO_200 | {"content": {**_AUDIO_TYPES, "text/event-stream": {}}},
