@@ -98,8 +98,16 @@ def test_refine_handoff_too_long_fails_only_that_synthesis():
 
 
 def test_warm_up_serves_and_leaves_a_clean_engine():
-    eng = _engine()  # on CUDA the constructor runs it; here it is called by hand
+    eng = _engine(max_num_seqs=16)  # on CUDA the constructor runs it; here it is called by hand
+    widest, step = [0], eng.step
+
+    def counting_step():
+        widest[0] = max(widest[0], len(eng.scheduler.running))
+        return step()
+
+    eng.step = counting_step
     eng.warm_up()
+    assert widest[0] == 16  # the wide wave: a full batch at once, as a burst of real traffic runs
     _assert_empty(eng)
     assert eng.counters.steps == 0 and eng.runner.timings.steps == 0 and eng.audio.calls_total == 0
     assert eng.kv_manager.num_free_blocks == eng.kv_spec.num_blocks

@@ -34,7 +34,9 @@ def warm_up(engine: Engine) -> None:
         for _ in range(3):  # the next one's prefill shares a step with these decodes
             engine.step()
     _run_to_end(engine)
-    _wide_wave(engine, min(engine.scheduler.config.max_num_seqs, WIDE_WAVE_CAP), frames)
+    # one first chunk and one full chunk per row: every pool grows to a full batch of both
+    _wide_wave(engine, min(engine.scheduler.config.max_num_seqs, WIDE_WAVE_CAP),
+               engine.first_audio_frames + engine.cfg.max_chunk_frames)
     engine.counters, engine.timings = EngineCounters(), StepTimings()
     engine.runner.timings = type(engine.runner.timings)()
     engine.controller = BatchSizeController(engine.cfg.target_step_latency_ms, engine.scheduler.config.max_num_seqs)
