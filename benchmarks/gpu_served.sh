@@ -22,6 +22,9 @@
 # The seventh pass's (r26-r29; py-spy was attached by hand during a last point, BENCHMARKS.md):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128:4:20 pcm:128:4:20 pcm:256:4:12" \
 #       bash benchmarks/gpu_served.sh OUT
+# The eighth pass's (r30, r32; r33 with --api-server-count 12 and FORMATS="mp3:128:4:20 pcm:128:4:20"):
+#   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128:4:20 pcm:128:4:20 pcm:256:4:12 mp3:128:4:12" \
+#       bash benchmarks/gpu_served.sh OUT
 set -u
 point=0
 OUT=${1:?usage: $0 OUT}
