@@ -7,51 +7,77 @@ Usage: python3 benchmarks/first_wave.py DEVICE SIZE N FRAMES "w w s10 w w" [nowi
   nowide: warm up without warm_up.py's wide wave (r30: wave 1 waited 325 ms for first audio, wave 2 168 ms)
   (cpu tiny 16 60 "w w": a smoke run; on the CPU the engine is warmed up here by hand)
 """
+from __future__ import annotations
+
 import dataclasses
 import statistics
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, "benchmarks")
-import gpu_bench as gb
-from ttsserve.model.chattts import load_model
-import ttsserve.engine.warm_up as wu
-from ttsserve.engine.core.heap import freeze_startup_heap
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-dev, size, n, frames, plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split()
-if "nowide" in sys.argv: wu.WIDE_WAVE_CAP = 0
-gb.SETUP.update(device=dev, dummy_size=size, dtype="bfloat16" if dev == "cuda" else "float32")
-cfg = gb.model_config(max_num_seqs=max(n, 8))
-model = load_model(cfg)
-e = gb.make_engine(model, max_num_seqs=max(n, 8))
-if dev != "cuda":
-    wu.warm_up(e)
-freeze_startup_heap("probe")
-def snap():
-    return dataclasses.asdict(e.timings), dataclasses.asdict(e.runner.timings)
-w = 0
-for item in plan:
-    if item.startswith("s"):
-        time.sleep(float(item[1:])); print("slept", item[1:], flush=True); continue
-    w += 1
-    gb.sync(); t0 = time.perf_counter()
-    a0, r0 = snap(); s0 = e.counters.steps
+import gpu_bench as gb  # noqa: E402
+
+import ttsserve.engine.warm_up as wu  # noqa: E402
+from ttsserve.engine.core.heap import freeze_startup_heap  # noqa: E402
+from ttsserve.model.chattts import load_model  # noqa: E402
+
+
+def build_engine(dev: str, size: str, n: int):
+    gb.SETUP.update(device=dev, dummy_size=size, dtype="bfloat16" if dev == "cuda" else "float32")
+    model = load_model(gb.model_config(max_num_seqs=max(n, 8)))
+    engine = gb.make_engine(model, max_num_seqs=max(n, 8))  # on CUDA the constructor warms up
+    if dev != "cuda":
+        wu.warm_up(engine)
+    freeze_startup_heap("probe")  # as the served engine core does: no full GC pass over start-up objects
+    return engine
+
+
+def per_step(after: dict, before: dict, steps: int, keys) -> str:
+    return " ".join(f"{k} {(after[k] - before[k]) / steps:.2f}" for k in keys)
+
+
+def run_wave(e, w: int, n: int, frames: int) -> str:
+    gb.sync()
+    t0 = time.perf_counter()
+    a0, r0, s0 = dataclasses.asdict(e.timings), dataclasses.asdict(e.runner.timings), e.counters.steps
     ids = gb.submit(e, n, frames, seed=100 * w)
-    st, recs, pending = [], {rid: None for rid in ids}, set(ids)
+    step_ms, first, pending = [], dict.fromkeys(ids), set(ids)
     while pending:
         a = time.perf_counter()
         outs = e.step()
-        st.append((time.perf_counter() - a) * 1e3)
+        step_ms.append((time.perf_counter() - a) * 1e3)
         now = time.perf_counter() - t0
         for o in outs:
-            if o.request_id in recs and o.samples.size and recs[o.request_id] is None:
-                recs[o.request_id] = now
+            if o.request_id in first and o.samples.size and first[o.request_id] is None:
+                first[o.request_id] = now
             if o.finished:
                 pending.discard(o.request_id)
-    a1, r1 = snap(); ns = max(1, e.counters.steps - s0)
-    t = sorted(v for v in recs.values() if v is not None)
-    ph = " ".join(f"{k[:-3]} {(a1[k]-a0[k])/ns:.2f}" for k in a1 if k.endswith("_ms"))
-    rp = " ".join(f"{k} {(r1[k]-r0[k])/ns:.2f}" for k in r1 if isinstance(r1[k], float))
-    print(f"wave {w}: ttfa min {t[0]*1e3:.0f} p50 {t[len(t)//2]*1e3:.0f} p99 {t[int(len(t)*.99)]*1e3:.0f} ms; steps {len(st)}; "
-          f"first-20 {[round(x,1) for x in st[:20]]}; mean {statistics.mean(st):.2f} max {max(st):.1f} ms; "
-          f"total {time.perf_counter()-t0:.2f} s\n   phases/step: {ph}\n   runner/step: {rp}", flush=True)
+    a1, r1, ns = dataclasses.asdict(e.timings), dataclasses.asdict(e.runner.timings), max(1, e.counters.steps - s0)
+    t = sorted(v * 1e3 for v in first.values() if v is not None)
+    return (f"wave {w}: ttfa min {t[0]:.0f} p50 {t[len(t) // 2]:.0f} p99 {t[int(len(t) * .99)]:.0f} ms; "
+            f"steps {len(step_ms)}; first-20 {[round(x, 1) for x in step_ms[:20]]}; "
+            f"mean {statistics.mean(step_ms):.2f} max {max(step_ms):.1f} ms; total {time.perf_counter() - t0:.2f} s\n"
+            f"   phases/step: {per_step(a1, a0, ns, [k for k in a1 if k.endswith('_ms')])}\n"
+            f"   runner/step: {per_step(r1, r0, ns, [k for k in r1 if isinstance(r1[k], float)])}")
+
+
+def main(argv: list[str]) -> int:
+    dev, size, n, frames, plan = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4].split()
+    if "nowide" in argv:
+        wu.WIDE_WAVE_CAP = 0
+    engine, w = build_engine(dev, size, n), 0
+    for item in plan:
+        if item.startswith("s"):
+            time.sleep(float(item[1:]))
+            print("slept", item[1:], flush=True)
+            continue
+        w += 1
+        print(run_wave(engine, w, n, frames), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
