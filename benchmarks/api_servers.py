@@ -88,7 +88,7 @@ async def _load(url: str, a: argparse.Namespace, duration: float) -> tuple[int, 
 def run_point(count: int, a: argparse.Namespace) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ttsserve.server.cli_serve", *a.serve_flags, "--port", str(port),
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *a.serve_flags, "--port", str(port),
            "--api-server-count", str(count), "--voices-db", ":memory:", "--max-new-tokens", str(a.frames),
            "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TTSSERVE_CPU_COMPILE": os.environ.get("TTSSERVE_CPU_COMPILE", "0")}

@@ -68,15 +68,15 @@ def linear_fn(kind: str, n: int, k: int, m: int):
         return lambda: torch._weight_int8pack_mm(x, q, s)
     if kind == "w8a8":
         from ttsserve.model.cpu_linear import DynamicInt8Linear
-        from ttsserve.quant.linear import QuantLinear
-        from ttsserve.quant.quantize import QuantConfig
+        from ttsserve.layers.quant.linear import QuantLinear
+        from ttsserve.layers.quant.quantize import QuantConfig
 
         x, layer = torch.randn(m, k), DynamicInt8Linear(QuantLinear.from_weight(w, QuantConfig.for_method("int8")))
         return lambda: layer(x)
     if kind == "int4":
         from ttsserve.model.cpu_linear import PackedInt4Linear
-        from ttsserve.quant.linear import QuantLinear
-        from ttsserve.quant.quantize import QuantConfig
+        from ttsserve.layers.quant.linear import QuantLinear
+        from ttsserve.layers.quant.quantize import QuantConfig
 
         x = torch.randn(m, k, dtype=torch.bfloat16)
         layer = PackedInt4Linear(QuantLinear.from_weight(w, QuantConfig.for_method("awq-int4")))

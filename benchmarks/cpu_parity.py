@@ -1,6 +1,6 @@
 """Parity of the CPU fast-path formats against the fp32 model, stated next to the speed figures.
 
-GPT: teacher forcing (ttsserve.quant.quality.compare_models): the fp32 model samples `--frames` frames for
+GPT: teacher forcing (ttsserve.tools.quant.quality.compare_models): the fp32 model samples `--frames` frames for
 each of `--texts` corpus sentences once; every candidate then runs one forward over the same prompt +
 frames, and its code logits are compared with fp32's at every frame-predicting position: per-codebook
 top-1 agreement, KL(fp32 || candidate) and the max / mean |logit difference|, plus the Decoder mel and
@@ -15,7 +15,7 @@ ISTFT stays fp32): waveform relative L2 and SNR.
     python3 benchmarks/cpu_parity.py [--texts 4] [--frames 64] [--json out.json]
 
 On random (dummy) weights these figures bound the arithmetic error of each format; a real checkpoint's
-outlier channels make int8 weights somewhat worse (see ttsserve.quant.quality.RANDOM_WEIGHTS_NOTE).
+outlier channels make int8 weights somewhat worse (see ttsserve.tools.quant.quality.RANDOM_WEIGHTS_NOTE).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ CANDIDATES = {"bf16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"), 
 @torch.no_grad()
 def logit_diff(ref, cand, samples) -> tuple[float, float]:
     """(max, mean) |code-logit difference| over the frame-predicting positions of all samples."""
-    from ttsserve.quant.calibrate import teacher_forced_hidden
+    from ttsserve.tools.quant.calibrate import teacher_forced_hidden
 
     worst, total, count = 0.0, 0.0, 0
     for s in samples:
@@ -56,7 +56,7 @@ def logit_diff(ref, cand, samples) -> tuple[float, float]:
 @torch.no_grad()
 def audio_parity(model, samples) -> dict[str, float]:
     """fp32 vs bf16 Decoder + Vocos on the fp32 model's teacher-forced hidden states."""
-    from ttsserve.quant.calibrate import teacher_forced_hidden
+    from ttsserve.tools.quant.calibrate import teacher_forced_hidden
 
     nets = {"fp32": (model.decoder, model.vocos),
             "bf16": (copy.deepcopy(model.decoder).to(torch.bfloat16), copy.deepcopy(model.vocos).to(torch.bfloat16))}
@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from ttsserve.bench.corpus import select_texts
-    from ttsserve.quant.calibrate import teacher_forced_samples
-    from ttsserve.quant.quality import RANDOM_WEIGHTS_NOTE, compare_models
+    from ttsserve.tools.quant.calibrate import teacher_forced_samples
+    from ttsserve.tools.quant.quality import RANDOM_WEIGHTS_NOTE, compare_models
 
     ckpt = read_checkpoint(EngineConfig(model=a.model, load_format="auto" if a.model else "dummy", seed=a.seed))
     cpu = torch.device("cpu")

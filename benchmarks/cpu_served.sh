@@ -10,7 +10,7 @@ OUT=${1:?usage: $0 OUT [tiny|real]}
 SIZE=${2:-tiny}
 C=${C:-8}; FRAMES=${FRAMES:-256}; DUR=${DUR:-60}; PORT=${PORT:-8011}
 mkdir -p "$OUT"
-python3 -m ttsserve.cli serve --device cpu --load-format dummy --dummy-size "$SIZE" --port "$PORT" \
+python3 -m ttsserve.entrypoints.cli serve --device cpu --load-format dummy --dummy-size "$SIZE" --port "$PORT" \
     --swap-space 0 > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill -INT $server 2>/dev/null || true' EXIT
@@ -23,13 +23,13 @@ for _ in $(seq 600); do  # /ready comes first; a CPU server then compiles its de
     curl -s "localhost:$PORT/metrics" | grep -q "^ttsserve_engine_warm 1" && break
     sleep 0.5
 done
-python3 -m ttsserve.cli bench serve --url "http://127.0.0.1:$PORT" --concurrency "$C" --duration "$DUR" \
+python3 -m ttsserve.entrypoints.cli bench serve --url "http://127.0.0.1:$PORT" --concurrency "$C" --duration "$DUR" \
     --num-requests 100000 --max-new-tokens "$FRAMES" --no-plots --no-progress --out "$OUT/serve" \
     > "$OUT/serve.txt" 2>&1
 kill -INT $server; wait $server || true
 trap - EXIT
 # the server's CPU default (the whole decode step compiled); bench offline waits for it before timing
-TTSSERVE_CPU_COMPILE=1 python3 -m ttsserve.cli bench offline --backend ttsserve --load-format dummy --dummy-size "$SIZE" --device cpu \
+TTSSERVE_CPU_COMPILE=1 python3 -m ttsserve.entrypoints.cli bench offline --backend ttsserve --load-format dummy --dummy-size "$SIZE" --device cpu \
     --swap-space 0 --batch-sizes "$C" --frames "$FRAMES" --lengths natural --rounds "${ROUNDS:-3}" \
     --no-plots --no-progress --out "$OUT/offline" > "$OUT/offline.txt" 2>&1
 python3 - "$OUT" <<'EOF'

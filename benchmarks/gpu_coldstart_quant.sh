@@ -15,7 +15,7 @@ export TTSSERVE_CACHE="$OUT/../ttsserve-dummy-cache"
 rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR" "$TTSSERVE_CACHE"
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; python3 -c "import torch; print(torch.__version__)") > "$OUT/machine.txt" 2>&1
 # Run 0: no dummy checkpoint cached, no compile cache. Run 1: both cached.
-timeout "${COLDSTART_TIMEOUT:-130}" python3 -m ttsserve.deploy.coldstart --runs 2 --label "$DEVICE real dummy" \
+timeout "${COLDSTART_TIMEOUT:-130}" python3 -m ttsserve.bench.coldstart --runs 2 --label "$DEVICE real dummy" \
     -- --load-format dummy --dummy-size real --device "$DEVICE" > "$OUT/coldstart.txt" 2> "$OUT/coldstart.log"
 echo "coldstart rc=$?"; cat "$OUT/coldstart.txt"
 timeout "${QUANT_TIMEOUT:-120}" python3 benchmarks/quant_engine.py --out "$OUT" --device "$DEVICE" \

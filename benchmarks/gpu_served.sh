@@ -18,7 +18,7 @@
 # The sixth pass's (r22-r24): the served points as the fifth pass's (8 API servers, pcm:128 twice, then pcm:256), and
 # the engine alone per tree with TTFA in steps: python3 benchmarks/staggered.py --out DIR --concurrency 128 --seconds 10 \
 #     --variants pipelined,pipelined-fc4 --frames 60,256   (an older tree: run its own copy of the script, and run
-#     `python3 -m ttsserve.cli serve` from inside a tree's directory: -m puts the working directory first on sys.path)
+#     `python3 -m ttsserve.entrypoints.cli serve` from inside a tree's directory: -m puts the working directory first on sys.path)
 # The seventh pass's (r26-r29; py-spy was attached by hand during a last point, BENCHMARKS.md):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128:4:20 pcm:128:4:20 pcm:256:4:12" \
 #       bash benchmarks/gpu_served.sh OUT
@@ -46,7 +46,7 @@ if [ "${STAG:-1}" = 1 ]; then
     echo "staggered rc=$?"; cat "$OUT/staggered.txt"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
-    python3 -m ttsserve.cli serve --device cuda --load-format dummy --dummy-size real --port 8000 \
+    python3 -m ttsserve.entrypoints.cli serve --device cuda --load-format dummy --dummy-size real --port 8000 \
         ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
     server=$!
     for _ in $(seq 240); do
@@ -59,7 +59,7 @@ if [ "${SERVE:-1}" = 1 ]; then
         IFS=: read -r fmt conc procs dur <<< "$spec"
         procs=${procs:-${CLIENT_PROCS:-4}}
         name="serve_${fmt}_c${conc//,/-}_p${procs}_$((++point))"
-        timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.cli bench serve --url http://127.0.0.1:8000 \
+        timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.entrypoints.cli bench serve --url http://127.0.0.1:8000 \
             --concurrency "$conc" --client-procs "$procs" --duration "${dur:-${DUR:-25}}" --num-requests 100000 \
             --no-plots --no-progress --response-format "$fmt" --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
         echo "bench serve $spec rc=$?"; tail -12 "$OUT/$name.txt" | head -6

@@ -13,5 +13,5 @@ if [ "$device" = cpu ]; then
 else
     defaults=(--batch-sizes 1,8,32,128 --frames 256)
 fi
-exec python3 -m ttsserve.cli bench offline --backend both --load-format "${LOAD_FORMAT:-auto}" --dummy-size real \
+exec python3 -m ttsserve.entrypoints.cli bench offline --backend both --load-format "${LOAD_FORMAT:-auto}" --dummy-size real \
     --device "$device" "${defaults[@]}" "$@"

@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 url="${1:-http://127.0.0.1:8000}"
 shift || true
-exec python3 -m ttsserve.cli bench serve --url "$url" --concurrency 1,4,16 --qps 0.5,1,2 --num-requests 32 \
+exec python3 -m ttsserve.entrypoints.cli bench serve --url "$url" --concurrency 1,4,16 --qps 0.5,1,2 --num-requests 32 \
     --duration 120 --max-new-tokens 256 "$@"

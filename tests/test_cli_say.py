@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import soundfile as sf
 
-BASE = [sys.executable, "-m", "ttsserve.cli", "say", "--load-format", "dummy", "--dummy-size", "tiny",
+BASE = [sys.executable, "-m", "ttsserve.entrypoints.cli", "say", "--load-format", "dummy", "--dummy-size", "tiny",
         "--device", "cpu", "--skip-refine", "--min-new-tokens", "20", "--max-new-tokens", "20"]
 
 
@@ -43,7 +43,7 @@ def test_say_refuses_to_write_an_empty_file(tmp_path):
 
     model = eos_at_once_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "empty.wav"
-    cmd = [sys.executable, "-m", "ttsserve.cli", "say", "Hello.", "-o", str(out), "--model", str(model),
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.cli", "say", "Hello.", "-o", str(out), "--model", str(model),
            "--device", "cpu", "--skip-refine", "--seed", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr

@@ -18,8 +18,8 @@ from ttsserve.model.cpu_linear import (
     pack_linears_,
 )
 from ttsserve.model.dummy import make_dummy_checkpoint
-from ttsserve.quant.calibrate import teacher_forced_samples
-from ttsserve.quant.quality import compare_models
+from ttsserve.tools.quant.calibrate import teacher_forced_samples
+from ttsserve.tools.quant.quality import compare_models
 
 CPU = torch.device("cpu")
 TEXTS = ["One two three, this is a test.", "今天天气很好。"]
@@ -61,8 +61,8 @@ def test_int8_layers_are_served_by_the_w8a8_kernel_where_available(monkeypatch) 
 @pytest.mark.skipif(not can_pack_int8(CPU), reason="needs fbgemm and VNNI / AMX int8 dot products")
 @pytest.mark.parametrize("rows", [1, 5])
 def test_w8a8_linear_matches_its_int8_weights(rows: int) -> None:
-    from ttsserve.quant.linear import QuantLinear
-    from ttsserve.quant.quantize import QuantConfig
+    from ttsserve.layers.quant.linear import QuantLinear
+    from ttsserve.layers.quant.quantize import QuantConfig
 
     g = torch.Generator().manual_seed(rows)
     ql = QuantLinear.from_weight(torch.randn(96, 64, generator=g) * 0.05, QuantConfig.for_method("int8"))
@@ -106,7 +106,7 @@ def test_the_memory_report_counts_cpu_packed_int8_weights() -> None:
     """After the runner packs the GPT, the report still says what int8 saved (it once said 0 MiB)."""
     from ttsserve.config import EngineConfig
     from ttsserve.engine.engine import Engine
-    from ttsserve.quant.memory import quantization_savings
+    from ttsserve.runner.memory_report import quantization_savings
 
     eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", dtype="bfloat16",
                               quantization="int8", swap_space=0, kv_cache_memory=1 << 22))
@@ -123,8 +123,8 @@ def test_the_memory_report_counts_cpu_packed_int8_weights() -> None:
 def test_packed_int4_computes_with_the_same_weights() -> None:
     """PackedInt4Linear repacks awq-int4 weights for torch's kernel: in fp32 the product is that of the
     stored weights (scales are fp16, so nothing rounds); a bf16 model rounds the scales once."""
-    from ttsserve.quant.linear import QuantLinear
-    from ttsserve.quant.quantize import QuantConfig
+    from ttsserve.layers.quant.linear import QuantLinear
+    from ttsserve.layers.quant.quantize import QuantConfig
 
     g = torch.Generator().manual_seed(0)
     ql = QuantLinear.from_weight(torch.randn(96, 256, generator=g) * 0.05, QuantConfig.for_method("awq-int4"))

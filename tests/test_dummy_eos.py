@@ -49,7 +49,7 @@ def test_the_reserved_channels_and_the_clock_head(size):
 
 @pytest.fixture(scope="module")
 def tiny_tts():
-    from ttsserve.tts import TTS
+    from ttsserve.entrypoints.tts import TTS
 
     return TTS(load_format="dummy", dummy_size="tiny", device="cpu")
 

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Lazy re-exports keep `import ttsserve` cheap (no torch import until needed).
     if name == "TTS":
-        from ttsserve.tts import TTS
+        from ttsserve.entrypoints.tts import TTS
 
         return TTS
     if name == "SamplingParams":

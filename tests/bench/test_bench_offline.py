@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 
 def run_cli(*argv: str) -> int:
-    from ttsserve.cli import main
+    from ttsserve.entrypoints.cli import main
 
     return main(["bench", "offline", *argv])
 

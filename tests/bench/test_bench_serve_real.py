@@ -51,7 +51,7 @@ def test_streaming_concurrency_sweep(server) -> None:
 
 
 def test_cli_serve_non_streaming_synthesize(server, tmp_path) -> None:
-    from ttsserve.cli import main
+    from ttsserve.entrypoints.cli import main
 
     rc = main(["bench", "serve", "--url", server.url, "--endpoint", "synthesize", "--no-stream", "--qps", "4",
                "--num-requests", "4", "--duration", "30", "--max-new-tokens", "16", "--text-lengths", "short",

@@ -1,5 +1,5 @@
 """Shared fixtures of the deployment tests: one data-parallel launcher with two tiny CPU replicas on loopback
-(`python -m ttsserve.deploy.data_parallel`), used by the data-parallel and the nginx tests, so the model is
+(`python -m ttsserve.entrypoints.data_parallel`), used by the data-parallel and the nginx tests, so the model is
 loaded twice per session, not four times."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def dp_cluster(tmp_path_factory) -> Cluster:
     log = tmp_path_factory.mktemp("dp") / "launcher.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "ttsserve.deploy.data_parallel", *TINY_SERVE_ARGS, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.data_parallel", *TINY_SERVE_ARGS, "--host", "127.0.0.1",
            "--port", str(base), "--data-parallel-size", "2", "--data-parallel-base-port", str(base + 1)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

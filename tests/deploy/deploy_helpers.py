@@ -89,7 +89,7 @@ class Cluster:
                 argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "ttsserve.server.cli_serve" in argv and any(argv[k:k + 2] == want for k in range(len(argv))):
+            if "ttsserve.entrypoints.serve" in argv and any(argv[k:k + 2] == want for k in range(len(argv))):
                 return int(d.name)
         raise AssertionError(f"no process for replica {i}\n{self.log.read_text()[-2000:]}")
 

@@ -1,4 +1,4 @@
-"""Cold-start harness (ttsserve/deploy/coldstart.py): phase parsing, the cached dummy checkpoint, and one real
+"""Cold-start harness (ttsserve/bench/coldstart.py): phase parsing, the cached dummy checkpoint, and one real
 measurement of a tiny CPU server from process start to /ready 200."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from datetime import datetime
 import torch
 from deploy_helpers import ROOT, TINY_SERVE_ARGS
 
-from ttsserve.deploy.coldstart import cached_dummy_checkpoint, measure_cold_start, parse_phases
+from ttsserve.bench.coldstart import cached_dummy_checkpoint, measure_cold_start, parse_phases
 
 
 def test_parse_phases_reads_the_first_matching_line_of_each_phase() -> None:

@@ -1,4 +1,4 @@
-"""`ttsserve serve --data-parallel-size N` (ttsserve/deploy/data_parallel.py): the replica plan, and a real
+"""`ttsserve serve --data-parallel-size N` (ttsserve/entrypoints/data_parallel.py): the replica plan, and a real
 launcher with two tiny CPU replicas on loopback (conftest.dp_cluster): requests spread over both replicas,
 a killed replica is failed over and restarted by the supervisor."""
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from deploy_helpers import ROOT, free_port
 
-from ttsserve.deploy.data_parallel import (
+from ttsserve.entrypoints.data_parallel import (
     ReplicaSpec,
     add_data_parallel_args,
     child_argv,

@@ -27,9 +27,9 @@ pytest.importorskip("triton")
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, kv_cache_shape  # noqa: E402
 from ttsserve.attention.dense import causal_sdpa  # noqa: E402
 from ttsserve.attention.triton_paged import TritonPagedAttention, write_kv_cache  # noqa: E402
-from ttsserve.quant.kv_fp8 import FP8KVCache, quantize_fp8_rows, write_kv_fp8  # noqa: E402
-from ttsserve.quant.quantize import QuantConfig, dequantize_weight, quantize_weight  # noqa: E402
-from ttsserve.quant.triton_quant import QuantMMConfig, choose_config, quant_matmul  # noqa: E402
+from ttsserve.layers.quant.kv_fp8 import FP8KVCache, quantize_fp8_rows, write_kv_fp8  # noqa: E402
+from ttsserve.layers.quant.quantize import QuantConfig, dequantize_weight, quantize_weight  # noqa: E402
+from ttsserve.layers.quant.triton_quant import QuantMMConfig, choose_config, quant_matmul  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -197,7 +197,7 @@ def test_quantized_gpt_step_close_to_dense(method: str | None, kv_fp8: bool) -> 
     from ttsserve.config import GPTConfig
     from ttsserve.model.dummy import SIZES, _gpt
     from ttsserve.model.gpt import GPT
-    from ttsserve.quant.linear import quantize_gpt_
+    from ttsserve.layers.quant.linear import quantize_gpt_
 
     s = SIZES["real"]
     cfg = GPTConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_layers=2, num_heads=s.heads,
@@ -207,7 +207,7 @@ def test_quantized_gpt_step_close_to_dense(method: str | None, kv_fp8: bool) -> 
     cand = GPT.from_state_dict(sd, cfg, dtype=torch.float32, device=DEVICE)
     if method:
         quantize_gpt_(cand, QuantConfig.for_method(method))
-    from ttsserve.quant.linear import cast_except_quant
+    from ttsserve.layers.quant.linear import cast_except_quant
 
     cand = cast_except_quant(cand, DEVICE, torch.bfloat16)
     backend = TritonPagedAttention()

@@ -31,7 +31,7 @@ def _compiled_variants() -> dict[str, int]:
     import triton
 
     from ttsserve.attention import triton_kernels
-    from ttsserve.quant import triton_quant
+    from ttsserve.layers.quant import triton_quant
 
     out = {}
     for module in (triton_kernels, triton_quant):

@@ -10,7 +10,7 @@ from ttsserve.config import GPTConfig
 from ttsserve.model.chattts import build_model
 from ttsserve.model.dummy import make_dummy_checkpoint
 from ttsserve.model.gpt import GPT
-from ttsserve.quant.calibrate import (
+from ttsserve.tools.quant.calibrate import (
     ActStats,
     TeacherForcedSample,
     apply_awq,
@@ -19,7 +19,7 @@ from ttsserve.quant.calibrate import (
     search_awq_scale,
     teacher_forced_samples,
 )
-from ttsserve.quant.quantize import QuantConfig
+from ttsserve.layers.quant.quantize import QuantConfig
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch
 
 from ttsserve.model.chattts import build_model
 from ttsserve.model.loader import load_checkpoint
-from ttsserve.quant.cli import add_quantize_parser
-from ttsserve.quant.linear import quant_linears
+from ttsserve.tools.quant.cli import add_quantize_parser
+from ttsserve.layers.quant.linear import quant_linears
 
 
 def run(argv: list[str]) -> int:
@@ -52,7 +52,7 @@ def test_quantize_writes_the_published_layout(awq_dir) -> None:
 
 def test_quantized_checkpoint_loads_and_serves(awq_dir) -> None:
     from ttsserve.params import SamplingParams
-    from ttsserve.tts import TTS
+    from ttsserve.entrypoints.tts import TTS
 
     m = build_model(load_checkpoint(awq_dir), torch.device("cpu"), torch.float32)
     assert m.quantization == "awq-int4" and len(quant_linears(m.gpt)) == 8
@@ -70,7 +70,7 @@ def test_quantize_errors_and_int8(tmp_path, capsys) -> None:
     ckpt = load_checkpoint(tmp_path / "i8")
     assert json.loads((tmp_path / "i8/asset/gpt/quantization_config.json").read_text())["calibration"] == {
         "method": "round-to-nearest"}
-    from ttsserve.quant.cli import quantize_checkpoint
+    from ttsserve.tools.quant.cli import quantize_checkpoint
 
     with pytest.raises(ValueError, match="already quantized"):
         quantize_checkpoint(ckpt, "int8")

@@ -8,7 +8,7 @@ import torch
 from ttsserve.attention.backend import kv_cache_shape
 from ttsserve.attention.dense import DenseAttention
 from ttsserve.config import GPTConfig
-from ttsserve.quant.kv_fp8 import (
+from ttsserve.layers.quant.kv_fp8 import (
     FP8_DTYPE,
     FP8DenseAttention,
     FP8KVCache,

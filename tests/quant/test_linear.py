@@ -10,8 +10,8 @@ from ttsserve.config import GPTConfig
 from ttsserve.model.chattts import build_model
 from ttsserve.model.dummy import make_dummy_checkpoint
 from ttsserve.model.gpt import GPT
-from ttsserve.quant.linear import QuantLinear, TorchQuantKernels, quant_kernels, quant_linears, quantize_gpt_
-from ttsserve.quant.quantize import QuantConfig, quantize_gpt_state_dict
+from ttsserve.layers.quant.linear import QuantLinear, TorchQuantKernels, quant_kernels, quant_linears, quantize_gpt_
+from ttsserve.layers.quant.quantize import QuantConfig, quantize_gpt_state_dict
 
 CPU = torch.device("cpu")
 

@@ -10,10 +10,10 @@ import torch
 
 from ttsserve.model.chattts import build_model
 from ttsserve.model.dummy import make_dummy_checkpoint
-from ttsserve.quant.calibrate import teacher_forced_samples
-from ttsserve.quant.linear import quant_linears
-from ttsserve.quant.memory import quantization_memory_report, quantization_savings
-from ttsserve.quant.quality import add_quality_parser, compare_models
+from ttsserve.tools.quant.calibrate import teacher_forced_samples
+from ttsserve.layers.quant.linear import quant_linears
+from ttsserve.runner.memory_report import quantization_memory_report, quantization_savings
+from ttsserve.tools.quant.quality import add_quality_parser, compare_models
 from ttsserve.runner.kv_cache import plan_kv_cache
 
 CPU = torch.device("cpu")

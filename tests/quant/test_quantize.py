@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ttsserve.quant.quantize import (
+from ttsserve.layers.quant.quantize import (
     LINEAR_NAMES,
     QuantConfig,
     dequantize_int4,

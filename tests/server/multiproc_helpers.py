@@ -60,13 +60,13 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`python -m ttsserve.server.cli_serve --api-server-count N ...` on a free loopback port; its log in `log_path`."""
+    """`python -m ttsserve.entrypoints.serve --api-server-count N ...` on a free loopback port; its log in `log_path`."""
 
     def __init__(self, tmp_path: Path, *extra: str, count: int = 2) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "ttsserve.server.cli_serve", *SERVE_FLAGS, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *SERVE_FLAGS, "--port", str(self.port),
                "--api-server-count", str(count), "--drain-timeout", "20", *extra]
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TTSSERVE_CPU_COMPILE": "0"}
         self._log = open(self.log_path, "w+")

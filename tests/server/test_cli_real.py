@@ -1,4 +1,4 @@
-"""`python -m ttsserve.server.cli_serve` as a real process on the real engine: flags + env, the memory report
+"""`python -m ttsserve.entrypoints.serve` as a real process on the real engine: flags + env, the memory report
 at start, API keys, voices on disk, and a clean exit on SIGTERM."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 def test_serve_process_end_to_end(tmp_path):
     port = _free_port()
-    cmd = [sys.executable, "-m", "ttsserve.server.cli_serve", "--load-format", "dummy", "--dummy-size", "tiny",
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", "--load-format", "dummy", "--dummy-size", "tiny",
            "--device", "cpu", "--kv-cache-memory", "64MiB", "--port", str(port), "--api-key", "sk-1,sk-2",
            "--voices-db", str(tmp_path / "voices.db"), "--max-new-tokens", "16"]
     env = {**os.environ, "TTSSERVE_SWAP_SPACE": "0", "TTSSERVE_MAX_NUM_SEQS": "8", "PYTHONUNBUFFERED": "1"}

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ttsserve.config import EngineConfig
-from ttsserve.server.cli_serve import (
+from ttsserve.server.args import (
     add_serve_arguments,
     add_serve_parser,
     build_configs,
@@ -106,14 +106,14 @@ def test_mounts_as_subcommand_and_runs_as_module():
     add_serve_parser(root.add_subparsers(dest="cmd"))
     args = root.parse_args(["serve", "--port", "1234"])
     assert args.func is run_serve and args.port == "1234"
-    out = subprocess.run([sys.executable, "-m", "ttsserve.server.cli_serve", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ttsserve.entrypoints.serve", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--gpu-memory-utilization" in out.stdout and "TTSSERVE_API_KEY" in out.stdout
 
 
 def test_a_cpu_server_compiles_its_decode_attention_unless_told_not_to(monkeypatch) -> None:
     from ttsserve.config import EngineConfig
-    from ttsserve.server.cli_serve import _server_cpu_defaults
+    from ttsserve.server.args import _server_cpu_defaults
 
     monkeypatch.delenv("TTSSERVE_CPU_COMPILE", raising=False)
     _server_cpu_defaults(EngineConfig(device="cpu"))

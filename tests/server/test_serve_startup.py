@@ -1,5 +1,5 @@
 """`ttsserve serve` refuses a setting that cannot work with one line on stderr and exit status 2, before the
-model loads: the process is run for real (`python -m ttsserve.cli serve`), and a single stderr line proves no
+model loads: the process is run for real (`python -m ttsserve.entrypoints.cli serve`), and a single stderr line proves no
 load started (the load logs "loading model" and the dummy banner to stderr)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ FAST_S = 45.0
 def _serve(args: list[str], env: dict[str, str] | None = None) -> tuple[int, list[str], float]:
     env = {k: v for k, v in os.environ.items() if k != "TTSSERVE_API_KEY"} | (env or {})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ttsserve.cli", "serve", *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "ttsserve.entrypoints.cli", "serve", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stderr.splitlines(), time.monotonic() - start
 
@@ -112,7 +112,7 @@ def test_a_blank_api_key_refuses_to_start():
         "blank-second-key", "blank-env-key", "blank-env-item", "bad-host"])
 def test_refused_before_the_engine_is_built(args, env, needle, monkeypatch, capsys):
     from ttsserve.engine.async_engine import AsyncEngine
-    from ttsserve.server.cli_serve import add_serve_arguments, run_serve
+    from ttsserve.server.args import add_serve_arguments, run_serve
 
     def no_load(*_a, **_k):
         raise AssertionError("the model load was reached")

@@ -14,7 +14,7 @@ the new tokens' keys / values are read from the k / v inputs, never back from th
 depends on a store of another program of the same launch. `reshape_and_cache_kernel` is the stand-alone
 write, for callers that only fill the cache.
 
-FP8=True (the fp8 KV cache, ttsserve/quant/kv_fp8.py): the cache holds float8e4nv values and a parallel
+FP8=True (the fp8 KV cache, ttsserve/layers/quant/kv_fp8.py): the cache holds float8e4nv values and a parallel
 fp32 tensor `scales` [2, num_blocks, num_kv_heads, block_size] holds one scale per token and head (the
 scale of token offset o of block blk and head h at blk * sc_stride_blk + h * sc_stride_h + o, V's
 sc_v_offset later). The writes quantize (amax of the 64 values * fp32(1/448), an IEEE division, round to

@@ -9,7 +9,7 @@ One launch per layer and step (plus a small reduce when decode splits the contex
 Both also store this step's k / v at `md.slot_mapping` (slot < 0: skipped, so a runner may pad a
 CUDA-graph batch with -1 slots and seq_len 0; such rows come out as zeros).
 
-The cache of a layer is either a tensor of q's dtype or an `FP8KVCache` (ttsserve/quant/kv_fp8.py: fp8
+The cache of a layer is either a tensor of q's dtype or an `FP8KVCache` (ttsserve/layers/quant/kv_fp8.py: fp8
 values plus per-token, per-head fp32 scales), which the same kernels read and write with FP8=True.
 
 No device-to-host sync: launch shapes come from tensor shapes and the host ints of the metadata. The
@@ -33,7 +33,7 @@ from ttsserve.attention.triton_kernels import (
     paged_prefill_kernel,
     reshape_and_cache_kernel,
 )
-from ttsserve.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
+from ttsserve.layers.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 
 SUPPORTED_HEAD_DIMS = (64,)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,6 +1,6 @@
 """`ttsserve bench offline | serve`: argument parsing and the glue from flags to runs and reports.
 
-Mounted by ttsserve/cli.py through add_bench_parser(subparsers); each sub-command sets `func(args) -> int`.
+Mounted by ttsserve/entrypoints/cli.py through add_bench_parser(subparsers); each sub-command sets `func(args) -> int`.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _add_serve(sub) -> None:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` with sub-commands `offline`, `serve`, `report` and `quality` (ttsserve.quant.quality's);
+    """Add `bench` with sub-commands `offline`, `serve`, `report` and `quality` (ttsserve.tools.quant.quality's);
     each sets func(args) -> exit code."""
     p = subparsers.add_parser("bench", help="offline and serving benchmarks with JSON/Markdown/PNG reports")
     sub = p.add_subparsers(dest="bench_command", required=True)
@@ -122,11 +122,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--no-plots", action="store_true")
     r.set_defaults(func=cmd_report)
     try:  # `bench quality` (fidelity of a quantized model) lives with the quantization code
-        from ttsserve.quant.quality import add_quality_parser
+        from ttsserve.tools.quant.quality import add_quality_parser
     except ModuleNotFoundError as e:
-        if e.name not in ("ttsserve.quant", "ttsserve.quant.quality"):
+        if e.name not in ("ttsserve.layers.quant", "ttsserve.tools.quant.quality"):
             raise
-        q = sub.add_parser("quality", help="quantization fidelity (ttsserve.quant is not installed here)")
+        q = sub.add_parser("quality", help="quantization fidelity (ttsserve.layers.quant is not installed here)")
         q.set_defaults(func=cmd_quality)
     else:
         add_quality_parser(sub)
@@ -261,7 +261,7 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def cmd_quality(a: argparse.Namespace) -> int:
-    print("error: `ttsserve bench quality` needs ttsserve.quant.quality, which this install lacks", file=sys.stderr)
+    print("error: `ttsserve bench quality` needs ttsserve.tools.quant.quality, which this install lacks", file=sys.stderr)
     return 2
 
 

@@ -60,7 +60,7 @@ def machine_info(device: str | None = None) -> dict:
 
 
 def _program() -> str:
-    """`ttsserve` for the console script and `python -m ttsserve.cli`, else the script's name."""
+    """`ttsserve` for the console script and `python -m ttsserve.entrypoints.cli`, else the script's name."""
     p = Path(sys.argv[0])
     return "ttsserve" if p.stem == "ttsserve" or p.parts[-2:] == ("ttsserve", "cli.py") else p.name
 

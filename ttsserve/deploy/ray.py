@@ -133,7 +133,7 @@ def deployment_options(ray_opts: dict[str, Any], engine_cfg: EngineConfig, drain
 def build_app(args: dict[str, Any] | None = None):
     """The Ray Serve application (`serve run ttsserve.deploy.ray:build_app key=value ...`).
     Engine and server settings are validated here, on the driver, before any replica starts."""
-    from ttsserve.server.cli_serve import add_serve_arguments, build_configs
+    from ttsserve.server.args import add_serve_arguments, build_configs
 
     ray_opts, serve_opts = split_args(args or {})
     if "voices_db" not in serve_opts and not os.environ.get("TTSSERVE_VOICES_DB"):

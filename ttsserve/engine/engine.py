@@ -133,7 +133,7 @@ class Engine:
 
     def memory_report(self) -> str:
         """How many streams fit, and what weight / KV quantization saved (when used)."""
-        from ttsserve.quant.memory import quantization_memory_report
+        from ttsserve.runner.memory_report import quantization_memory_report
 
         shares_budget = self.model.device.type == "cuda" and self.cfg.kv_cache_memory is None
         quant = quantization_memory_report(self.model, self.kv_spec, weights_share_budget=shares_budget)

@@ -11,7 +11,7 @@ import torch
 
 from ttsserve.config import EngineConfig, GPTConfig
 from ttsserve.model.loader import Checkpoint, load_checkpoint, missing_files, resolve_checkpoint_root
-from ttsserve.quant.quantize import QuantConfig
+from ttsserve.layers.quant.quantize import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _largest_group(cfg: GPTConfig) -> int:
 
 def _dummy_checkpoint(cfg: EngineConfig) -> Checkpoint:
     """Random weights, generated once and then read back memory-mapped from a cache folder (fast restarts)."""
-    from ttsserve.deploy.coldstart import cached_dummy_checkpoint
+    from ttsserve.bench.coldstart import cached_dummy_checkpoint
 
     try:
         path = cached_dummy_checkpoint(cfg.dummy_size, cfg.seed)
@@ -201,7 +201,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
     if on_the_fly is None:
         gpt = GPT.from_state_dict(ckpt.gpt, gpt_cfg, dtype=dtype, device=device, quant=stored)
     else:
-        from ttsserve.quant.linear import cast_except_quant, quantize_gpt_
+        from ttsserve.layers.quant.linear import cast_except_quant, quantize_gpt_
 
         logger.warning("quantizing the dummy GPT at load (%s, round-to-nearest, no calibration)", on_the_fly.method)
         gpt = GPT.from_state_dict(ckpt.gpt, gpt_cfg, dtype=torch.float32, device=device)  # quantize from fp32

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ttsserve.quant.linear import DenseSize
+from ttsserve.layers.quant.linear import DenseSize
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -67,7 +67,7 @@ def pack_linears_(module: nn.Module) -> int:
     """Replace, in place, every nn.Linear inside `module` (weights on the CPU, packable dtype) by a
     PackedLinear, every int8 QuantLinear by a DynamicInt8Linear (where fbgemm is available) and every int4
     one by a PackedInt4Linear (where torch has its CPU int4 kernel). Returns how many were packed."""
-    from ttsserve.quant.linear import QuantLinear
+    from ttsserve.layers.quant.linear import QuantLinear
 
     count = 0
     for name, child in list(module.named_children()):
@@ -159,7 +159,7 @@ class PackedInt4Linear(DenseSize, nn.Module):
 
     def __init__(self, layer) -> None:
         super().__init__()
-        from ttsserve.quant.quantize import unpack_int4
+        from ttsserve.layers.quant.quantize import unpack_int4
 
         self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, layer.group_size
         q = unpack_int4(layer.qweight, layer.group_size).to(torch.int32)  # [N, K] in 0..15

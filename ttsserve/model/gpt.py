@@ -8,7 +8,7 @@ from torch import nn
 from ttsserve.attention.backend import AttentionContext
 from ttsserve.config import GPTConfig
 from ttsserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
-from ttsserve.quant.quantize import QuantConfig
+from ttsserve.layers.quant.quantize import QuantConfig
 
 # Keys of the HF checkpoint that the engine does not use.
 _IGNORED_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")
@@ -75,7 +75,7 @@ class GPT(nn.Module):
 
         `embed_tokens.weight` and `rotary_emb.inv_freq` are ignored. Raises ValueError naming the tensor
         for any missing, unexpected or mis-shaped tensor. With `quant` (a quantized checkpoint,
-        ttsserve/quant/quantize.py) each linear `X.weight` is replaced by `X.qweight` / `X.scales`
+        ttsserve/layers/quant/quantize.py) each linear `X.weight` is replaced by `X.qweight` / `X.scales`
         (/ `X.qzeros`) and the layers are QuantLinears; their scales keep the stored dtype.
         """
         tensors = _strip_prefix(sd)
@@ -100,7 +100,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
             if quant is not None:
-                from ttsserve.quant.linear import replace_with_empty_quant_linears
+                from ttsserve.layers.quant.linear import replace_with_empty_quant_linears
 
                 for layer in model.layers:
                     replace_with_empty_quant_linears(layer, quant)
@@ -110,7 +110,7 @@ class GPT(nn.Module):
         model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         if quant is None:
             return model.to(device=device, dtype=dtype)
-        from ttsserve.quant.linear import cast_except_quant
+        from ttsserve.layers.quant.linear import cast_except_quant
 
         return cast_except_quant(model, torch.device(device), dtype)
 

@@ -1,7 +1,7 @@
 """The paged KV pool on the device, its host-side swap pool, and sizing it from a memory budget.
 
 kv_cache_dtype "auto" stores K/V in the model dtype; "fp8" (CUDA only) stores e4m3 values plus one fp32
-scale per token and head (ttsserve/quant/kv_fp8.py), each layer an FP8KVCache instead of a tensor.
+scale per token and head (ttsserve/layers/quant/kv_fp8.py), each layer an FP8KVCache instead of a tensor.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ttsserve.attention.backend import kv_cache_shape
 from ttsserve.config import GPTConfig
-from ttsserve.quant.kv_fp8 import FP8KVCache, check_kv_cache_dtype, fp8_bytes_per_element
+from ttsserve.layers.quant.kv_fp8 import FP8KVCache, check_kv_cache_dtype, fp8_bytes_per_element
 
 logger = logging.getLogger(__name__)
 

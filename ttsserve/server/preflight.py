@@ -20,7 +20,7 @@ def check_engine_config(cfg: EngineConfig) -> None:
     for two blocks. EngineConfig itself has already checked each value's range."""
     from ttsserve.attention.torch_ref import compile_level
     from ttsserve.model.chattts import locate_checkpoint, resolve_device, resolve_dtype
-    from ttsserve.quant.kv_fp8 import check_kv_cache_dtype
+    from ttsserve.layers.quant.kv_fp8 import check_kv_cache_dtype
 
     device = resolve_device(cfg.device)
     check_kv_cache_dtype(cfg.kv_cache_dtype, device)

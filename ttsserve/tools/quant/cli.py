@@ -6,7 +6,7 @@
 The copy has the published layout (spec 1.1): asset/gpt/model.safetensors holds the quantized linears
 (`X.qweight`, `X.scales`, `X.qzeros`; quantize.py) and the norms; asset/gpt/config.json gains the HF-style
 "quantization_config" entry and asset/gpt/quantization_config.json repeats it. Embed, Decoder, DVAE, Vocos
-and the tokenizer are copied unchanged. Mounted by ttsserve/cli.py through add_quantize_parser(subparsers).
+and the tokenizer are copied unchanged. Mounted by ttsserve/entrypoints/cli.py through add_quantize_parser(subparsers).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ttsserve.model.loader import Checkpoint
-from ttsserve.quant.quantize import METHODS, QuantConfig, quantize_gpt_state_dict
+from ttsserve.layers.quant.quantize import METHODS, QuantConfig, quantize_gpt_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def quantize_checkpoint(ckpt: Checkpoint, method: str, group_size: int = 128,
 def _awq(ckpt: Checkpoint, sd: dict[str, torch.Tensor], cfg, qc: QuantConfig, cal: CalibrationSettings,
          device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:
     from ttsserve.model.chattts import build_model
-    from ttsserve.quant.calibrate import (
+    from ttsserve.tools.quant.calibrate import (
         apply_awq,
         collect_activation_stats,
         load_calibration_corpus,
@@ -131,7 +131,7 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_quantize(a: argparse.Namespace) -> int:
     from ttsserve.config import EngineConfig
     from ttsserve.model.chattts import read_checkpoint, resolve_device
-    from ttsserve.quant.calibrate import load_calibration_corpus
+    from ttsserve.tools.quant.calibrate import load_calibration_corpus
 
     try:
         ckpt = read_checkpoint(EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size,

@@ -42,7 +42,7 @@ def _say(a: argparse.Namespace) -> int:
 
     from ttsserve.audio.encode import encode_audio
     from ttsserve.params import SamplingParams, Voice
-    from ttsserve.tts import TTS
+    from ttsserve.entrypoints.tts import TTS
 
     text = sys.stdin.read() if a.text == "-" else a.text
     tts = TTS(a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device, dtype=a.dtype,
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     _add_say_parser(sub)
     from ttsserve.bench.cli_bench import add_bench_parser
-    from ttsserve.quant.cli import add_quantize_parser
-    from ttsserve.server.cli_serve import add_serve_parser
+    from ttsserve.tools.quant.cli import add_quantize_parser
+    from ttsserve.server.args import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)

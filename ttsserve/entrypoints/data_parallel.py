@@ -13,7 +13,7 @@ On CPU (--device cpu, or auto without CUDA) every replica runs on the CPU with c
 
 Mount: `add_data_parallel_args(parser)` on the serve parser; in run_serve,
 `if data_parallel_size(args) > 1: return run_data_parallel(args)`. Standalone (until then):
-`python -m ttsserve.deploy.data_parallel --data-parallel-size 2 --load-format dummy --dummy-size tiny`.
+`python -m ttsserve.entrypoints.data_parallel --data-parallel-size 2 --load-format dummy --dummy-size tiny`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def data_parallel_size(args: argparse.Namespace, env: dict[str, str] | None = No
 
 @dataclass
 class ReplicaSpec:
-    """How to start replica `index`: `argv` after `python -m ttsserve.server.cli_serve`, plus `env` overrides."""
+    """How to start replica `index`: `argv` after `python -m ttsserve.entrypoints.serve`, plus `env` overrides."""
 
     index: int
     port: int
@@ -146,7 +146,7 @@ class Supervisor:
 
     async def _spawn(self, spec: ReplicaSpec) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ttsserve.server.cli_serve", *spec.argv, env={**os.environ, **spec.env},
+            sys.executable, "-m", "ttsserve.entrypoints.serve", *spec.argv, env={**os.environ, **spec.env},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             preexec_fn=_die_with_parent)
         logger.info("replica %d: pid %d, %s, port %d", spec.index, proc.pid,
@@ -225,7 +225,7 @@ async def serve_data_parallel(host: str, port: int, specs: list[ReplicaSpec], gr
 def run_data_parallel(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point for `ttsserve serve --data-parallel-size N` (N >= 1). `argv`: the serve arguments as
     typed (default sys.argv[1:]), forwarded to every replica minus host/port/device. Returns the exit code."""
-    from ttsserve.server.cli_serve import build_configs
+    from ttsserve.server.args import build_configs
 
     try:
         n = data_parallel_size(args)
@@ -244,9 +244,9 @@ def run_data_parallel(args: argparse.Namespace, argv: list[str] | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ttsserve.server.cli_serve import add_serve_arguments
+    from ttsserve.server.args import add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m ttsserve.deploy.data_parallel", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ttsserve.entrypoints.data_parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(parser)
     add_data_parallel_args(parser)

@@ -1,7 +1,7 @@
 """Cold start: seconds from `ttsserve serve` process start to `/ready` 200, with the phases read from its log.
 
-    python -m ttsserve.deploy.coldstart --runs 3 -- --load-format dummy --dummy-size tiny --device cpu
-    python -m ttsserve.deploy.coldstart --cache-dummy real -- --device cpu --swap-space 0
+    python -m ttsserve.bench.coldstart --runs 3 -- --load-format dummy --dummy-size tiny --device cpu
+    python -m ttsserve.bench.coldstart --cache-dummy real -- --device cpu --swap-space 0
 
 `--cache-dummy SIZE` writes the random checkpoint once (safetensors, under $TTSSERVE_CACHE or
 ~/.cache/ttsserve) and serves it with `--model DIR --load-format safetensors`: later starts memory-map the file
@@ -84,10 +84,10 @@ def parse_phases(log: str, t0: float) -> dict[str, float]:
 
 def measure_cold_start(serve_args: list[str], timeout_s: float = 600.0, env: dict[str, str] | None = None,
                        poll_s: float = 0.05) -> ColdStart:
-    """Start `python -m ttsserve.server.cli_serve <serve_args> --port P`, wait for /ready 200, stop it.
+    """Start `python -m ttsserve.entrypoints.serve <serve_args> --port P`, wait for /ready 200, stop it.
     RuntimeError (with the log tail) if it exits or is not ready within `timeout_s`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ttsserve.server.cli_serve", *serve_args, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *serve_args, "--host", "127.0.0.1",
            "--port", str(port)]
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.time()
@@ -148,7 +148,7 @@ def import_floor_s() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ttsserve.deploy.coldstart", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ttsserve.bench.coldstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ttsserve.model.cpu_linear import DynamicInt8Linear, PackedInt4Linear, stored_weight_bytes
-from ttsserve.quant.linear import quant_linears
+from ttsserve.layers.quant.linear import quant_linears
 from ttsserve.runner.kv_cache import KVCacheSpec, kv_bytes_per_token
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ttsserve.quant.quantize import QuantConfig, fake_quantize
+from ttsserve.layers.quant.quantize import QuantConfig, fake_quantize
 
 logger = logging.getLogger(__name__)
 

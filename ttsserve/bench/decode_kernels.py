@@ -1,6 +1,6 @@
 """Decode-step time and memory of the real-size GPT on CUDA: bf16 vs int8 vs int4 linear layers, bf16 vs fp8 KV.
 
-    python -m ttsserve.quant.bench_decode [--batches 1,64,256] [--context 512] [--json FILE]
+    python -m ttsserve.bench.decode_kernels [--batches 1,64,256] [--context 512] [--json FILE]
 
 Random weights at the real ChatTTS size (20 layers, 768 hidden): a step costs what it costs on the real
 checkpoint. For each variant and batch size B: one decode step (B sequences with `context` cached frames
@@ -29,8 +29,8 @@ def build_gpts(device: torch.device) -> dict[str, torch.nn.Module]:
     from ttsserve.config import GPTConfig
     from ttsserve.model.dummy import SIZES, _gpt, gpt_config_json
     from ttsserve.model.gpt import GPT
-    from ttsserve.quant.linear import cast_except_quant, quantize_gpt_
-    from ttsserve.quant.quantize import QuantConfig
+    from ttsserve.layers.quant.linear import cast_except_quant, quantize_gpt_
+    from ttsserve.layers.quant.quantize import QuantConfig
 
     s = SIZES["real"]
     cfg = GPTConfig.from_hf_json(gpt_config_json(s))
@@ -45,7 +45,7 @@ def build_gpts(device: torch.device) -> dict[str, torch.nn.Module]:
 def make_caches(cfg, num_blocks: int, kv_dtype: str, device: torch.device) -> list:
     """Per-layer caches filled with random data (timing on zeros can flatter the kernels)."""
     from ttsserve.attention.backend import kv_cache_shape
-    from ttsserve.quant.kv_fp8 import FP8KVCache
+    from ttsserve.layers.quant.kv_fp8 import FP8KVCache
 
     shape = kv_cache_shape(num_blocks, 16, cfg.num_kv_heads, cfg.head_dim)
     caches = []
@@ -130,8 +130,8 @@ def sweep_quant_configs(ms: list[int]) -> list[dict]:
     """Launch shapes of the Triton quant matmul (us, graph-replayed) on the real GPT's four linear shapes."""
     import triton.testing
 
-    from ttsserve.quant.quantize import QuantConfig, quantize_weight
-    from ttsserve.quant.triton_quant import QuantMMConfig, quant_matmul
+    from ttsserve.layers.quant.quantize import QuantConfig, quantize_weight
+    from ttsserve.layers.quant.triton_quant import QuantMMConfig, quant_matmul
 
     rows = []
     for method in ("int8", "awq-int4"):

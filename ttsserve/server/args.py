@@ -5,7 +5,7 @@ EngineConfig's fields (`--block-size` <-> TTSSERVE_BLOCK_SIZE <-> EngineConfig.b
 `--x/--no-x`), so a knob added to EngineConfig is a flag without touching this file.
 
     ttsserve serve --model ./asset --port 8000 --api-key k1,k2 --requests-per-minute 60
-    python -m ttsserve.server.cli_serve --load-format dummy --dummy-size tiny --device cpu
+    python -m ttsserve.entrypoints.serve --load-format dummy --dummy-size tiny --device cpu
 """
 
 from __future__ import annotations
@@ -122,14 +122,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Mount `serve` on a subparsers object (ttsserve/cli.py); the parser's `func` is run_serve."""
+    """Mount `serve` on a subparsers object (ttsserve/entrypoints/cli.py); the parser's `func` is run_serve."""
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(p)
-    from ttsserve.deploy.data_parallel import add_data_parallel_args
+    from ttsserve.entrypoints.data_parallel import add_data_parallel_args
 
     add_data_parallel_args(p)
-    from ttsserve.server.multiproc import add_api_server_args
+    from ttsserve.entrypoints.api_servers import add_api_server_args
 
     add_api_server_args(p)
     p.set_defaults(func=run_serve)
@@ -236,7 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Check the flags and bind the port (fast), load the engine (slow), log how many streams fit, serve until
     SIGINT/SIGTERM, drain, exit. A bad setting is one line on stderr and exit status 2, before the load when
     the weights are not needed to see it."""
-    from ttsserve.deploy.data_parallel import data_parallel_size, run_data_parallel
+    from ttsserve.entrypoints.data_parallel import data_parallel_size, run_data_parallel
 
     try:
         if data_parallel_size(args) > 1:  # one engine per GPU behind the built-in balancer
@@ -245,7 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from ttsserve.attention.torch_ref import compile_level
 
         compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
-        from ttsserve.server.multiproc import api_server_count, run_api_servers
+        from ttsserve.entrypoints.api_servers import api_server_count, run_api_servers
 
         api_servers = api_server_count(args)
         # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ttsserve serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(parser)
-    from ttsserve.server.multiproc import add_api_server_args
+    from ttsserve.entrypoints.api_servers import add_api_server_args
 
     add_api_server_args(parser)
     return run_serve(parser.parse_args(argv))

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ttsserve.quant.calibrate import TeacherForcedSample, teacher_forced_hidden
+from ttsserve.tools.quant.calibrate import TeacherForcedSample, teacher_forced_hidden
 
 RANDOM_WEIGHTS_NOTE = ("note: measured on RANDOM (dummy) weights; they say little about a real checkpoint, whose "
                        "outlier channels make quantization harder than Gaussian weights do")
@@ -56,7 +56,7 @@ class Fidelity:
 def compare_models(ref, cand, samples: list[TeacherForcedSample], kv_fp8: bool = False) -> Fidelity:
     """ref / cand: ChatTTSModels (same sizes, same Embed / Decoder); kv_fp8: run cand with the CPU
     simulation of the fp8 KV cache (kv_fp8.FP8DenseAttention)."""
-    from ttsserve.quant.kv_fp8 import FP8DenseAttention
+    from ttsserve.layers.quant.kv_fp8 import FP8DenseAttention
 
     num_vq = ref.gpt_config.num_vq
     agree, kl = torch.zeros(num_vq, dtype=torch.float64), torch.zeros(num_vq, dtype=torch.float64)
@@ -124,8 +124,8 @@ def _candidate(a: argparse.Namespace, ckpt, device: torch.device, dtype: torch.d
     if a.quantized:
         return build_model(load_checkpoint(resolve_checkpoint_root(a.quantized)), device, dtype)
     if a.method == "rtn-int4":
-        from ttsserve.quant.linear import cast_except_quant, quantize_gpt_
-        from ttsserve.quant.quantize import QuantConfig
+        from ttsserve.layers.quant.linear import cast_except_quant, quantize_gpt_
+        from ttsserve.layers.quant.quantize import QuantConfig
 
         model = build_model(ckpt, device, torch.float32)
         qc = QuantConfig.for_method("awq-int4", a.group_size, calibration={"method": "round-to-nearest"})
@@ -133,7 +133,7 @@ def _candidate(a: argparse.Namespace, ckpt, device: torch.device, dtype: torch.d
         model.quant, model.dtype = qc, dtype
         return model
     if a.method:
-        from ttsserve.quant.cli import CalibrationSettings, quantize_checkpoint
+        from ttsserve.tools.quant.cli import CalibrationSettings, quantize_checkpoint
 
         cal = CalibrationSettings(samples=a.calib_samples, frames=a.calib_frames, seed=a.seed)
         return build_model(quantize_checkpoint(ckpt, a.method, a.group_size, cal, device), device, dtype)
@@ -144,7 +144,7 @@ def cmd_quality(a: argparse.Namespace) -> int:
     from ttsserve.bench.corpus import select_texts
     from ttsserve.config import EngineConfig
     from ttsserve.model.chattts import build_model, read_checkpoint, resolve_device
-    from ttsserve.quant.calibrate import teacher_forced_samples
+    from ttsserve.tools.quant.calibrate import teacher_forced_samples
 
     try:
         if not (a.quantized or a.method or a.kv_cache_dtype == "fp8"):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ttsserve.quant.quantize import QuantConfig, dequantize_int4, dequantize_int8, quantize_weight
+from ttsserve.layers.quant.quantize import QuantConfig, dequantize_int4, dequantize_int8, quantize_weight
 
 # The GPT's fused linear layers (gpt.py); each stores its rows in the order of the HF tensors it fuses.
 GPT_LINEARS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -64,7 +64,7 @@ class TorchQuantKernels:
 def quant_kernels(device_type: str) -> QuantKernels:
     """The kernels for activations on `device_type`: Triton on "cuda", torch elsewhere (cached per type)."""
     if device_type == "cuda":
-        from ttsserve.quant.triton_quant import TritonQuantKernels  # CUDA-only import
+        from ttsserve.layers.quant.triton_quant import TritonQuantKernels  # CUDA-only import
 
         return TritonQuantKernels()
     return TorchQuantKernels()
