@@ -23,7 +23,7 @@ import torch
 from ttsserve.bench.offline import OfflineSpec, TTSServeBackend, run_offline
 from ttsserve.config import EngineConfig
 from ttsserve.model.cpu_linear import stored_weight_bytes
-from ttsserve.server.args import parse_size
+from ttsserve.engine.args import parse_size
 
 VARIANTS = {  # name -> (quantization, kv_cache_dtype)
     "bf16": (None, "auto"),

@@ -14,10 +14,10 @@ from ttsserve.model.cpu_linear import (
     PackedInt4Linear,
     PackedLinear,
     can_pack_int8,
-    cpu_has_native_bf16,
     pack_linears_,
 )
 from ttsserve.model.dummy import make_dummy_checkpoint
+from ttsserve.platform import cpu_has_native_bf16
 from ttsserve.tools.quant.calibrate import teacher_forced_samples
 from ttsserve.tools.quant.quality import compare_models
 

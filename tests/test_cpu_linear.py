@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from ttsserve.model.cpu_linear import PackedLinear, can_pack, cpu_has_native_bf16, pack_linears_
+from ttsserve.model.cpu_linear import PackedLinear, can_pack, pack_linears_
+from ttsserve.platform import cpu_has_native_bf16
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 

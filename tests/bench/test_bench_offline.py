@@ -87,12 +87,9 @@ def test_preemptions_are_counted_under_a_small_kv_pool(tmp_path) -> None:
 
 
 def test_bench_parser_has_every_subcommand() -> None:
-    import argparse
+    from ttsserve.entrypoints.cli import build_parser
 
-    from ttsserve.bench.cli_bench import add_bench_parser
-
-    ap = argparse.ArgumentParser()
-    add_bench_parser(ap.add_subparsers(dest="command"))
+    ap = build_parser()
     a = ap.parse_args(["bench", "offline", "--batch-sizes", "2,4", "--kv-cache-memory", "1.5G"])
     assert a.batch_sizes == [2, 4] and a.kv_cache_memory == int(1.5 * 2**30) and a.func.__name__ == "cmd_offline"
     a = ap.parse_args(["bench", "serve", "--concurrency", "1,4", "--qps", "0.5"])

@@ -10,7 +10,8 @@ from datetime import datetime
 import torch
 from deploy_helpers import ROOT, TINY_SERVE_ARGS
 
-from ttsserve.bench.coldstart import cached_dummy_checkpoint, measure_cold_start, parse_phases
+from ttsserve.bench.coldstart import measure_cold_start, parse_phases
+from ttsserve.model.dummy_cache import cached_dummy_checkpoint
 
 
 def test_parse_phases_reads_the_first_matching_line_of_each_phase() -> None:

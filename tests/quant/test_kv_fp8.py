@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from ttsserve.attention.backend import kv_cache_shape
-from ttsserve.attention.dense import DenseAttention
+from ttsserve.attention.dense import DenseAttention, FP8DenseAttention
 from ttsserve.config import GPTConfig
 from ttsserve.layers.quant.kv_fp8 import (
     FP8_DTYPE,
-    FP8DenseAttention,
     FP8KVCache,
     fake_quantize_fp8,
     quantize_fp8_rows,

@@ -11,13 +11,9 @@ import sys
 import pytest
 
 from ttsserve.config import EngineConfig
-from ttsserve.server.args import (
-    add_serve_arguments,
-    add_serve_parser,
-    build_configs,
-    parse_size,
-    run_serve,
-)
+from ttsserve.engine.args import parse_size
+from ttsserve.entrypoints.serve import add_serve_parser, run_serve
+from ttsserve.server.args import add_serve_arguments, build_configs
 
 
 def _parse(argv: list[str], env: dict | None = None):
@@ -113,14 +109,14 @@ def test_mounts_as_subcommand_and_runs_as_module():
 
 def test_a_cpu_server_compiles_its_decode_attention_unless_told_not_to(monkeypatch) -> None:
     from ttsserve.config import EngineConfig
-    from ttsserve.server.args import _server_cpu_defaults
+    from ttsserve.server.args import server_cpu_defaults
 
     monkeypatch.delenv("TTSSERVE_CPU_COMPILE", raising=False)
-    _server_cpu_defaults(EngineConfig(device="cpu"))
+    server_cpu_defaults(EngineConfig(device="cpu"))
     assert os.environ["TTSSERVE_CPU_COMPILE"] == "1"
     monkeypatch.setenv("TTSSERVE_CPU_COMPILE", "0")
-    _server_cpu_defaults(EngineConfig(device="cpu"))
+    server_cpu_defaults(EngineConfig(device="cpu"))
     assert os.environ["TTSSERVE_CPU_COMPILE"] == "0"  # the user's choice stands
     monkeypatch.delenv("TTSSERVE_CPU_COMPILE")
-    _server_cpu_defaults(EngineConfig(device="cuda"))
+    server_cpu_defaults(EngineConfig(device="cuda"))
     assert "TTSSERVE_CPU_COMPILE" not in os.environ

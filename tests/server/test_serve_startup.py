@@ -112,7 +112,8 @@ def test_a_blank_api_key_refuses_to_start():
         "blank-second-key", "blank-env-key", "blank-env-item", "bad-host"])
 def test_refused_before_the_engine_is_built(args, env, needle, monkeypatch, capsys):
     from ttsserve.engine.async_engine import AsyncEngine
-    from ttsserve.server.args import add_serve_arguments, run_serve
+    from ttsserve.entrypoints.serve import run_serve
+    from ttsserve.server.args import add_serve_arguments
 
     def no_load(*_a, **_k):
         raise AssertionError("the model load was reached")

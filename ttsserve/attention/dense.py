@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ttsserve.layers.quant.kv_fp8 import fake_quantize_fp8
+
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of the LAST q_len positions of a context over the whole context.
@@ -53,3 +55,11 @@ class DenseAttention:
         self.k_cache[layer_idx], self.v_cache[layer_idx] = kc, vc
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         return causal_sdpa(q, kc, vc, scale)
+
+
+class FP8DenseAttention(DenseAttention):
+    """DenseAttention whose cache holds fp8-rounded k / v (per token and head, the rule of layers/quant/kv_fp8.py): the
+    CPU simulation of an fp8 KV cache, for fidelity measurements (`ttsserve bench quality`)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return super().attend(layer_idx, q, fake_quantize_fp8(k), fake_quantize_fp8(v))

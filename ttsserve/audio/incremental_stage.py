@@ -332,7 +332,7 @@ def vocoder_net_dtype(model) -> torch.dtype | None:
     if model.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16):
         return torch.float16
     if model.device.type == "cpu" and model.dtype == torch.bfloat16:
-        from ttsserve.model.cpu_linear import cpu_has_native_bf16
+        from ttsserve.platform import cpu_has_native_bf16
 
         # CPUs with native bf16 dot products (AVX512_BF16 / AMX): 2x faster than fp32 at 35 dB SNR
         # (benchmarks/cpu_parity.py); elsewhere oneDNN emulates bf16 and fp32 is faster

@@ -10,6 +10,9 @@ import dataclasses
 import gc
 import os
 import sys
+from collections.abc import Callable, Iterable
+
+from ttsserve.engine.args import ENGINE_FIELDS_DEST, add_engine_args, add_model_args, engine_kwargs
 
 
 def _ints(s: str) -> list[int]:
@@ -28,15 +31,6 @@ def _floats(s: str) -> list[float]:
 
 def _words(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def _bytes(s: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30}
-    s = s.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 2G or 512M, got {s!r}") from None
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -63,24 +57,12 @@ def _add_offline(sub) -> None:
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: $OMP_NUM_THREADS, else the physical cores)")
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, help="checkpoint folder (holding asset/) or hub id")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    g.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default=None, choices=["int8", "awq-int4"],
-                   help="GPT weight format (a dense dummy checkpoint is quantized at load; the hf backend "
-                        "always runs dense weights)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV pool size, e.g. 2G")
-    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
-                   help="any other EngineConfig field, e.g. lookahead_frames=8 (repeatable)")
+    add_model_args(p, helps={"quantization": "GPT weight format (a dense dummy checkpoint is quantized at load; "
+                                             "the hf backend always runs dense weights)"})
+    # --seed picks the texts (and seeds the dummy weights); --threads is cpu_threads
+    add_engine_args(p, exclude=("seed", "cpu_threads"))
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any EngineConfig field, e.g. lookahead_frames=8 (repeatable; overrides the flags)")
     _add_common(p)
     p.set_defaults(func=cmd_offline)
 
@@ -110,9 +92,10 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` with sub-commands `offline`, `serve`, `report` and `quality` (ttsserve.tools.quant.quality's);
-    each sets func(args) -> exit code."""
+def add_bench_parser(subparsers, extra: Iterable[Callable] = ()) -> argparse.ArgumentParser:
+    """Add `bench` with sub-commands `offline`, `serve`, `report`, plus each of `extra` (a function mounting a
+    sub-command on bench's subparsers: the entry point adds tools/quant's `quality`); each sets
+    func(args) -> exit code."""
     p = subparsers.add_parser("bench", help="offline and serving benchmarks with JSON/Markdown/PNG reports")
     sub = p.add_subparsers(dest="bench_command", required=True)
     _add_offline(sub)
@@ -121,15 +104,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("dir")
     r.add_argument("--no-plots", action="store_true")
     r.set_defaults(func=cmd_report)
-    try:  # `bench quality` (fidelity of a quantized model) lives with the quantization code
-        from ttsserve.tools.quant.quality import add_quality_parser
-    except ModuleNotFoundError as e:
-        if e.name not in ("ttsserve.layers.quant", "ttsserve.tools.quant.quality"):
-            raise
-        q = sub.add_parser("quality", help="quantization fidelity (ttsserve.layers.quant is not installed here)")
-        q.set_defaults(func=cmd_quality)
-    else:
-        add_quality_parser(sub)
+    for add in extra:
+        add(sub)
     return p
 
 
@@ -166,12 +142,7 @@ def engine_overrides(items: list[str]) -> dict:
 def _engine_config(a: argparse.Namespace):
     from ttsserve.config import EngineConfig
 
-    fields = dict(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device,
-                  dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
-                  max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                  kv_cache_memory=a.kv_cache_memory, swap_space=a.swap_space,
-                  gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-                  quantization=a.quantization, cpu_threads=a.threads)
+    fields = engine_kwargs(a) | dict(seed=a.seed, cpu_threads=a.threads)
     return EngineConfig(**(fields | engine_overrides(a.engine_arg)))
 
 
@@ -260,14 +231,9 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quality(a: argparse.Namespace) -> int:
-    print("error: `ttsserve bench quality` needs ttsserve.tools.quant.quality, which this install lacks", file=sys.stderr)
-    return 2
-
-
 def _args(a: argparse.Namespace) -> dict:
     """The parsed flags (the report's `machine.command` is sys.argv, exact when run from the CLI)."""
-    return {k: v for k, v in vars(a).items() if k != "func"}
+    return {k: v for k, v in vars(a).items() if k not in ("func", ENGINE_FIELDS_DEST)}
 
 
 def _plain(d: dict) -> dict:

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from ttsserve.model.dummy_cache import cached_dummy_checkpoint
+
 # Log line -> phase name: the first line matching marks when the phase ended (seconds since process start).
 PHASES = [
     ("imports", re.compile(r"loading model")),
@@ -116,28 +118,6 @@ def measure_cold_start(serve_args: list[str], timeout_s: float = 600.0, env: dic
                 proc.wait()
         log.seek(0)
         return ColdStart(round(total, 3), round(listen_s, 3), parse_phases(log.read(), t0))
-
-
-def cached_dummy_checkpoint(size: str, seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
-    """A random checkpoint of `size` saved once in the published layout; returns the folder holding asset/.
-    Written to a temporary name and renamed, so concurrent first starts never see half a checkpoint."""
-    from ttsserve.model.dummy import make_dummy_checkpoint, recipe_id, save_checkpoint
-
-    root = Path(cache_dir or os.environ.get("TTSSERVE_CACHE") or Path.home() / ".cache" / "ttsserve")
-    path = root / f"dummy-{size}-seed{seed}-{recipe_id(size)}"  # a new recipe never reads an old cache
-    if (path / "asset" / "gpt" / "model.safetensors").is_file():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=root))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may serve other users' servers
-    save_checkpoint(make_dummy_checkpoint(size, seed, tokenizer_dir=tmp / "asset" / "tokenizer"), tmp)
-    try:
-        tmp.rename(path)
-    except OSError:  # another process won the race: use its copy
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def import_floor_s() -> float:

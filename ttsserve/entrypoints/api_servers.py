@@ -294,9 +294,9 @@ def _core_main(engine_cfg, address: str, ready, drain_timeout_s: float, log_leve
 
     openmp_env_defaults()  # before torch loads (the next import): idle OpenMP threads must sleep, not spin
     from ttsserve.engine.core.proc import run_engine_core
-    from ttsserve.server.args import _server_cpu_defaults
+    from ttsserve.server.args import server_cpu_defaults
 
-    _server_cpu_defaults(engine_cfg)
+    server_cpu_defaults(engine_cfg)
     sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s))
 
 

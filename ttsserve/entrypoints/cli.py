@@ -6,23 +6,14 @@ import argparse
 import logging
 import sys
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (holding asset/) or hub id; default: search")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--verify-sha256", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "awq-int4"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+from ttsserve.engine.args import add_model_args, engine_kwargs
 
 
 def _add_say_parser(sub) -> None:
     p = sub.add_parser("say", help="synthesize text to an audio file")
     p.add_argument("text", help="text to speak ('-' reads standard input)")
     p.add_argument("-o", "--output", default="out.wav")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (also the speaker seed)")
     p.add_argument("--speaker", default=None, help="a ChatTTS speaker string, or 'seed:N' for a random speaker")
     p.add_argument("--temperature", type=float, default=0.3)
@@ -45,8 +36,7 @@ def _say(a: argparse.Namespace) -> int:
     from ttsserve.entrypoints.tts import TTS
 
     text = sys.stdin.read() if a.text == "-" else a.text
-    tts = TTS(a.model, load_format=a.load_format, dummy_size=a.dummy_size, device=a.device, dtype=a.dtype,
-              verify_sha256=a.verify_sha256, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+    tts = TTS(**engine_kwargs(a))
     voice = Voice()
     if a.speaker:
         from ttsserve.text.speaker import decode_speaker
@@ -77,22 +67,28 @@ def _say(a: argparse.Namespace) -> int:
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """`ttsserve` and its sub-commands (serve, say, bench with the offline tools' `quality`, quantize)."""
+    from ttsserve.bench.cli_bench import add_bench_parser
+    from ttsserve.entrypoints.serve import add_serve_parser
+    from ttsserve.tools.quant.cli import add_quantize_parser
+    from ttsserve.tools.quant.quality import add_quality_parser
+
+    ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_say_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub, extra=(add_quality_parser,))
+    add_quantize_parser(sub)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     from ttsserve.runner.cpu_threads import openmp_env_defaults
 
     openmp_env_defaults()  # before torch loads: sleeping (not spinning) OpenMP waits on a busy machine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
-    sub = ap.add_subparsers(dest="command", required=True)
-    _add_say_parser(sub)
-    from ttsserve.bench.cli_bench import add_bench_parser
-    from ttsserve.tools.quant.cli import add_quantize_parser
-    from ttsserve.server.args import add_serve_parser
-
-    add_serve_parser(sub)
-    add_bench_parser(sub)
-    add_quantize_parser(sub)
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     if a.command == "say":
         try:
             return _say(a)

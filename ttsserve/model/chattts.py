@@ -156,7 +156,7 @@ def _largest_group(cfg: GPTConfig) -> int:
 
 def _dummy_checkpoint(cfg: EngineConfig) -> Checkpoint:
     """Random weights, generated once and then read back memory-mapped from a cache folder (fast restarts)."""
-    from ttsserve.bench.coldstart import cached_dummy_checkpoint
+    from ttsserve.model.dummy_cache import cached_dummy_checkpoint
 
     try:
         path = cached_dummy_checkpoint(cfg.dummy_size, cfg.seed)

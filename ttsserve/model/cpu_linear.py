@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ttsserve.layers.quant.linear import DenseSize
+from ttsserve.platform import cpu_has_native_bf16
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -33,13 +34,6 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or cpu_has_native_bf16()
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512_BF16 or AMX-BF16 (oneDNN's fast bf16 paths)."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
 class PackedLinear(nn.Module):

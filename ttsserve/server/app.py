@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -22,6 +21,7 @@ from fastapi.security import HTTPBearer
 
 from ttsserve.audio.encode import FORMATS, content_type, validate_format
 from ttsserve.server.access_log import RequestContextMiddleware, access_logger
+from ttsserve.server.args import ServerConfig
 from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
 from ttsserve.server.limits import (
     AdmissionGate,
@@ -61,40 +61,6 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
 _AUDIO_TYPES = {content_type(f): {"schema": {"type": "string", "format": "binary"}} for f in FORMATS}
 _AUDIO_200 = {"description": "the audio, in the requested format", "content": _AUDIO_TYPES}
-
-
-@dataclass
-class ServerConfig:
-    """HTTP-side settings (the engine's are EngineConfig).
-
-    max_in_flight: syntheses admitted at once (queued in the engine or streaming); more get 503.
-    max_new_tokens: server-wide cap on frames per text segment; a request asking for more gets the cap (its
-        finish reason says `length`). 2048 frames = 43.7 s, the reference's default: without a cap one request
-        could hold a stream slot for the model's whole context.
-    served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
-    """
-
-    api_keys: tuple[str, ...] = ()
-    requests_per_minute: int = 0
-    chars_per_minute: int = 0
-    max_input_chars: int = 4096
-    max_body_bytes: int = 1 << 20
-    max_upload_bytes: int = 25 << 20
-    max_in_flight: int = 1024
-    voices_db: str = ":memory:"
-    served_model_names: tuple[str, ...] = ()
-    max_new_tokens: int | None = 2048
-    drain_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in ("requests_per_minute", "chars_per_minute"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_in_flight"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
 
 
 class ServerState:

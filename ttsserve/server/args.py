@@ -1,11 +1,11 @@
-"""`ttsserve serve`: every EngineConfig knob and every server setting as a flag and a TTSSERVE_* env var.
+"""The server's settings: ServerConfig (the one place their defaults live) and the `serve` flags.
 
 Precedence: command-line flag > environment variable > built-in default. Engine flags are generated from
-EngineConfig's fields (`--block-size` <-> TTSSERVE_BLOCK_SIZE <-> EngineConfig.block_size; booleans get
-`--x/--no-x`), so a knob added to EngineConfig is a flag without touching this file.
+EngineConfig's fields (engine/args.py: `--block-size` <-> TTSSERVE_BLOCK_SIZE <-> EngineConfig.block_size;
+booleans get `--x/--no-x`), server flags from ServerConfig's, so a knob added to either is a flag without
+touching this file.
 
     ttsserve serve --model ./asset --port 8000 --api-key k1,k2 --requests-per-minute 60
-    python -m ttsserve.entrypoints.serve --load-format dummy --dummy-size tiny --device cpu
 """
 
 from __future__ import annotations
@@ -14,102 +14,91 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
-import sys
+from dataclasses import dataclass, field
 
 from ttsserve.config import EngineConfig
-from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
+from ttsserve.engine.args import (
+    ENV_PREFIX,
+    add_engine_args,
+    add_model_args,
+    engine_kwargs,
+    parse_size,
+    read_value,
+)
 
 logger = logging.getLogger("ttsserve.server")
-ENV_PREFIX = "TTSSERVE_"
-
-_ENGINE_HELP = {
-    "model": "checkpoint folder or hub id (default: $TTSSERVE_MODEL, ./asset, the hub cache)",
-    "load_format": "auto | safetensors | dummy (random weights)",
-    "dummy_size": "real | tiny: size of random weights for --load-format dummy",
-    "device": "auto | cpu | cuda | cuda:N",
-    "dtype": "auto | float32 | bfloat16 | float16",
-    "quantization": "int8 | awq-int4 (weight-only; a quantized checkpoint from `ttsserve quantize` is detected)",
-    "kv_cache_dtype": "auto | fp8 (e4m3 KV cache with per-token-head scales; CUDA only)",
-    "lookahead_frames": "right context of streamed windows; unset = exact (stitched stream == one-shot decode)",
-    "first_chunk_frames": "frames in the first streamed audio chunk (later chunks double up to max_chunk_frames)",
-    "block_size": "KV cache block size in frames (8, 16, 32, 64, 128)",
-    "gpu_memory_utilization": "fraction of GPU memory for weights + activations + KV cache",
-    "kv_cache_memory": "bytes for the KV pool (suffixes K/M/G/KiB/MiB/GiB accepted)",
-    "swap_space": "GiB of host memory for swapped-out KV blocks",
-    "max_num_seqs": "most requests in one batch",
-    "max_num_batched_tokens": "most positions computed in one step",
-    "enable_chunked_prefill": "split long prompts across steps",
-    "preemption_mode": "auto | recompute | swap",
-    "max_queue_len": "most requests in the engine (queued + running); also the server's in-flight bound",
-    "target_step_latency_ms": "dynamic batching goal; 0 disables the controller",
-    "async_scheduling": "schedule and queue step n+1 while step n runs on the GPU (default: on with CUDA)",
-    "num_scheduler_steps": "decode steps per schedule: a stream's next k frames run back to back on the device, "
-                           "host bookkeeping once per k (multi-step scheduling; same codes as 1)",
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
-    """'4GiB', '512M', '1.5g', '1073741824' -> bytes (K/M/G/T are powers of 1024)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4GiB, 512M or a byte count)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+def _flag(help_text: str, parse=None, flag: str | None = None, cli_default=dataclasses.MISSING) -> dict:
+    """A ServerConfig field's flag: its help, its str -> value parser (default: from the annotation), its name
+    when not --<field> and, where `serve` differs from the library, its command-line default."""
+    return {"help": help_text, "parse": parse, "flag": flag, "cli_default": cli_default}
 
 
-def parse_bool(text: str) -> bool:
-    v = str(text).strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
+@dataclass
+class ServerConfig:
+    """HTTP-side settings (the engine's are EngineConfig).
+
+    max_in_flight: syntheses admitted at once (queued in the engine or streaming); more get 503. `serve`
+        defaults it to the engine's max_queue_len.
+    max_new_tokens: server-wide cap on frames per text segment; a request asking for more gets the cap (its
+        finish reason says `length`). 2048 frames = 43.7 s, the reference's default: without a cap one request
+        could hold a stream slot for the model's whole context.
+    served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
+    voices_db: the SQLite file of named voices; `serve` defaults it to ~/.local/share/ttsserve/voices.db.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    requests_per_minute: int = field(default=0, metadata=_flag("per API key (or client address); 0 = no limit"))
+    chars_per_minute: int = field(default=0, metadata=_flag("input characters per minute per key; 0 = no limit"))
+    max_input_chars: int = field(default=4096, metadata=_flag("longer input gets 413"))
+    max_body_bytes: int = field(default=1 << 20, metadata=_flag("JSON bodies over this get 413", parse_size))
+    max_upload_bytes: int = field(default=25 << 20, metadata=_flag("voice uploads over this get 413", parse_size))
+    max_in_flight: int = field(default=1024, metadata=_flag(
+        "syntheses admitted at once, more get 503 (default: --max-queue-len)", cli_default=None))
+    voices_db: str = field(default=":memory:", metadata=_flag(
+        "SQLite file of named voices (default: ~/.local/share/ttsserve/voices.db; ':memory:' = none)",
+        cli_default=None))
+    served_model_names: tuple[str, ...] = ()
+    max_new_tokens: int | None = field(default=2048, metadata=_flag("server-wide cap on frames per text segment"))
+    drain_timeout_s: float = field(default=30.0, metadata=_flag("seconds to let streams finish on shutdown",
+                                                                flag="--drain-timeout"))
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "chars_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
 
 
-def _converter(name: str, annotation: str):
-    """A str -> value function for a field, from its (string) annotation."""
-    if name == "kv_cache_memory":
-        return parse_size
-    base = annotation.replace("| None", "").replace("None |", "").strip()
-    return {"bool": parse_bool, "int": int, "float": float}.get(base, str)
-
-
-def _engine_fields() -> list[tuple[str, object, str]]:
-    return [(f.name, f.default, str(f.type)) for f in dataclasses.fields(EngineConfig)]
-
-
-# (dest, flag, converter, default, help); env var = TTSSERVE_<DEST upper>
-_SERVER_FLAGS: list[tuple[str, str, object, object, str]] = [
-    ("host", "--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
-    ("port", "--port", int, 8000, "TCP port"),
-    ("requests_per_minute", "--requests-per-minute", int, 0, "per API key (or client address); 0 = no limit"),
-    ("chars_per_minute", "--chars-per-minute", int, 0, "input characters per minute per key; 0 = no limit"),
-    ("max_in_flight", "--max-in-flight", int, None, "syntheses admitted at once, more get 503 "
-                                                    "(default: --max-queue-len)"),
-    ("max_input_chars", "--max-input-chars", int, 4096, "longer input gets 413"),
-    ("max_body_bytes", "--max-body-bytes", parse_size, 1 << 20, "JSON bodies over this get 413"),
-    ("max_upload_bytes", "--max-upload-bytes", parse_size, 25 << 20, "voice uploads over this get 413"),
-    ("voices_db", "--voices-db", str, None, "SQLite file of named voices "
-                                            "(default: ~/.local/share/ttsserve/voices.db; ':memory:' = none)"),
-    ("max_new_tokens", "--max-new-tokens", int, 2048, "server-wide cap on frames per text segment"),
-    ("drain_timeout_s", "--drain-timeout", float, 30.0, "seconds to let streams finish on shutdown"),
-    ("log_level", "--log-level", str, "info", "debug | info | warning | error"),
+# Where to listen, and how loud: flags of `serve` that are not ServerConfig's. (dest, converter, default, help)
+_LISTEN_FLAGS: list[tuple[str, object, object, str]] = [
+    ("host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
+    ("port", int, 8000, "TCP port"),
+    ("log_level", str, "info", "debug | info | warning | error"),
 ]
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    eng = parser.add_argument_group("engine (EngineConfig; each flag also reads TTSSERVE_<NAME>)")
-    for name, default, annotation in _engine_fields():
-        flag = "--" + name.replace("_", "-")
-        env = ENV_PREFIX + name.upper()
-        helptext = f"{_ENGINE_HELP.get(name, name.replace('_', ' '))} [env {env}; default {default!r}]"
-        if _converter(name, annotation) is parse_bool:
-            eng.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
-        else:
-            eng.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=helptext)
+def _server_flags() -> list[tuple[str, str, object, object, str]]:
+    """(dest, flag, converter, default, help) for every flag of the server group, env var TTSSERVE_<DEST>."""
+    out = [(dest, "--" + dest.replace("_", "-"), conv, default, text) for dest, conv, default, text in _LISTEN_FLAGS]
+    for f in dataclasses.fields(ServerConfig):
+        if not f.metadata:  # the list-valued fields (api_keys, served_model_names) have flags of their own
+            continue
+        m = f.metadata
+        default = f.default if m["cli_default"] is dataclasses.MISSING else m["cli_default"]
+        conv = m["parse"] or {"int": int, "float": float}.get(str(f.type).replace("| None", "").strip(), str)
+        out.append((f.name, m["flag"] or "--" + f.name.replace("_", "-"), conv, default, m["help"]))
+    return out
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv = parser.add_argument_group("server (each flag also reads TTSSERVE_<NAME>)")
-    for dest, flag, _conv, default, helptext in _SERVER_FLAGS:
+    for dest, flag, _conv, default, helptext in _server_flags():
         srv.add_argument(flag, dest=dest, default=None,
                          help=f"{helptext} [env {ENV_PREFIX + dest.upper()}; default {default!r}]")
     srv.add_argument("--api-key", dest="api_key", action="append", default=None,
@@ -121,36 +110,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Mount `serve` on a subparsers object (ttsserve/entrypoints/cli.py); the parser's `func` is run_serve."""
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_serve_arguments(p)
-    from ttsserve.entrypoints.data_parallel import add_data_parallel_args
-
-    add_data_parallel_args(p)
-    from ttsserve.entrypoints.api_servers import add_api_server_args
-
-    add_api_server_args(p)
-    p.set_defaults(func=run_serve)
-    return p
-
-
-def _value(args: argparse.Namespace, dest: str, conv, env: dict[str, str]):
-    """The flag's value if given, else the env var's, else None. ValueError names the flag or variable."""
-    raw = getattr(args, dest, None)
-    source = "--" + dest.replace("_", "-")
-    if raw is None:
-        raw = env.get(ENV_PREFIX + dest.upper())
-        source = ENV_PREFIX + dest.upper()
-        if raw is None or raw == "":
-            return None
-    if isinstance(raw, bool):
-        return raw
-    try:
-        return conv(raw)
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every EngineConfig knob and every server setting as a flag and a TTSSERVE_* env var."""
+    add_model_args(parser, env=True)
+    add_engine_args(parser, env=True)
+    return add_server_args(parser)
 
 
 def _list_value(args: argparse.Namespace, dest: str, env_name: str, env: dict[str, str]) -> tuple[str, ...]:
@@ -182,18 +146,11 @@ def _api_keys(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, ...]:
 
 def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     """-> (EngineConfig, ServerConfig, host, port, log_level). ValueError for bad values (names the source)."""
-    from ttsserve.server.app import ServerConfig
-
     env = dict(os.environ if env is None else env)
-    engine_kw = {}
-    for name, _default, annotation in _engine_fields():
-        value = _value(args, name, _converter(name, annotation), env)
-        if value is not None:
-            engine_kw[name] = value
-    engine_cfg = EngineConfig(**engine_kw)
+    engine_cfg = EngineConfig(**engine_kwargs(args, env))
     srv = {}
-    for dest, _flag, conv, default, _help in _SERVER_FLAGS:
-        value = _value(args, dest, conv, env)
+    for dest, _flag_name, conv, default, _help in _server_flags():
+        value = read_value(args, dest, conv, env)
         srv[dest] = default if value is None else value
     host, port, log_level = srv.pop("host"), srv.pop("port"), srv.pop("log_level")
     if srv["max_in_flight"] is None:
@@ -210,12 +167,7 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     return engine_cfg, server_cfg, host, port, log_level
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-
-
-def _server_cpu_defaults(engine_cfg) -> None:
+def server_cpu_defaults(engine_cfg) -> None:
     """A CPU server compiles its decode attention, then its whole decode step, unless $TTSSERVE_CPU_COMPILE
     says otherwise ("attention": the attention only; "0": nothing): a server lives long, and a minute or two
     of background compilation (once per process, after /ready, served eagerly meanwhile; a C++ compiler is
@@ -230,73 +182,3 @@ def _server_cpu_defaults(engine_cfg) -> None:
         os.environ[COMPILE_ENV] = "1"
         logger.info("the CPU decode step will be compiled with torch.compile in the background (%s=0 turns it "
                     "off, =attention keeps it to the attention)", COMPILE_ENV)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """Check the flags and bind the port (fast), load the engine (slow), log how many streams fit, serve until
-    SIGINT/SIGTERM, drain, exit. A bad setting is one line on stderr and exit status 2, before the load when
-    the weights are not needed to see it."""
-    from ttsserve.entrypoints.data_parallel import data_parallel_size, run_data_parallel
-
-    try:
-        if data_parallel_size(args) > 1:  # one engine per GPU behind the built-in balancer
-            return run_data_parallel(args)
-        engine_cfg, server_cfg, host, port, log_level = build_configs(args)
-        from ttsserve.attention.torch_ref import compile_level
-
-        compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
-        from ttsserve.entrypoints.api_servers import api_server_count, run_api_servers
-
-        api_servers = api_server_count(args)
-        # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
-        # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.
-        check_engine_config(engine_cfg)
-        sock = bind_socket(host, port, reuse_port=api_servers > 1 and REUSE_PORT_BALANCES)
-    except ValueError as e:
-        return _config_error(e)
-    if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (server/multiproc.py)
-        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock=sock)
-    import uvicorn
-
-    from ttsserve.engine.async_engine import AsyncEngine
-    from ttsserve.server.app import create_app
-
-    _configure_logging(log_level)
-    _server_cpu_defaults(engine_cfg)
-    logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
-    try:
-        engine = AsyncEngine.from_config(engine_cfg)
-    except ValueError as e:  # what only the checkpoint's contents reveal (a bad tensor, a quantization mismatch)
-        sock.close()
-        return _config_error(e)
-    app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
-    from ttsserve.engine.core.heap import freeze_startup_heap
-
-    freeze_startup_heap("server")
-    # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
-    # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
-    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=server_cfg.drain_timeout_s)
-    shown = f"[{host}]" if ":" in host else host
-    logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
-    uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)
-    return 0
-
-
-def _config_error(e: ValueError) -> int:
-    print(f"ttsserve serve: error: {e}", file=sys.stderr)
-    return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ttsserve serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_serve_arguments(parser)
-    from ttsserve.entrypoints.api_servers import add_api_server_args
-
-    add_api_server_args(parser)
-    return run_serve(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

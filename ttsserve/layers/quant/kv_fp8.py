@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ttsserve.attention.dense import DenseAttention
-
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 where used (torch.float32 here, a fp32 literal in Triton)
@@ -130,10 +128,3 @@ def write_kv_fp8(cache: FP8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mappi
         data[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # no fp8 index_copy on CPU
         cache.scales[i, slots // block_size, :, slots % block_size] = s
 
-
-class FP8DenseAttention(DenseAttention):
-    """DenseAttention whose cache holds fp8-rounded k / v (per token and head, the module's rule): the
-    CPU simulation of an fp8 KV cache, for fidelity measurements (`ttsserve bench quality`)."""
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return super().attend(layer_idx, q, fake_quantize_fp8(k), fake_quantize_fp8(v))

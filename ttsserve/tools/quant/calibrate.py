@@ -29,7 +29,7 @@ from ttsserve.layers.quant.quantize import QuantConfig, fake_quantize
 
 logger = logging.getLogger(__name__)
 
-CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "calibration_corpus.txt"
+CORPUS_PATH = Path(__file__).resolve().parents[2] / "data" / "calibration_corpus.txt"
 GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ttsserve.engine.args import add_model_args
 from ttsserve.model.loader import Checkpoint
 from ttsserve.layers.quant.quantize import METHODS, QuantConfig, quantize_gpt_state_dict
 
@@ -111,9 +112,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     """Add `quantize` (sets func(args) -> exit code)."""
     p = subparsers.add_parser("quantize", help="write a weight-quantized (int8 / AWQ int4) copy of a checkpoint")
     p.add_argument("--method", required=True, choices=sorted(METHODS))
-    p.add_argument("--model", default=None, help="source checkpoint folder (holding asset/) or hub id")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
+    add_model_args(p, only=("model", "load_format", "dummy_size", "device"), defaults={"device": "cpu"},
+                   helps={"model": "source checkpoint folder (holding asset/) or hub id",
+                          "device": "device of the calibration run (cpu | cuda)"})
     p.add_argument("--out", required=True, help="folder to write the quantized checkpoint to")
     p.add_argument("--calibration", default=None, help="calibration text file, one sentence per line "
                    "(default: the built-in mixed zh/en corpus); awq-int4 only")
@@ -123,7 +124,6 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--n-grid", type=int, default=20, help="AWQ exponents tried per linear group")
     p.add_argument("--max-rows", type=int, default=512, help="activation rows kept per linear for the search")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="device of the calibration run (cpu | cuda)")
     p.set_defaults(func=cmd_quantize)
     return p
 

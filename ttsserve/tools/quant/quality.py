@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ttsserve.engine.args import add_model_args
 from ttsserve.tools.quant.calibrate import TeacherForcedSample, teacher_forced_hidden
 
 RANDOM_WEIGHTS_NOTE = ("note: measured on RANDOM (dummy) weights; they say little about a real checkpoint, whose "
@@ -55,8 +56,8 @@ class Fidelity:
 @torch.no_grad()
 def compare_models(ref, cand, samples: list[TeacherForcedSample], kv_fp8: bool = False) -> Fidelity:
     """ref / cand: ChatTTSModels (same sizes, same Embed / Decoder); kv_fp8: run cand with the CPU
-    simulation of the fp8 KV cache (kv_fp8.FP8DenseAttention)."""
-    from ttsserve.layers.quant.kv_fp8 import FP8DenseAttention
+    simulation of the fp8 KV cache (attention/dense.py FP8DenseAttention)."""
+    from ttsserve.attention.dense import FP8DenseAttention
 
     num_vq = ref.gpt_config.num_vq
     agree, kl = torch.zeros(num_vq, dtype=torch.float64), torch.zeros(num_vq, dtype=torch.float64)
@@ -94,23 +95,22 @@ def add_quality_parser(bench_subparsers) -> argparse.ArgumentParser:
     """Add `quality` to `ttsserve bench` (sets func(args) -> exit code)."""
     p = bench_subparsers.add_parser("quality", help="fidelity of a quantized model to the dense one "
                                     "(top-1 agreement, KL, mel distance under teacher forcing)")
-    p.add_argument("--model", default=None, help="the dense reference checkpoint (holding asset/)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--dummy-size", default="real", choices=["real", "tiny"])
+    add_model_args(p, only=("model", "load_format", "dummy_size", "device", "kv_cache_dtype"),
+                   defaults={"device": "cpu"},
+                   helps={"model": "the dense reference checkpoint (holding asset/)",
+                          "kv_cache_dtype": "fp8: simulate the fp8 KV cache in the quantized model (alone when "
+                                            "no weight method)"})
     src = p.add_mutually_exclusive_group()
     src.add_argument("--quantized", default=None, help="a checkpoint written by `ttsserve quantize`")
     src.add_argument("--method", default=None, choices=["int8", "awq-int4", "rtn-int4"],
                      help="quantize the reference in memory (awq-int4 calibrates on the calibration corpus; "
                      "rtn-int4 is the same int4 format without AWQ scales, for comparison)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="fp8: simulate the fp8 KV cache in the quantized model (alone when no weight method)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-frames", type=int, default=32)
     p.add_argument("--texts", type=int, default=8, help="evaluation sentences (bench corpus)")
     p.add_argument("--frames", type=int, default=64, help="frames sampled per evaluation sentence")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=cmd_quality)

@@ -1,0 +1,100 @@
+"""`ttsserve serve`: the serve topology. One process (the HTTP app around an in-process AsyncEngine), or the
+engine core in its own process behind N API-server processes (api_servers.py), or N data-parallel engine
+replicas behind a built-in balancer (data_parallel.py). The flags are server/args.py's.
+
+    ttsserve serve --model ./asset --port 8000 --api-key k1,k2 --requests-per-minute 60
+    python -m ttsserve.entrypoints.serve --load-format dummy --dummy-size tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
+from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, run_data_parallel
+from ttsserve.server.args import add_serve_arguments, build_configs, server_cpu_defaults
+from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
+
+logger = logging.getLogger("ttsserve.server")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Mount `serve` on a subparsers object (entrypoints/cli.py); the parser's `func` is run_serve."""
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(p)
+    add_data_parallel_args(p)
+    add_api_server_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Check the flags and bind the port (fast), load the engine (slow), log how many streams fit, serve until
+    SIGINT/SIGTERM, drain, exit. A bad setting is one line on stderr and exit status 2, before the load when
+    the weights are not needed to see it."""
+    try:
+        if data_parallel_size(args) > 1:  # one engine per GPU behind the built-in balancer
+            return run_data_parallel(args)
+        engine_cfg, server_cfg, host, port, log_level = build_configs(args)
+        from ttsserve.attention.torch_ref import compile_level
+
+        compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
+        api_servers = api_server_count(args)
+        # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
+        # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.
+        check_engine_config(engine_cfg)
+        sock = bind_socket(host, port, reuse_port=api_servers > 1 and REUSE_PORT_BALANCES)
+    except ValueError as e:
+        return _config_error(e)
+    if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (api_servers.py)
+        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock=sock)
+    import uvicorn
+
+    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.server.app import create_app
+
+    _configure_logging(log_level)
+    server_cpu_defaults(engine_cfg)
+    logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
+    try:
+        engine = AsyncEngine.from_config(engine_cfg)
+    except ValueError as e:  # what only the checkpoint's contents reveal (a bad tensor, a quantization mismatch)
+        sock.close()
+        return _config_error(e)
+    app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
+    from ttsserve.engine.core.heap import freeze_startup_heap
+
+    freeze_startup_heap("server")
+    # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
+    # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=server_cfg.drain_timeout_s)
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
+    uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)
+    return 0
+
+
+def _config_error(e: ValueError) -> int:
+    print(f"ttsserve serve: error: {e}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ttsserve serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(parser)
+    add_api_server_args(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
