@@ -30,6 +30,7 @@ import av
 import numpy as np
 
 from ttsserve.audio.post import StreamResampler, as_mono_float32
+from ttsserve.constants import SAMPLE_RATE
 
 FORMATS: tuple[str, ...] = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 SAMPLE_RATES: tuple[int, ...] = (8000, 16000, 22050, 24000, 44100, 48000)
@@ -196,7 +197,7 @@ class StreamingEncoder:
     field to trim them); Ogg Opus carries pre-skip and the whole-file mp3 a LAME tag, so those trim.
     """
 
-    def __init__(self, fmt: str, sample_rate: int = 24000, input_rate: int = 24000) -> None:
+    def __init__(self, fmt: str, sample_rate: int = SAMPLE_RATE, input_rate: int = SAMPLE_RATE) -> None:
         self.fmt = validate_format(fmt)
         self.sample_rate = encoded_sample_rate(fmt, sample_rate)
         self.input_rate = input_rate
@@ -229,7 +230,7 @@ class StreamingEncoder:
         return self._sink.drain()
 
 
-def encode_audio(samples: np.ndarray, fmt: str, sample_rate: int = 24000, input_rate: int = 24000) -> bytes:
+def encode_audio(samples: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE, input_rate: int = SAMPLE_RATE) -> bytes:
     """Encode a whole signal `samples` [n] float32 (at `input_rate`) into one file of format `fmt`.
 
     Same resampling and quantization as StreamingEncoder (lossless formats decode to identical samples),

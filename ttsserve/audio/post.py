@@ -12,6 +12,8 @@ from typing import Literal
 import numpy as np
 import soxr
 
+from ttsserve.constants import SAMPLE_RATE
+
 # soxr "HQ" is 20-bit precision; more than 16-bit output can show, and fast enough per chunk.
 RESAMPLE_QUALITY = "HQ"
 
@@ -152,7 +154,7 @@ class StreamNormalizer:
 
 def trim_silence(
     x: np.ndarray,
-    sample_rate: int = 24000,
+    sample_rate: int = SAMPLE_RATE,
     threshold_db: float = -50.0,
     keep_ms: float = 50.0,
 ) -> np.ndarray:

@@ -23,6 +23,7 @@ import av.filter
 import numpy as np
 
 from ttsserve.audio.post import as_mono_float32
+from ttsserve.constants import SAMPLE_RATE
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 SPEED_TOKEN_RATES: tuple[float, ...] = tuple(round(0.5 + 0.1 * n, 2) for n in range(10))
@@ -85,7 +86,7 @@ class StreamTimeStretcher:
     can only cut what it has not yet returned).
     """
 
-    def __init__(self, factor: float, sample_rate: int = 24000) -> None:
+    def __init__(self, factor: float, sample_rate: int = SAMPLE_RATE) -> None:
         self.factor = validate_speed(factor)
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
             raise ValueError(f"sample_rate must be a positive integer in Hz, got {sample_rate!r}")
@@ -154,7 +155,7 @@ class StreamTimeStretcher:
             out.append(frame.to_ndarray().reshape(-1).astype(np.float32, copy=False))
 
 
-def time_stretch(x: np.ndarray, factor: float, sample_rate: int = 24000) -> np.ndarray:
+def time_stretch(x: np.ndarray, factor: float, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """Pitch-preserving tempo change of a whole signal: [n] float32 -> [~n / factor] float32."""
     stretcher = StreamTimeStretcher(factor, sample_rate)
     head = stretcher.process(x)

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
+from ttsserve.constants import MODEL_NAME
 from ttsserve.engine.args import ENGINE_FIELDS_DEST, add_engine_args, add_model_args, engine_kwargs
 
 
@@ -73,7 +74,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     p.add_argument("--endpoint", default="speech", choices=["speech", "synthesize"],
                    help="speech: POST /v1/audio/speech (OpenAI); synthesize: POST /synthesize")
-    p.add_argument("--model-name", default="chattts", help="the body's `model` field")
+    p.add_argument("--model-name", default=MODEL_NAME, help="the body's `model` field")
     p.add_argument("--voice", default="alloy")
     p.add_argument("--concurrency", type=_ints, default=[], help="closed-loop clients per point, e.g. 1,4,16")
     p.add_argument("--qps", type=_floats, default=[], help="Poisson arrival rates per point, e.g. 0.5,2")

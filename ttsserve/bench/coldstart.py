@@ -25,7 +25,6 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from pathlib import Path
 
 from ttsserve.model.dummy_cache import cached_dummy_checkpoint
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 512
+from ttsserve.constants import SAMPLE_RATE, SAMPLES_PER_FRAME
+
 FRAME_SECONDS = SAMPLES_PER_FRAME / SAMPLE_RATE
 
 

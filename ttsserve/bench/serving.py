@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from ttsserve.bench.corpus import LANGS, LENGTHS, Sentence, select_texts
 from ttsserve.bench.results import SAMPLE_RATE, RequestRecord, RunResult
+from ttsserve.constants import MODEL_NAME
 
 
 @dataclass
@@ -33,7 +34,7 @@ class ServeSpec:
 
     url: str = "http://127.0.0.1:8000"
     endpoint: str = "speech"
-    model: str = "chattts"
+    model: str = MODEL_NAME
     voice: str = "alloy"
     concurrency: Sequence[int] = ()
     qps: Sequence[float] = ()

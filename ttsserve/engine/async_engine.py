@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ttsserve.config import EngineConfig
+from ttsserve.constants import MODEL_NAME, SAMPLE_RATE, speaker_stats
 from ttsserve.engine.engine import Engine
 from ttsserve.engine.core.heap import FreezeWhenWarm
 from ttsserve.engine.errors import EngineOverloadedError
@@ -31,11 +32,11 @@ __all__ = ["AsyncEngine", "AudioOutput", "EngineOverloadedError", "fail_all"]
 
 
 class AsyncEngine:
-    sample_rate = 24000
+    sample_rate = SAMPLE_RATE
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.model_name = "chattts"
+        self.model_name = MODEL_NAME
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -106,11 +107,8 @@ class AsyncEngine:
     def random_speaker(self, seed: int) -> np.ndarray:
         from ttsserve.text.speaker import sample_random_speaker
 
-        stat = self.engine.model.spk_stat
-        h = self.engine.model.hidden_size
-        if stat is None:
-            stat = (np.ones(h, np.float16), np.zeros(h, np.float16))
-        return sample_random_speaker(stat[0], stat[1], seed)
+        std, mean = speaker_stats(self.engine.model.spk_stat, self.engine.model.hidden_size)
+        return sample_random_speaker(std, mean, seed)
 
     def parse_speaker(self, s: str) -> np.ndarray:
         from ttsserve.text.speaker import decode_speaker

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ttsserve.constants import FRAMES_PER_SECOND
 from ttsserve.engine.request import Request
 
 
@@ -254,7 +255,6 @@ class KVCacheManager:
 
 
 # ---- sizing --------------------------------------------------------------------------------------------
-FRAMES_PER_SECOND = 46.875  # 24 kHz / 512 hop (spec 5.1): one GPT step per frame
 
 
 def size_kv_pool(memory_bytes: int, bytes_per_token: int, block_size: int = 16) -> int:

@@ -123,7 +123,9 @@ class Engine:
 
             budget = kv_budget_after_profiling(model, cfg)
         else:
-            budget = 1 << 30
+            from ttsserve.constants import DEFAULT_CPU_KV_BYTES
+
+            budget = DEFAULT_CPU_KV_BYTES
         return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap,
                              kv_cache_dtype=cfg.kv_cache_dtype)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ttsserve.constants import SAMPLE_RATE
+
 MAX_REFERENCE_SECONDS = 30.0
 
 
@@ -19,8 +21,8 @@ def encode_reference(model, wav: np.ndarray, sample_rate: int) -> np.ndarray:
         raise ValueError("reference audio must be mono or multi-channel and at least 0.1 s long")
     if wav.size > MAX_REFERENCE_SECONDS * sample_rate:
         raise ValueError(f"reference audio is longer than {MAX_REFERENCE_SECONDS:.0f} s")
-    if sample_rate != 24000:
-        wav = resample(wav, sample_rate, 24000)
+    if sample_rate != SAMPLE_RATE:
+        wav = resample(wav, sample_rate, SAMPLE_RATE)
     with torch.inference_mode():
         codes = model.dvae.encode_wav(torch.from_numpy(wav).to(model.device))
     return codes[0].to(torch.int32).cpu().numpy()

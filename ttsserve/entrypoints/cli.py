@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from ttsserve.constants import SAMPLE_RATE
 from ttsserve.engine.args import add_model_args, engine_kwargs
 
 
@@ -58,8 +59,8 @@ def _say(a: argparse.Namespace) -> int:
               f"--seed, or --min-new-tokens 1", file=sys.stderr)
         return 1
     fmt = a.format or Path(a.output).suffix.lstrip(".") or "wav"
-    Path(a.output).write_bytes(encode_audio(wav, fmt, 24000))
-    print(f"wrote {a.output}: {wav.size / 24000:.2f} s of audio, {res.num_frames} frames, "
+    Path(a.output).write_bytes(encode_audio(wav, fmt, SAMPLE_RATE))
+    print(f"wrote {a.output}: {wav.size / SAMPLE_RATE:.2f} s of audio, {res.num_frames} frames, "
           f"finish={res.finish_reason}" + (f", truncated segments {res.truncated_segments}"
                                            if res.truncated_segments else ""))
     if res.dropped_chars:

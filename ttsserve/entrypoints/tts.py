@@ -8,10 +8,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ttsserve.config import EngineConfig
+from ttsserve.constants import SAMPLE_RATE, speaker_stats
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
-
-SAMPLE_RATE = 24000
 
 
 class TTS:
@@ -29,9 +28,7 @@ class TTS:
     def speaker(self, seed: int) -> np.ndarray:
         from ttsserve.text.speaker import sample_random_speaker
 
-        stat = self.engine.model.spk_stat
-        h = self.engine.model.hidden_size
-        std, mean = stat if stat is not None else (np.ones(h, np.float16), np.zeros(h, np.float16))
+        std, mean = speaker_stats(self.engine.model.spk_stat, self.engine.model.hidden_size)
         return sample_random_speaker(std, mean, seed)
 
     def generate(self, texts: str | Sequence[str], params: SamplingParams | None = None, *,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ttsserve.constants import SAMPLE_RATE
 from ttsserve.model.dummy_eos import add_eos_clock
 from ttsserve.model.loader import Checkpoint
 
@@ -135,7 +136,7 @@ def hann_window(n: int = 1024) -> torch.Tensor:
     return torch.hann_window(n, periodic=True)
 
 
-def htk_mel_filterbank(n_freqs: int = 513, n_mels: int = 100, sample_rate: int = 24000) -> torch.Tensor:
+def htk_mel_filterbank(n_freqs: int = 513, n_mels: int = 100, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
     """Triangular HTK-scale filters without area normalisation, [n_freqs, n_mels] (torchaudio's convention)."""
     def hz_to_mel(f: torch.Tensor) -> torch.Tensor:
         return 2595.0 * torch.log10(1.0 + f / 700.0)

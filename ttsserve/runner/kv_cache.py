@@ -13,12 +13,11 @@ import torch
 
 from ttsserve.attention.backend import kv_cache_shape
 from ttsserve.config import GPTConfig
+from ttsserve.constants import FRAMES_PER_SECOND
 from ttsserve.layers.quant.kv_fp8 import FP8KVCache, check_kv_cache_dtype, fp8_bytes_per_element
 
 logger = logging.getLogger(__name__)
 
-FRAMES_PER_SECOND = 24000 / 512  # 46.875: one GPT step = one frame = 512 samples at 24 kHz
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

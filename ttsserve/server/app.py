@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 
 from ttsserve.audio.encode import FORMATS, content_type, validate_format
+from ttsserve.constants import MODEL_NAME, SAMPLE_RATE
 from ttsserve.server.access_log import RequestContextMiddleware, access_logger
 from ttsserve.server.args import ServerConfig
 from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
@@ -75,7 +76,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine.stats)
         self.store = VoiceStore(cfg.voices_db)
         self.voices = VoiceResolver(self.store, engine.random_speaker, engine.parse_speaker)
-        names = cfg.served_model_names or (getattr(engine, "model_name", "chattts"), *OPENAI_MODEL_NAMES)
+        names = cfg.served_model_names or (getattr(engine, "model_name", MODEL_NAME), *OPENAI_MODEL_NAMES)
         self.model_names = tuple(dict.fromkeys(names))
         self.created = int(time.time())
 
@@ -125,7 +126,7 @@ class ServerState:
                 max_new_tokens_cap=self.cfg.max_new_tokens, request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}")
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e), text_param, fmt_param=_fmt_param(endpoint))) from None
-        rate = opts.sample_rate or 24000
+        rate = opts.sample_rate or SAMPLE_RATE
         try:
             release = self.gate.acquire()
         except ApiError as e:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ttsserve.audio.encode import SAMPLE_RATES
 from ttsserve.audio.speed import speed_to_prompt, speed_token
+from ttsserve.constants import SAMPLE_RATE
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -66,7 +67,7 @@ class ChatTTSOptions(_Strict):
     prompt: str | None = Field(
         None, max_length=256, description="refine prompt of [oral_0-9][laugh_0-2][break_0-7] tokens"
     )
-    sample_rate: int | None = Field(None, description=f"output rate, one of {SAMPLE_RATES}; default 24000")
+    sample_rate: int | None = Field(None, description=f"output rate, one of {SAMPLE_RATES}; default {SAMPLE_RATE}")
     normalize: bool | None = Field(None, description="extended text normalization (numbers, units, ...)")
 
     @field_validator("prompt")

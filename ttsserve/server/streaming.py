@@ -23,10 +23,10 @@ from starlette.responses import StreamingResponse
 
 from ttsserve.audio.encode import StreamingEncoder, encode_audio
 from ttsserve.audio.speed import StreamTimeStretcher
+from ttsserve.constants import SAMPLE_RATE
 from ttsserve.server.errors import ApiError
 
 logger = logging.getLogger("ttsserve.server")
-FRAMES_PER_SECOND = 46.875
 
 
 class ClientGone(Exception):
@@ -40,7 +40,7 @@ class SynthesisJob:
     request_id: str
     endpoint: str
     num_chars: int
-    input_rate: int = 24000
+    input_rate: int = SAMPLE_RATE
     stretch: float = 1.0  # residual speed factor applied to the engine's audio
     started: float = field(default_factory=time.perf_counter)
     first_audio_s: float | None = None  # seconds from start to the first non-empty audio bytes

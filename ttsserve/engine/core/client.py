@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ttsserve.constants import MODEL_NAME, SAMPLE_RATE
 from ttsserve.engine.core.messages import (
     Abort,
     AddRequest,
@@ -63,8 +64,8 @@ class _Stream:
 class CoreClient:
     """The engine as seen from one API server. `index` must be unique among the core's API servers."""
 
-    sample_rate = 24000
-    model_name = "chattts"
+    sample_rate = SAMPLE_RATE
+    model_name = MODEL_NAME
 
     def __init__(self, address: str, index: int = 0) -> None:
         self.address = address

@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from ttsserve.constants import MODEL_NAME, speaker_stats
 from ttsserve.engine.core.heap import FreezeWhenWarm, freeze_startup_heap
 from ttsserve.engine.core.messages import (
     Abort,
@@ -101,8 +102,7 @@ class EngineCore:
         self._stop_deadline: float | None = None
         self._freeze = FreezeWhenWarm(engine, "engine core")
         model = engine.model
-        std, mean = model.spk_stat if model.spk_stat is not None else (
-            np.ones(model.hidden_size, np.float16), np.zeros(model.hidden_size, np.float16))
+        std, mean = speaker_stats(model.spk_stat, model.hidden_size)
         self._spk_std, self._spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
         self._tokenizer_json = model.tokenizer.to_json()  # once: every Hello gets it (API servers tokenize)
         self._methods: dict[str, Callable[..., Any]] = {
@@ -188,7 +188,7 @@ class EngineCore:
         self.batches[ident] = _Batch(stats_version=self._stats_version, stats_sent_at=time.monotonic())
         logger.info("API server %d (pid %d) connected", msg.api_server_index, msg.pid)
         model = self.engine.model
-        info = CoreInfo(os.getpid(), self.sample_rate, "chattts", self.engine.memory_report(), model.hidden_size,
+        info = CoreInfo(os.getpid(), self.sample_rate, MODEL_NAME, self.engine.memory_report(), model.hidden_size,
                         ArrayMsg.of(self._spk_std), ArrayMsg.of(self._spk_mean), self.engine.cfg.max_queue_len,
                         self.engine.stats(), self._tokenizer_json)
         self._send(ident, encoder.encode(info))

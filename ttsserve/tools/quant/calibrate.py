@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ttsserve.constants import speaker_stats
 from ttsserve.layers.quant.quantize import QuantConfig, fake_quantize
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,7 @@ def teacher_forced_samples(model, texts: list[str], frames: int, seed: int = 0) 
     from ttsserve.text.speaker import sample_random_speaker
 
     front = FrontEnd(model.tokenizer, model.gpt_config.num_vq)
-    h = model.hidden_size
-    std, mean = model.spk_stat if model.spk_stat is not None else (np.ones(h, np.float16), np.zeros(h, np.float16))
+    std, mean = speaker_stats(model.spk_stat, model.hidden_size)
     out = []
     for i, text in enumerate(texts):
         spk = torch.from_numpy(sample_random_speaker(std, mean, seed + i))
