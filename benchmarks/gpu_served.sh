@@ -10,7 +10,7 @@
 # The fourth pass (BENCHMARKS.md), e.g. r15's engine points and r18's served points:
 #   TESTS=0 SERVE=0 STAG_VARIANTS=pipelined-k4,pipelined,pipelined-k8 STAG_SECONDS=10 STAG_FRAMES=60,256 \
 #       bash benchmarks/gpu_served.sh OUT
-#   TEST_FILES="tests/gpu tests/test_sampler.py tests/test_audio_stage_device.py tests/test_gpt_parity.py" STAG=0 \
+#   TEST_FILES="tests/gpu tests/sample/test_sampler.py tests/audio/test_audio_stage_device.py tests/model/test_gpt_parity.py" STAG=0 \
 #       SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128 pcm:256 mp3:128" DUR=20 bash benchmarks/gpu_served.sh OUT
 # The fifth pass's (r20) points, one server each (the mp3 test of `benchmarks/mp3_encode_speed.py` is separate):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="mp3:128 pcm:128 pcm:256" DUR=20 bash benchmarks/gpu_served.sh OUT

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ttsserve.text.expand import span_lang
 from ttsserve.text.normalize import detect_language, normalize_text, reference_normalize
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 _VALID = re.compile(r"^[\u4e00-\u9fffA-Za-z，。、,. ]*$")
 _TAG = re.compile(r"\[[\w_]+\]")
 

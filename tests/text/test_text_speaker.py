@@ -22,7 +22,7 @@ from ttsserve.text.speaker import (
     sample_random_speaker,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from ttsserve.model.gpt import GPT
 from ttsserve.model.oracle import generate_dense
 from ttsserve.params import SamplingParams
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 ASSET = GOLDEN / "assets-tiny" / "asset"
 
 

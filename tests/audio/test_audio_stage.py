@@ -1,6 +1,6 @@
 """Both streaming stages (windowed AudioStage, IncrementalAudioStage): streamed chunks == one-shot decode,
 batched == single, request lifecycle; the windowed stage's context and lookahead. The incremental stage's own
-properties: tests/test_incremental_stage.py."""
+properties: tests/audio/test_incremental_stage.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ttsserve.audio.stage import AudioChunk, AudioStage, context_frames
 from ttsserve.audio.stream_base import StreamingStage
 from ttsserve.audio.vocos import ISTFTHead, Vocos, VocosBackbone
 
-ASSET = Path(__file__).parent / "golden" / "assets-tiny" / "asset"
+ASSET = Path(__file__).resolve().parents[1] / "golden" / "assets-tiny" / "asset"
 STAGES = [AudioStage, IncrementalAudioStage]
 
 

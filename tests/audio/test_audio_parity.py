@@ -14,7 +14,7 @@ from ttsserve.audio.gfsq import GFSQ
 from ttsserve.audio.mel import MelSpectrogram
 from ttsserve.audio.vocos import Vocos, istft_rows
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 ASSET = GOLDEN / "assets-tiny" / "asset"
 MEL_ATOL, DVAE_MEL_ATOL, WAV_ATOL = 2e-5, 1e-5, 1e-5  # tests/golden/README.md "Tolerances"
 

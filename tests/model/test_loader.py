@@ -14,7 +14,7 @@ from ttsserve.model.dummy import make_dummy_checkpoint, save_checkpoint
 from ttsserve.model.loader import (asset_files, file_sha256, load_checkpoint, resolve_checkpoint_root,
                                    sha256_key, verify_digests)
 
-GOLDEN_TINY = Path(__file__).parent / "golden" / "assets-tiny"
+GOLDEN_TINY = Path(__file__).resolve().parents[1] / "golden" / "assets-tiny"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ttsserve.text.prompt import (
 from ttsserve.text.speaker import decode_audio_prompt
 from ttsserve.text.tokenizer import TextTokenizer, clean_up_tokenization
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 TOKENIZER_DIR = GOLDEN / "assets-tiny" / "asset" / "tokenizer"
 
 

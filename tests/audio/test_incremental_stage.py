@@ -1,7 +1,7 @@
 """IncrementalAudioStage: each frame decoded once, exact at any schedule, state that is clean on slot reuse.
 
 The contract it shares with the windowed stage (stitched == one-shot, batched == single, lifecycle, errors) is
-tested for both in tests/test_audio_stage.py.
+tested for both in tests/audio/test_audio_stage.py.
 """
 
 from __future__ import annotations
