@@ -77,7 +77,7 @@ def test_quant_matmul_split_k_and_ragged_tiles(method: str, split_k: int) -> Non
 
 
 def test_choose_config_regimes() -> None:
-    """The shapes the H200 sweep (bench_decode.py --sweep) found best or near-best."""
+    """The shapes the H200 sweep (bench/decode_kernels.py --sweep) found best or near-best."""
     assert choose_config(1, 2304, 768, 8, None, 132) == QuantMMConfig(16, 32, 128, 1, 4, 3)  # no split
     assert choose_config(1, 768, 3072, 8, None, 132) == QuantMMConfig(16, 64, 128, 8, 4, 3)  # long K: split
     assert choose_config(256, 768, 3072, 4, 128, 132) == QuantMMConfig(64, 64, 128, 4, 4, 3)

@@ -48,7 +48,7 @@ SIZES = {
     "real": DummySize(768, 3072, 20, 12, 21128, (512, 12, 128), 512, (256, 12, 128), (512, 1536, 8), 228.0, 1.2, 300.0),
     "tiny": DummySize(64, 128, 2, 4, 974, (64, 2, 16), 32, (64, 2, 16), (64, 192, 2), 6.5, 1.2, 3.5),
 }
-# Bump when the recipe's code changes: cached dummy checkpoints (deploy/coldstart.py) are keyed by recipe_id.
+# Bump when the recipe's code changes: cached dummy checkpoints (model/dummy_cache.py) are keyed by recipe_id.
 RECIPE_VERSION = 2
 
 

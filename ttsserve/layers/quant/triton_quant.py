@@ -88,7 +88,7 @@ class QuantMMConfig:
 
 
 def choose_config(m: int, n: int, k: int, bits: int, group_size: int | None, num_sms: int) -> QuantMMConfig:
-    """Launch shape for an [m, k] x [k, n] product, from a sweep on an H200 (bench_decode.py --sweep; the
+    """Launch shape for an [m, k] x [k, n] product, from a sweep on an H200 (bench/decode_kernels.py --sweep; the
     GPT's four linear shapes at M = 1, 64, 256). What it found: every extra launch costs ~2-3 us, as much
     as a whole small product, so split K (its partial sums need a torch reduce) only for the long
     K = 3072 reduction and otherwise take the widest N tile that still gives one program per SM."""
