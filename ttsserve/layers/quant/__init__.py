@@ -1,5 +1,5 @@
 """Quantized number formats and kernels of the ChatTTS GPT: weight-only int8 / AWQ-style int4 linears and an fp8
-KV cache. The bottom layer: imports nothing of ttsserve but config.py.
+KV cache. A bottom layer: imports nothing else of ttsserve.
 
 - quantize.py: the number formats (per-channel int8, group-wise asymmetric int4 with packing), the
   `QuantConfig` written beside a quantized checkpoint, and quantizing a GPT state dict.
