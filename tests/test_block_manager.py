@@ -243,7 +243,7 @@ def test_request_rejects_unhashable_prompt_items():
 def test_cached_block_keys_leave_the_garbage_collector():
     """The prefix cache keeps one key per full block ever computed (hundreds of thousands in a GPU's pool).
     Each must become untracked by the GC (an exact tuple of untracked items): tracked keys made every full
-    collection of the served engine core walk them, a 20-55-ms stall of the step loop (r26, BENCHMARKS.md)."""
+    collection of the served engine core walk them, a 20-55-ms stall of the step loop on the H200."""
     import gc
 
     bm = KVCacheManager(num_gpu_blocks=64, block_size=4)

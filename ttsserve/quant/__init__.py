@@ -1,4 +1,4 @@
-"""Quantization of the ChatTTS GPT (issue 9): weight-only int8 / AWQ-style int4 linears and an fp8 KV cache.
+"""Quantization of the ChatTTS GPT: weight-only int8 / AWQ-style int4 linears and an fp8 KV cache.
 
 - quantize.py: the number formats (per-channel int8, group-wise asymmetric int4 with packing), the
   `QuantConfig` written beside a quantized checkpoint, and quantizing a GPT state dict.
