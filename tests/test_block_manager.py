@@ -189,7 +189,7 @@ def test_swap_out_refuses_without_host_room_and_free_releases_host_blocks():
 
 
 def test_sizing_and_report():
-    # ChatTTS: 20 layers x K,V x 768 x 2 bytes = 61440 bytes per frame (spec 9).
+    # ChatTTS: 20 layers x K,V x 768 x 2 bytes = 61440 bytes per frame (MODEL.md §9).
     assert size_kv_pool(10 * 2**30, 61440, 16) == 10922  # floor(10 GiB / 960 KiB)
     assert size_kv_pool(61440 * 16 - 1, 61440, 16) == 0
     rep = kv_pool_report(10922, 16, utterance_seconds=30.0, prompt_len=64)

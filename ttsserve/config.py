@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The Llama body plus ChatTTS's vocabularies (spec 1.3). head_dim = hidden_size / num_heads."""
+    """The Llama body plus ChatTTS's vocabularies (MODEL.md §1.3). head_dim = hidden_size / num_heads."""
 
     hidden_size: int
     intermediate_size: int

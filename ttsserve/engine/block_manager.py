@@ -254,7 +254,7 @@ class KVCacheManager:
 
 
 # ---- sizing --------------------------------------------------------------------------------------------
-FRAMES_PER_SECOND = 46.875  # 24 kHz / 512 hop (spec 5.1): one GPT step per frame
+FRAMES_PER_SECOND = 46.875  # 24 kHz / 512 hop (MODEL.md §5.1): one GPT step per frame
 
 
 def size_kv_pool(memory_bytes: int, bytes_per_token: int, block_size: int = 16) -> int:
