@@ -291,7 +291,7 @@ class ModelRunner:
 
     def _forward_general(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
         """The general path's forward: piecewise graphs where they are captured (the compiled fused ops run
-        eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, BENCHMARKS.md)."""
+        eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, docs/benchmarks-history.md)."""
         pg = self.prefill_graphs
         if pg is None or not pg.can_run(x.shape[0]):
             return self._forward(x, md, positions)
