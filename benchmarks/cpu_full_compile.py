@@ -6,8 +6,8 @@ torch.compile graph with inductor freezing, against the same code eager.
 Real-size dummy GPT in bf16, plain (unpacked) weights: freezing lets inductor fold and prepack them; the
 engine's eager path packs them itself (model/cpu_linear.py), and its PackedLinear cannot be traced. Prints
 the compile time and ms per step at batch 1 and 8 (context 200). Not wired into the engine: see
-BENCHMARKS.md (CPU fast path) for the figures and why. With `int4`, the GPT is quantized to awq-int4 and its
-linears are the engine's PackedInt4Linear (torch's CPU int4 GEMM, traceable): no freezing is needed.
+docs/benchmarks-history.md (CPU fast path) for the figures and why. With `int4`, the GPT is quantized to
+awq-int4 and its linears are the engine's PackedInt4Linear (torch's CPU int4 GEMM, traceable): no freezing is needed.
 """
 import sys
 import time

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14's CPU target in one run: the real server under `bench serve` at concurrency C against the engine
+# The CPU served target in one run: the real server under `bench serve` at concurrency C against the engine
 # alone under `bench offline` at batch size C, same model, same corpus, natural lengths (the dummy's EOS
 # clock) capped at FRAMES per segment. The server runs first, then stops, so the two never share the cores.
 #   benchmarks/cpu_served.sh OUT [tiny|real]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU target N times over (benchmarks/cpu_served.sh: served point, then offline batch, per run), then the
 # median of each side and their ratio. One run's offline figure moves 11.5-15.9 audio-s/s for the same work on
-# the 2-core machine (BENCHMARKS.md), more than the target's margin; the medians of alternating runs are
+# the 2-core machine, more than the target's margin; the medians of alternating runs are
 # the figure to compare against 0.80.
 #   benchmarks/cpu_served_repeat.sh OUT [tiny|real] [N=3]      (env as cpu_served.sh)
 set -euo pipefail

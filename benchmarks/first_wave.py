@@ -1,10 +1,10 @@
-"""The first-wave penalty of the engine alone (issue 14): after Engine.__init__ (on CUDA: graph capture and
+"""The first-wave penalty of the engine alone: after Engine.__init__ (on CUDA: graph capture and
 warm_up), waves of N simultaneous requests of F frames; per wave TTFA min/p50/p99, step times and the step's
 phases per step. The plan is a list of items: w (a wave) or sN (sleep N seconds, an idle server).
 
 Usage: python3 benchmarks/first_wave.py DEVICE SIZE N FRAMES "w w s10 w w" [nowide]
-  e.g. python3 benchmarks/first_wave.py cuda real 128 200 "w w s10 w w"   (r31)
-  nowide: warm up without warm_up.py's wide wave (r30: wave 1 waited 325 ms for first audio, wave 2 168 ms)
+  e.g. python3 benchmarks/first_wave.py cuda real 128 200 "w w s10 w w"
+  nowide: warm up without warm_up.py's wide wave (on the H200: wave 1 waited 325 ms for first audio, wave 2 168 ms)
   (cpu tiny 16 60 "w w": a smoke run; on the CPU the engine is warmed up here by hand)
 """
 from __future__ import annotations

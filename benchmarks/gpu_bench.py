@@ -1,4 +1,4 @@
-"""GPU fast-path benchmarks (issue 7) on the real-size dummy ChatTTS in bf16: one seeded script, one JSON.
+"""GPU fast-path benchmarks on the real-size dummy ChatTTS in bf16: one seeded script, one JSON.
 
 Sections (each independent; a failure is recorded and the rest still run):
   ceilings   device-to-device copy bandwidth and bf16 matmul rate (the floors below are computed from them)

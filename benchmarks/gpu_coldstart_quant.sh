@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 8 (GPU cold start, before / after the compile caches are warm) and issue 9
+# One device call for the GPU cold start (before / after the compile caches are warm) and quantization
 # (engine throughput and memory with and without quantization). Every step writes under OUT as it goes.
 #   bash benchmarks/gpu_coldstart_quant.sh OUT [DEVICE]
 # The cold-start half starts the real server: the machine needs the package's dependencies (FastAPI, uvicorn,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 14: the GPU tests of the new paths, the staggered closed-loop engine benchmark,
+# One device call: the GPU tests of the new paths, the staggered closed-loop engine benchmark,
 # then the real HTTP server under `ttsserve bench serve` (closed loop, natural-length corpus, pcm and mp3).
 # Every step writes under OUT as it goes, so a call cut short still returns what it measured.
 #   bash benchmarks/gpu_served.sh OUT
@@ -7,22 +7,22 @@
 #      FORMATS (default pcm:32,128,256) format:concurrencies[:client processes[:seconds]] items, e.g. "pcm:128:1 pcm:128:4
 #      mp3:128" (client processes default to CLIENT_PROCS, 4: one Python client saturates), DUR seconds per point,
 #      STAG_VARIANTS / STAG_CONC / STAG_SECONDS / STAG_FRAMES the engine benchmark's.
-# The fourth pass (BENCHMARKS.md), e.g. r15's engine points and r18's served points:
+# Examples. Engine points over decode-burst variants, then served points with 8 API servers:
 #   TESTS=0 SERVE=0 STAG_VARIANTS=pipelined-k4,pipelined,pipelined-k8 STAG_SECONDS=10 STAG_FRAMES=60,256 \
 #       bash benchmarks/gpu_served.sh OUT
 #   TEST_FILES="tests/gpu tests/sample/test_sampler.py tests/audio/test_audio_stage_device.py tests/model/test_gpt_parity.py" STAG=0 \
 #       SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128 pcm:256 mp3:128" DUR=20 bash benchmarks/gpu_served.sh OUT
-# The fifth pass's (r20) points, one server each (the mp3 test of `benchmarks/mp3_encode_speed.py` is separate):
+# Served points, one server each (the mp3 test of `benchmarks/mp3_encode_speed.py` is separate):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="mp3:128 pcm:128 pcm:256" DUR=20 bash benchmarks/gpu_served.sh OUT
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 12" FORMATS="mp3:128 pcm:128" DUR=20 bash benchmarks/gpu_served.sh OUT
-# The sixth pass's (r22-r24): the served points as the fifth pass's (8 API servers, pcm:128 twice, then pcm:256), and
+# Served points with 8 API servers (pcm:128 twice, then pcm:256), and
 # the engine alone per tree with TTFA in steps: python3 benchmarks/staggered.py --out DIR --concurrency 128 --seconds 10 \
 #     --variants pipelined,pipelined-fc4 --frames 60,256   (an older tree: run its own copy of the script, and run
 #     `python3 -m ttsserve.entrypoints.cli serve` from inside a tree's directory: -m puts the working directory first on sys.path)
-# The seventh pass's (r26-r29; py-spy was attached by hand during a last point, BENCHMARKS.md):
+# Profiling (py-spy attached by hand to the engine core during the last point):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128:4:20 pcm:128:4:20 pcm:256:4:12" \
 #       bash benchmarks/gpu_served.sh OUT
-# The eighth pass's (r30, r32; r33 with --api-server-count 12 and FORMATS="mp3:128:4:20 pcm:128:4:20"):
+# A fresh server's first waves (also run with --api-server-count 12 and FORMATS="mp3:128:4:20 pcm:128:4:20"):
 #   TESTS=0 STAG=0 SERVE_ARGS="--api-server-count 8" FORMATS="pcm:128:4:20 pcm:128:4:20 pcm:256:4:12 mp3:128:4:12" \
 #       bash benchmarks/gpu_served.sh OUT
 set -u

@@ -1,4 +1,4 @@
-"""Engine throughput and memory with and without quantization (issue 9), every variant in one process.
+"""Engine throughput and memory with and without quantization, every variant in one process.
 
     python3 benchmarks/quant_engine.py --out DIR [--device cuda] [--batch-sizes 1,256] [--frames 469]
         [--kv-cache-memory 8G] [--variants bf16,int8,awq-int4,fp8-kv]

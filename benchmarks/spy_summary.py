@@ -1,6 +1,6 @@
 """Summarise a py-spy raw (collapsed-stack) profile: the share of samples in which each function is on the
 stack (inclusive) and on top (self), ttsserve frames first. Used to break down the engine core's step loop
-under served load (BENCHMARKS.md):
+under served load (docs/benchmarks-history.md):
 
     py-spy record --pid PID --duration 15 --rate 250 --nonblocking --format raw -o core.raw
     python benchmarks/spy_summary.py core.raw [--top 45] [--match ttsserve]

@@ -1,4 +1,4 @@
-"""Closed-loop engine benchmark with staggered arrivals (issue 14): N clients, each sends its next request as
+"""Closed-loop engine benchmark with staggered arrivals: N clients, each sends its next request as
 soon as the last one finished, natural lengths, no HTTP. Unlike gpu_bench's lockstep sections the streams reach
 their chunk boundaries at different steps, as under real traffic.
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The Llama body plus ChatTTS's vocabularies (spec 1.3). head_dim = hidden_size / num_heads."""
+    """The Llama body plus ChatTTS's vocabularies (MODEL.md §1.3). head_dim = hidden_size / num_heads."""
 
     hidden_size: int
     intermediate_size: int
@@ -68,18 +68,19 @@ class EngineConfig:
     first_chunk_frames / max_chunk_frames: streaming chunk sizes (the first is small for a low time to first
         audio; later ones double up to the max).
     lookahead_frames: right context of each streamed window; None = exact (the stitched stream equals the
-        one-shot decode); smaller values start audio sooner at the cost of small seams (see BENCHMARKS.md).
+        one-shot decode); smaller values start audio sooner at the cost of small seams (see docs/benchmarks-history.md).
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).
     admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
         Both None: 8 frames on CUDA (where a call or a prefill costs several decode steps of host time; 8 beat 4
-        and 1 on the H200, BENCHMARKS.md), i.e. 8 // num_scheduler_steps steps; 1 on the CPU.
+        and 1 on the H200, docs/benchmarks-history.md), i.e. 8 // num_scheduler_steps steps; 1 on the CPU.
     num_scheduler_steps: decode bursts (multi-step scheduling, engine/scheduler.py): each schedule() runs a code
         stream's next k decode steps on the device in a row (each step's input is the frame the last one
         sampled), so the host's per-step work (scheduling, input packing, results, audio bookkeeping) is paid
         once per k frames. The codes are the same as k = 1 (the counter-based sampler keys on the step).
         None: 4 on CUDA with async scheduling (the H200: 1,030 against 886 audio-s/s engine alone, 925 against
-        601 served, BENCHMARKS.md), else 1 (a CPU step is bound by its compute, not by the host's bookkeeping).
+        601 served, docs/benchmarks-history.md), else 1 (a CPU step is bound by its compute, not by the host's
+        bookkeeping).
     async_scheduling: the engine schedules and queues step n + 1 on the device before it reads step n's
         results, so the host's bookkeeping overlaps the device's work (vLLM V1's asynchronous scheduling;
         engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),

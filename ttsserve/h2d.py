@@ -4,7 +4,7 @@ A blocking host-to-device copy synchronises the stream, and the pipelined engine
 every small host array a step sends (positions, slot mappings, row indices, frame-pool write indices) goes
 through pinned memory (pooled by torch) and is copied asynchronously.
 
-A persistent pinned ring in place of `pin_memory()` per array was tried (r28): its per-copy host cost in the
+A persistent pinned ring in place of `pin_memory()` per array does not pay: its per-copy host cost in the
 served core's profile was no lower (8.8% of samples against 7.6% for the two functions here), since torch's
 per-op overhead, not the pinned allocation, is most of it; fewer copies per step is what would cut it.
 """

@@ -10,7 +10,7 @@ NUM_VQ = 4
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """ChatTTS sampling semantics (spec 4.2-4.3), per request.
+    """ChatTTS sampling semantics (MODEL.md §4.2-4.3), per request.
 
     temperature: a float, or one value per codebook (code stage only).
     top_p / top_k: HF warpers with min_tokens_to_keep=3 (top_k=1 behaves as top-3, as in the reference).
@@ -69,12 +69,12 @@ class SamplingParams:
 
     @classmethod
     def code_defaults(cls, **overrides) -> SamplingParams:
-        """InferCodeParams defaults of the reference (spec 4.1)."""
+        """InferCodeParams defaults of the reference (MODEL.md §4.1)."""
         return cls(**overrides)
 
     @classmethod
     def refine_defaults(cls, **overrides) -> SamplingParams:
-        """RefineTextParams defaults of the reference (spec 4.1)."""
+        """RefineTextParams defaults of the reference (MODEL.md §4.1)."""
         base = dict(temperature=0.7, top_p=0.7, top_k=20, repetition_penalty=1.0, max_new_tokens=384)
         base.update(overrides)
         return cls(**base)

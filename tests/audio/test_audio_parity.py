@@ -46,7 +46,7 @@ def test_sizes_inferred_from_tiny_checkpoint(nets) -> None:
     assert dec.decoder.decoder_block[0].pwconv1.out_features == 256
     assert dvae.num_vq == 4 and dvae.vq_layer.dim == 64
     assert vocos.n_mels == 100 and vocos.n_fft == 1024 and len(vocos.backbone.convnext) == 2
-    # spec 5.6: per mel frame, conv_in 1+1, k7 dilation 2 blocks 6 each, out_conv 1; Vocos embed 3 + 3 per block
+    # MODEL.md §5.6: per mel frame, conv_in 1+1, k7 dilation 2 blocks 6 each, out_conv 1; Vocos embed 3 + 3 per block
     assert dec.receptive_field == 2 + 2 * 6 + 1 and dvae.receptive_field == 15 and vocos.receptive_field == 3 + 2 * 3
 
 

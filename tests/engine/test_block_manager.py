@@ -189,7 +189,7 @@ def test_swap_out_refuses_without_host_room_and_free_releases_host_blocks():
 
 
 def test_sizing_and_report():
-    # ChatTTS: 20 layers x K,V x 768 x 2 bytes = 61440 bytes per frame (spec 9).
+    # ChatTTS: 20 layers x K,V x 768 x 2 bytes = 61440 bytes per frame (MODEL.md §9).
     assert size_kv_pool(10 * 2**30, 61440, 16) == 10922  # floor(10 GiB / 960 KiB)
     assert size_kv_pool(61440 * 16 - 1, 61440, 16) == 0
     rep = kv_pool_report(10922, 16, utterance_seconds=30.0, prompt_len=64)
@@ -243,7 +243,7 @@ def test_request_rejects_unhashable_prompt_items():
 def test_cached_block_keys_leave_the_garbage_collector():
     """The prefix cache keeps one key per full block ever computed (hundreds of thousands in a GPU's pool).
     Each must become untracked by the GC (an exact tuple of untracked items): tracked keys made every full
-    collection of the served engine core walk them, a 20-55-ms stall of the step loop (r26, BENCHMARKS.md)."""
+    collection of the served engine core walk them, a 20-55-ms stall of the step loop on the H200."""
     import gc
 
     bm = KVCacheManager(num_gpu_blocks=64, block_size=4)

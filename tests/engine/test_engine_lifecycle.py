@@ -1,4 +1,4 @@
-"""Engine request lifecycle defects (issue 14): a rejected multi-segment request leaves nothing behind, an abort
+"""Engine request lifecycle defects: a rejected multi-segment request leaves nothing behind, an abort
 touches only its own request, and a refused refine -> code hand-off fails one synthesis, not the step."""
 
 import asyncio

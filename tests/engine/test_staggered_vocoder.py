@@ -1,4 +1,4 @@
-"""Staggered arrivals (issue 14): streams that start at different steps reach their chunk boundaries at
+"""Staggered arrivals: streams that start at different steps reach their chunk boundaries at
 different steps, so without a cadence the vocoder runs nearly every step. With vocoder_cadence k it runs on
 every k-th step, in one call for every stream that is due, and the audio is the same; a stream's first chunk
 is the exception (its wait would be time to first audio): it makes a call on any step."""

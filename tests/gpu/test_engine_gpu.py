@@ -282,7 +282,7 @@ def test_graph_step_has_no_host_sync(real_bf16):
 def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16, monkeypatch):
     """Pipelined, the step after n is queued before n's results are read: reading them (the runner's outputs,
     the engine's frames, rows that ended by EOS and the wasted rows after them dropped) must not wait for
-    it. Written after r10, when a pageable index copy there was found by reading."""
+    it (a pageable index copy there once did)."""
     e = _engine(real_bf16, kv_cache_memory=1 << 30)
     assert e.pipelined
     dropped = []

@@ -1,6 +1,6 @@
 """The CPU fast-path formats as the engine serves them (linears packed by ModelRunner: oneDNN bf16, int8 via
 fbgemm's W8A8 where the CPU has int8 dot products, else weight-only) against the fp32 model: top-1 agreement
-under teacher forcing and KL within the bounds BENCHMARKS.md states, on the tiny and the real-size dummy
+under teacher forcing and KL within the bounds docs/benchmarks-history.md states, on the tiny and the real-size dummy
 checkpoints; and the engine loads and generates in each format."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ttsserve.tools.quant.quality import compare_models
 
 CPU = torch.device("cpu")
 TEXTS = ["One two three, this is a test.", "今天天气很好。"]
-# (min top-1 agreement over codebooks, max KL in nats): the bounds BENCHMARKS.md states for these formats.
+# (min top-1 agreement over codebooks, max KL in nats): the bounds docs/benchmarks-history.md states for these formats.
 BOUNDS = {"bf16": (0.90, 5e-3), "int8": (0.75, 5e-2)}
 
 

@@ -1,4 +1,4 @@
-"""Normalization: reference parity (a_prompts, spec 2.3 examples) and the verbalising front end."""
+"""Normalization: reference parity (a_prompts, MODEL.md §2.3 examples) and the verbalising front end."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Decode-only batches (one new token per sequence) are one padded SDPA over every 
 with ONE `index_select` per layer into a reused scratch buffer; batches with prefill chunks loop over
 sequences (simple beats fast there: prefill is a small part of a ChatTTS request).
 
-Why this shape on CPU (benchmarks/cpu_kernels.py, BENCHMARKS.md):
+Why this shape on CPU (benchmarks/cpu_kernels.py, docs/benchmarks-history.md):
 - `index_select` along dim 0 of the cache viewed as [2 * num_blocks, page] copies whole pages
   (block_size * Hkv * D contiguous values, a memcpy each) and is 5-10x faster than advanced indexing
   `kv_cache[:, block_table]` or an index_select along the block axis of [2, num_blocks, page];

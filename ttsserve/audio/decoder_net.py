@@ -1,4 +1,4 @@
-"""ChatTTS audio decoders in plain torch (spec 1.6, 1.7, 5.2-5.4).
+"""ChatTTS audio decoders in plain torch (MODEL.md §1.6, §1.7, §5.2-5.4).
 
 - `ConvNeXtBlock` / `ConvNeXtStack`: the DVAE-style conv stack (dwconv k7 dilation 2, LayerNorm eps 1e-6, MLP with
   exact-erf GELU, layer scale named `weight`); Vocos reuses the block with dilation 1 and scale `gamma`.
@@ -172,7 +172,7 @@ def load_checked(module: nn.Module, sd: dict[str, Tensor], source: str, renames:
 
 
 class HiddenDecoder(nn.Module):
-    """asset/Decoder.safetensors: GPT hidden states -> log-mel-like features for Vocos (spec 5.2)."""
+    """asset/Decoder.safetensors: GPT hidden states -> log-mel-like features for Vocos (MODEL.md §5.2)."""
 
     def __init__(self, decoder: ConvNeXtStack, n_mels: int, out_kernel: int = 3):
         super().__init__()
@@ -212,7 +212,7 @@ class HiddenDecoder(nn.Module):
 
 
 class DVAE(nn.Module):
-    """asset/DVAE.safetensors: codes <-> mel through the GFSQ (spec 5.3 decode, 5.4 encode)."""
+    """asset/DVAE.safetensors: codes <-> mel through the GFSQ (MODEL.md §5.3 decode, §5.4 encode)."""
 
     def __init__(self, encoder: ConvNeXtStack, decoder: ConvNeXtStack, vq: GFSQ, n_mels: int, n_fft: int,
                  out_kernel: int = 3, hop_length: int = 256):

@@ -14,7 +14,7 @@ Formats (OpenAI `response_format` names):
           bytes can be played while they arrive; MP4/M4A could not be streamed without fragmenting.
 
 Float -> int16: x is clipped to [-1, 1] and scaled by 32767 with rounding. The reference rescales each
-call by its own peak (spec 7.4: 16383 when a chunk peaks in (1, 2]); per chunk that makes the loudness
+call by its own peak (MODEL.md §7.4: 16383 when a chunk peaks in (1, 2]); per chunk that makes the loudness
 of a streamed response jump between chunks, so we use one fixed scale and clip the rare overshoot.
 Lossy codecs get the clipped float directly.
 """

@@ -1,4 +1,4 @@
-"""Grouped residual FSQ of the ChatTTS DVAE (spec 5.3, 5.4), the 2024 semantics (vector_quantize_pytorch < 1.26).
+"""Grouped residual FSQ of the ChatTTS DVAE (MODEL.md §5.3, §5.4), 2024 semantics (vector_quantize_pytorch < 1.26).
 
 Codebook row q = g * R + r (group g, residual r). Each row holds one index in [0, L^D) (L = 5 levels, D = 4 dims,
 so 625 codes); digit d of an index is `(idx // L^d) % L` (d = 0 least significant). Residual r is scaled by
@@ -65,7 +65,7 @@ class GFSQ(nn.Module):
         return torch.cat(outs, dim=-1).transpose(1, 2)
 
     def quantize(self, x: Tensor) -> Tensor:
-        """x: latent [B, dim, N] -> LongTensor codes [B, G*R, N] (spec 5.4: no input clamp, 2.002 * tanh)."""
+        """x: latent [B, dim, N] -> LongTensor codes [B, G*R, N] (MODEL.md §5.4: no input clamp, 2.002 * tanh)."""
         if x.dim() != 3 or x.shape[1] != self.dim:
             raise ValueError(f"GFSQ.quantize: x must be [B, {self.dim}, N], got {tuple(x.shape)}")
         half = self.levels // 2

@@ -1,4 +1,4 @@
-"""Decoder/DVAE + Vocos run incrementally: each conv keeps the tail of its input per stream (spec 5.2-5.5).
+"""Decoder/DVAE + Vocos run incrementally: each conv keeps the tail of its input per stream (MODEL.md §5.2-5.5).
 
 The windowed stage re-decodes L + R = 104 frames of context around every chunk, 2.6-2.9x the real frames at
 the default chunk sizes. Here every temporal conv of half width r keeps, per stream slot, the last 2r frames of

@@ -328,7 +328,7 @@ def vocoder_net_dtype(model) -> torch.dtype | None:
 
     With a 16-bit GPT on CUDA the networks run in fp16: on an H200 3.7x faster than fp32 and as fast as bf16,
     with 0.22% relative L2 error on the waveform against bf16's 1.8% (53 vs 35 dB SNR,
-    benchmarks/results/gpu/run2_graphs_fused.json). The fp32 GPT (the parity path) keeps fp32 networks."""
+    benchmarks/gpu_bench.py). The fp32 GPT (the parity path) keeps fp32 networks."""
     if model.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16):
         return torch.float16
     if model.device.type == "cpu" and model.dtype == torch.bfloat16:

@@ -1,7 +1,7 @@
 """OpenAI `speed` (0.25..4.0) onto ChatTTS: a `[speed_N]` prompt token plus a pitch-preserving time stretch.
 
 ChatTTS's code prompt carries one of `[speed_0]`..`[speed_9]`; the reference always uses `[speed_5]`
-(spec 2.5). How fast each N speaks is not published, so this module ASSUMES a linear scale of 0.1x per
+(MODEL.md §2.5). How fast each N speaks is not published, so this module ASSUMES a linear scale of 0.1x per
 step around N=5:
 
     N      0    1    2    3    4    5    6    7    8    9

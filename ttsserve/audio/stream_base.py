@@ -244,7 +244,7 @@ class StreamingStage:
         that the device has finished (the previous step's on the CPU, where a call is done when queued).
         A call still running is not waited for, unless MAX_IN_FLIGHT calls would then be in flight: waiting
         held the engine's host loop for the vocoder's device time every step (12% of the served core's
-        time, r26), while the next step's host work can run beside it."""
+        time), while the next step's host work can run beside it."""
         pending = self._launch()
         if not self.deferred:
             return self._collect(pending)

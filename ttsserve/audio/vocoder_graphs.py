@@ -2,7 +2,7 @@
 
 One incremental call is a few hundred small kernels (every conv gathers and scatters its state tail), so on a
 GPU its cost is the host's launches: 5-10 ms whatever the batch. With streams that arrive at different times
-a call happens nearly every step, and that host time bounded the served throughput (issue 14). A replayed graph
+a call happens nearly every step, and that host time bounded the served throughput. A replayed graph
 is one launch.
 
 Static buffers shared by every bucket: x [R, N, C] (the new frames of each row, in the frame pool's dtype) and

@@ -1,4 +1,4 @@
-"""Vocos mel -> waveform in plain torch (spec 1.8, 5.5): ConvNeXt backbone + ISTFT head, weights from the file.
+"""Vocos mel -> waveform in plain torch (MODEL.md §1.8, §5.5): ConvNeXt backbone + ISTFT head, weights from the file.
 
 `forward(mel)` uses torch.istft (the parity path). With per-row `lengths` it runs the same ISTFT as an explicit
 overlap-add whose window envelope is computed per row, so each row of a zero-padded batch equals that row alone.

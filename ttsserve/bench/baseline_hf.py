@@ -1,4 +1,4 @@
-"""The HuggingFace-style baseline: ChatTTS's own way of generating (spec 3-4), for `bench --backend hf`.
+"""The HuggingFace-style baseline: ChatTTS's own way of generating (MODEL.md §3-4), for `bench --backend hf`.
 
 `transformers.LlamaModel` built from the checkpoint's gpt/config.json and weights (`embed_tokens` removed, as
 the reference does; inputs_embeds come from our Embed), static batches left-padded with an attention mask,
@@ -42,7 +42,7 @@ def build_llama(gpt_config: dict, state_dict: dict[str, torch.Tensor], device: t
     conf = {k: v for k, v in gpt_config.items() if k not in ("torch_dtype", "dtype", "transformers_version")}
     conf.update(vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=True)
     config = LlamaConfig(**conf)
-    config._attn_implementation = "sdpa"  # the reference's default (spec 3.2: all-masked rows give 0)
+    config._attn_implementation = "sdpa"  # the reference's default (MODEL.md §3.2: all-masked rows give 0)
     with torch.device("meta"):
         model = LlamaModel(config)
     sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state_dict.items()}
@@ -61,7 +61,7 @@ def build_llama(gpt_config: dict, state_dict: dict[str, torch.Tensor], device: t
 @dataclass
 class Generated:
     """One sequence's result: codes int64 [n, num_vq] (no EOS frame), hiddens fp32 [n, H] (the state each
-    frame was sampled from, spec 4.5); `finish_reason` "stop" (EOS) or "length"."""
+    frame was sampled from, MODEL.md §4.5); `finish_reason` "stop" (EOS) or "length"."""
 
     codes: torch.Tensor
     hiddens: torch.Tensor

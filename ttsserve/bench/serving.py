@@ -313,7 +313,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return lo
 
 
-CLIENTS_PER_PROC = 32  # closed-loop streams one Python client process keeps up with (BENCHMARKS.md, r6)
+CLIENTS_PER_PROC = 32  # closed-loop streams one Python client process keeps up with (on the 16-core H200 host)
 
 
 def auto_client_procs(load_kind: str, load: float) -> int:

@@ -116,7 +116,7 @@ class AsyncEngine:
         return decode_speaker(s, dim=self.engine.model.hidden_size)
 
     def encode_reference_audio(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
-        """A reference recording -> int32 [num_vq, P] audio-code prompt (DVAE encoder, spec 5.4)."""
+        """A reference recording -> int32 [num_vq, P] audio-code prompt (DVAE encoder, MODEL.md §5.4)."""
         from ttsserve.engine.voice_encode import encode_reference
 
         return encode_reference(self.engine.model, wav, sample_rate)

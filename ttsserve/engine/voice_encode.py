@@ -1,4 +1,4 @@
-"""Reference recording -> audio-code prompt (ChatTTS's sample-audio speaker, spec 5.4)."""
+"""Reference recording -> audio-code prompt (ChatTTS's sample-audio speaker, MODEL.md §5.4)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def _wide_wave(engine: Engine, rows: int, frames: int) -> None:
     """`rows` short requests at once, as a burst of real traffic sends them: the host-side pools (pinned
     staging memory, the caching allocators' blocks) grow to a full batch's sizes here, not in the first burst
     (on an H200, after a warm-up without this wave, the engine's first wave of 128 requests waited
-    325 ms for first audio and its second 168 ms: benchmarks/first_wave.py, BENCHMARKS.md r30)."""
+    325 ms for first audio and its second 168 ms: benchmarks/first_wave.py)."""
     if rows <= 0:
         return
     for i in range(rows):

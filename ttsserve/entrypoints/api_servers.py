@@ -18,7 +18,7 @@ Connections: on Linux each API server listens on its own socket of one SO_REUSEP
 hashes each new connection to one of them. On one shared socket, whichever process woke first accepted
 every connection then pending: 128 connections opened at once (a burst of clients, a restart under load)
 landed 128-0-0-0 or 98-29-1-0 on 4 API servers, and with keep-alive stayed there, so with mp3 five of 8
-servers ran at 100% CPU while the others idled (BENCHMARKS.md, r19). Elsewhere all share one socket.
+servers ran at 100% CPU while the others idled (on the H200 machine). Elsewhere all share one socket.
 
 Shared state: voices in one SQLite file (a `:memory:` store becomes a file in the run directory, so a voice
 made through one API server is visible to all), Prometheus counters in PROMETHEUS_MULTIPROC_DIR (a scrape

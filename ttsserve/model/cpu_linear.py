@@ -110,7 +110,7 @@ class DynamicInt8Linear(DenseSize, nn.Module):
     call quantizes the activations per tensor to 8-bit unsigned, multiplies int8 x int8 with int32
     accumulation (VNNI) and rescales to fp32. On 2 Zen 4 cores the GPT's 80 linears take 10.1 ms at batch 1
     and 11.9 ms at batch 8, against 13.8 / 38.4 ms for weight-only `torch._weight_int8pack_mm` and 16.6 / 17.0
-    ms for packed bf16 (benchmarks/cpu_kernels.py). The price is the activation rounding: BENCHMARKS.md has
+    ms for packed bf16 (benchmarks/cpu_kernels.py). The price is the activation rounding: docs/benchmarks-history.md has
     the fidelity next to the speed (benchmarks/cpu_parity.py)."""
 
     def __init__(self, layer) -> None:

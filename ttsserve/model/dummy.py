@@ -192,7 +192,7 @@ def _vocos(g: torch.Generator, s: DummySize) -> dict[str, torch.Tensor]:
 
 
 def gpt_config_json(s: DummySize) -> dict:
-    """`asset/gpt/config.json` with the published keys (spec 1.3), sized for `s`."""
+    """`asset/gpt/config.json` with the published keys (MODEL.md §1.3), sized for `s`."""
     return {
         "architectures": ["LlamaModel"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
         "eos_token_id": 2, "hidden_act": "silu", "hidden_size": s.hidden, "initializer_range": 0.02,

@@ -2,7 +2,7 @@
 
 Same structure as the published `asset/tokenizer/`: ids 0..103 like bert-base-chinese, then ASCII, `##` pieces,
 common English words and CJK characters up to `num_wordpiece`, then the 50 ChatTTS specials as added tokens; the
-fixed padding/truncation block at 256 that the real file carries (spec 2.1) is kept on purpose so the loader's
+fixed padding/truncation block at 256 that the real file carries (MODEL.md §2.1) is kept on purpose so the loader's
 handling of that pitfall is exercised.
 """
 

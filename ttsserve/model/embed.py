@@ -1,4 +1,4 @@
-"""ChatTTS input embeddings (text + 4 codebooks), speaker injection and output heads (spec 1.5, 2.7, 3.2, 3.4).
+"""ChatTTS input embeddings (text + 4 codebooks), speaker injection, output heads (MODEL.md §1.5, §2.7, §3.2, §3.4).
 
 Everything here is fp32: the embeddings are cast to the GPT dtype by the GPT, and hidden states are cast
 back to fp32 before the heads.
@@ -31,7 +31,7 @@ class Embed(nn.Module):
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                         source: str = "Embed.safetensors") -> Embed:
-        """Build from `asset/Embed.safetensors` tensors (spec 1.5) on `device`, fp32 whatever the file dtype;
+        """Build from `asset/Embed.safetensors` tensors (MODEL.md §1.5) on `device`, fp32 whatever the file dtype;
         dims are inferred from the shapes. The heads are folded in fp32 on the host.
 
         Raises ValueError naming any missing, unexpected or mis-shaped tensor.
@@ -75,7 +75,7 @@ class Embed(nn.Module):
 
     def embed_prompt(self, ids: torch.Tensor, text_mask: torch.Tensor, spk_emb: torch.Tensor | None,
                      spk_emb_id: int) -> torch.Tensor:
-        """Prefill embeddings of one prompt (spec 3.2).
+        """Prefill embeddings of one prompt (MODEL.md §3.2).
 
         ids: [T, Q] int64 (text positions hold the text id in every column); text_mask: [T] bool;
         spk_emb: [H] speaker vector (fp16 in the reference) or None; spk_emb_id: the `[spk_emb]` token id.

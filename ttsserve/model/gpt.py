@@ -1,4 +1,4 @@
-"""The ChatTTS GPT: an HF LlamaModel body without `embed_tokens`, over a flat batch of tokens (spec 3.1)."""
+"""The ChatTTS GPT: an HF LlamaModel body without `embed_tokens`, over a flat batch of tokens (MODEL.md §3.1)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class GPT(nn.Module):
     def from_state_dict(cls, sd: dict[str, torch.Tensor], cfg: GPTConfig, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu",
                         source: str = "gpt/model.safetensors", quant: QuantConfig | None = None) -> GPT:
-        """Build from an HF LlamaModel state dict (spec 1.4), keys with or without a `model.` prefix.
+        """Build from an HF LlamaModel state dict (MODEL.md §1.4), keys with or without a `model.` prefix.
 
         `embed_tokens.weight` and `rotary_emb.inv_freq` are ignored. Raises ValueError naming the tensor
         for any missing, unexpected or mis-shaped tensor. With `quant` (a quantized checkpoint,

@@ -1,4 +1,4 @@
-"""Llama building blocks with the exact numerics of HF LlamaModel (spec 3.1, 8.3)."""
+"""Llama building blocks with the exact numerics of HF LlamaModel (MODEL.md §3.1, §8.3)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class RotaryEmbedding(nn.Module):
 
     The cos/sin table is computed once in fp32 exactly as HF does per call (inv_freq * float(position)),
     so a table lookup gives bitwise the same values; integer positions never pass through a low-precision
-    dtype (spec 8.2).
+    dtype (MODEL.md §8.2).
     """
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:

@@ -1,4 +1,4 @@
-"""Reading a ChatTTS checkpoint exactly as published (spec 1.1-1.2).
+"""Reading a ChatTTS checkpoint exactly as published (MODEL.md §1.1-1.2).
 
 Layout (relative to the root): `asset/gpt/{config.json, model.safetensors}`,
 `asset/{Embed, Decoder, DVAE, Vocos}.safetensors`, `asset/tokenizer/{tokenizer.json, tokenizer_config.json,
@@ -24,7 +24,7 @@ HF_REPO_ID = "2Noise/ChatTTS"
 COMPONENTS = ("Embed", "Decoder", "DVAE", "Vocos")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-# The published digests, as far as the spec records them (first 8 and last 4 hex digits of each SHA-256).
+# The published digests, as far as MODEL.md §1.2 records them (first 8 and last 4 hex digits of each SHA-256).
 # A checkpoint that ships a `sha256_map.json` (the reference's own format) is checked against full digests.
 PUBLISHED_SHA256 = {
     "sha256_asset_Decoder_safetensors": ("77aa55e0", "d4e0"),

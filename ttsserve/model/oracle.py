@@ -1,4 +1,4 @@
-"""The single-request generation loop (spec 4.2) on a dense cache: the oracle the paged engine is tested against."""
+"""The single-request generation loop (MODEL.md §4.2) on a dense cache: the oracle the paged engine is tested on."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def generate_dense(gpt: GPT, embed: Embed, prompt_embeds: torch.Tensor, mode: st
     A code frame ends the sequence if ANY codebook is EOS; the EOS step is not returned.
     seed: used when params.seed is None. max_new_tokens: defaults to params.max_new_tokens.
     Returns (tokens, hiddens): tokens [n, num_vq] (code) or [n] (text) int64, and hiddens [n, H] fp32,
-    hiddens[k] = the post-norm hidden state from which token k was sampled (spec 4.5).
+    hiddens[k] = the post-norm hidden state from which token k was sampled (MODEL.md §4.5).
     """
     if mode not in ("code", "text"):
         raise ValueError(f"mode must be 'code' or 'text', got {mode!r}")

@@ -3,7 +3,7 @@
 Eager, a decode step is ~1,000 small ops and ~9,000 Python calls around the GPT's 80 GEMMs; at 8 streams that
 costs more than the GEMMs (int8 W8A8: a 30.6 ms GPT forward against ~12 ms of GEMM). Compiled as one graph,
 inductor fuses everything between the GEMMs (norms, RoPE, the KV write, the paged attention, residuals, SiLU):
-a step at 8 streams drops from 45.7 to 38.1 ms, at 16 from 82.3 to 57.0 ms (BENCHMARKS.md, CPU fast path).
+a step at 8 streams drops from 45.7 to 38.1 ms, at 16 from 82.3 to 57.0 ms (docs/benchmarks-history.md, CPU fast path).
 
 The packed linears (oneDNN bf16/fp32, fbgemm W8A8, int4) are opaque to the tracer, so each runs as the custom op
 `ttsserve::cpu_linear`, which calls the module by handle. One graph serves every batch of >= 2 sequences

@@ -3,7 +3,7 @@
 A CPU decode step is ~200 small parallel regions (80 linears, 20 attention gathers and SDPAs, norms,
 softmaxes). Each region needs EVERY thread of the OpenMP team to run, so a thread more than the cores
 that are really free turns each region into a wait for the scheduler: 2 threads on 2 cores that other
-processes also use made a bf16 step 30x slower than 1 thread (benchmarks/cpu_profile.py, BENCHMARKS.md).
+processes also use made a bf16 step 30x slower than 1 thread (benchmarks/cpu_profile.py, docs/benchmarks-history.md).
 Hence:
 - intra-op threads = the physical cores this process may run on (affinity mask, SMT siblings counted
   once, capped by a cgroup CPU quota), unless OMP_NUM_THREADS or an explicit number says otherwise;

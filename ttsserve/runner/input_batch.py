@@ -9,7 +9,7 @@ and does nothing when no table changed: a decode step copies only when some sequ
 host table is never read by a copy, so writing it never waits; a staging table is reused two flushes later,
 by when its copy has run (an event query; the pipelined engine's step in between has been waited for). A
 single pinned table written in place had to wait for its last copy, queued behind the device's previous
-step and vocoder call: 3% of the served engine core's time (r27).
+step and vocoder call: 3% of the served engine core's time on the H200.
 
 All per-token arithmetic (positions, slot_mapping, cu_seqlens) is numpy over the whole step, no Python loop
 over tokens.

@@ -10,7 +10,7 @@ Two paths, one result:
 - any other step (prefill, chunked prefill, recompute, refine-text): vectorised inputs, and on CUDA the GPT
   through piecewise graphs by token bucket with only the attention eager (runner/piecewise_graphs.py); a
   mixed step replays the decode graph for its decode rows and runs the rest that way.
-The runner never touches a queue; the scheduler never touches a tensor (ARCHITECTURE.md principle 3).
+The runner never touches a queue; the scheduler never touches a tensor (docs/ARCHITECTURE.md, "Who owns what").
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         t1 = time.perf_counter()
-        # one bulk copy out of the pinned buffer, then element reads (tolist) from ordinary memory: in r27's
+        # one bulk copy out of the pinned buffer, then element reads (tolist) from ordinary memory: in a
         # profile of the served core on the H200's VM, reading the pinned array element by element took ~10x
         # what it takes here (runner_output's tolist line 5.3% of the core's samples, 0.5 ms a step);
         # the copy's effect there has not been measured
@@ -291,7 +291,7 @@ class ModelRunner:
 
     def _forward_general(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
         """The general path's forward: piecewise graphs where they are captured (the compiled fused ops run
-        eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, BENCHMARKS.md)."""
+        eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, docs/benchmarks-history.md)."""
         pg = self.prefill_graphs
         if pg is None or not pg.can_run(x.shape[0]):
             return self._forward(x, md, positions)

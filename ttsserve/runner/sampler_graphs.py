@@ -2,8 +2,8 @@
 
 A request's first frame is sampled on the general path, after the last chunk of its prompt. Run op by op the
 heads, penalties, top-k / top-p and the seeded draw are ~60 small kernels launched from Python: on an H200
-under served load that was 7% of the engine core's time (one first frame per admitted request, BENCHMARKS.md
-r11). Here one graph per row bucket replays them: the host copies [bucket, 2] (row, step) in one transfer,
+under served load that was 7% of the engine core's time (one first frame per admitted request).
+Here one graph per row bucket replays them: the host copies [bucket, 2] (row, step) in one transfer,
 the hidden states go into a static buffer, and padding rows point at the sampling state's scratch row.
 Graphs hold the sampling state's addresses; when the runner's `generation` changes they are captured again.
 """

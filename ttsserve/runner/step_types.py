@@ -54,7 +54,7 @@ class RunnerOutput:
     """sampled[req_id]: for requests that sampled this step, a 4-tuple of codes (code) or a token id (text);
     for a decode burst (ScheduledRequest.num_steps > 1) the list of its frames before the first EOS.
     stopped[req_id]: the sampled row is EOS (any codebook for code), or the burst reached one.
-    frames: the hidden states of the non-EOS frames, the Decoder's input (spec 4.5), as (j, req_ids, hidden
+    frames: the hidden states of the non-EOS frames, the Decoder's input (MODEL.md §4.5), as (j, req_ids, hidden
     [m, len(req_ids), H] fp32 on the device) batches: frames j .. j + m - 1 of this step for each listed
     request (m, j > 0 only in decode bursts). Valid until the next execute().
     """

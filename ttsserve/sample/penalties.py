@@ -1,4 +1,4 @@
-"""Logit processors of spec 4.3, vectorised over [B, R, V] with per-request parameters.
+"""Logit processors of MODEL.md §4.3, vectorised over [B, R, V] with per-request parameters.
 
 Rows: B requests x R codebook rows (R = num_vq in code mode, 1 in text mode). Every function returns a new
 tensor (inputs are not modified) and does no device-to-host sync.

@@ -1,4 +1,4 @@
-"""The batched sampler (spec 4.2-4.3): one call per step for all requests, no device-to-host sync.
+"""The batched sampler (MODEL.md §4.2-4.3): one call per step for all requests, no device-to-host sync.
 
 Order: / temperature -> repetition penalty -> top-p -> top-k -> EOS ban while num_generated < min_new_tokens
 -> sample. Greedy rows take the argmax of the processed logits. Seeded rows sample by the exponential race
@@ -35,7 +35,7 @@ class SamplingBatch:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """All processors of spec 4.3 in order. logits: [B, R, V] fp32 -> [B, R, V] fp32 (-inf = removed)."""
+    """All processors of MODEL.md §4.3 in order. logits: [B, R, V] fp32 -> [B, R, V] fp32 (-inf = removed)."""
     x = logits.float() / batch.temperature[:, :, None]
     x = apply_repetition_penalty(x, batch.history, batch.repetition_penalty)
     x = apply_top_p_top_k(x, batch.top_p, batch.top_k)

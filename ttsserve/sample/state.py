@@ -1,4 +1,4 @@
-"""Per-row sampling state kept on the device across steps (spec 9.2): parameters, the repetition history as a
+"""Per-row sampling state kept on the device across steps (MODEL.md §9.2): parameters, the repetition history as a
 ring buffer and the last sampled row, so a step builds its SamplingBatch by indexing, never from Python lists.
 
 A "row" is a slot of the runner's persistent batch (runner/input_batch.py); one extra scratch row (index

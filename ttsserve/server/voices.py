@@ -226,9 +226,9 @@ MIN_REFERENCE_S = 0.5
 def max_reference_seconds() -> float:
     """The longest reference recording accepted: the engine's own cap (engine.voice_encode), one number.
 
-    Why 30 s: the DVAE codes of the recording become prompt positions (46.875 per second, spec 5.4 / 2.6)
+    Why 30 s: the DVAE codes of the recording become prompt positions (46.875 per second, MODEL.md §5.4 / §2.6)
     in front of the transcript and the text, and prompt plus output must fit the model's 4096 positions
-    (spec 0, "Max positions"). 30 s is 1406 positions and leaves room for a full 2048-frame (44 s) segment
+    (MODEL.md §0, "Max positions"). 30 s is 1406 positions and leaves room for a full 2048-frame (44 s) segment
     plus about 640 text tokens; 60 s (2813 positions) would cut every segment to under 1283 frames even
     with no text at all. Imported here, not at module top, so that importing the server (launchers,
     config checks) does not import torch.

@@ -5,7 +5,7 @@ the speaker module and numpy.random (the built-in voices' speaker vectors), and 
 about 100 ms of CPU on the 2-core CPU machine against 20 ms for the next request (py-spy). A burst's first
 requests all queue behind it in that server's event loop, reach the engine a step or more late and then
 wait for its next admission (admission_interval): on an H200 a fresh server's first wave of 128 requests
-heard its first audio 40-120 ms later than a later wave did (BENCHMARKS.md, r30-r31). The text path
+heard its first audio 40-120 ms later than a later wave did (benchmarks/first_wave.py). The text path
 (normalizers, tokenizer) is warmed by the engine client itself (text/segments.warm_up_text_path).
 """
 

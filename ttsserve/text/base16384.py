@@ -1,4 +1,4 @@
-"""base16384: bytes <-> a string of CJK characters, 14 bits per character (spec 2.7).
+"""base16384: bytes <-> a string of CJK characters, 14 bits per character (MODEL.md §2.7).
 
 Our own implementation of the format (the `pybase16384` package is GPLv3):
 - every 7 input bytes are a 56-bit big-endian integer written as four 14-bit values, most significant

@@ -1,4 +1,4 @@
-"""Text normalization: the reference rules (spec 2.3) and our verbalising front end on top of them.
+"""Text normalization: the reference rules (MODEL.md §2.3) and our verbalising front end on top of them.
 
 `reference_normalize` reproduces the reference exactly (no registered language normalizer): language
 detection, the zh half-width -> full-width map, the invalid-character map and deletion (digits and most
@@ -50,7 +50,7 @@ _PAUSES = {
 
 
 def detect_language(text: str) -> str:
-    """"zh" if there are more CJK characters than ASCII words, else "en" (spec 2.3 step 1.1)."""
+    """"zh" if there are more CJK characters than ASCII words, else "en" (MODEL.md §2.3 step 1.1)."""
     return "zh" if len(_CJK_RE.findall(text)) > len(_EN_WORD_RE.findall(text)) else "en"
 
 
@@ -100,10 +100,10 @@ def _reference(text: str, lang: str | None, homophones: dict[str, str] | None) -
 
 
 def reference_normalize(text: str, lang: str | None = None, homophones: dict[str, str] | None = None) -> str:
-    """The reference normalizer with no registered language normalizer (spec 2.3), bit-exact.
+    """The reference normalizer with no registered language normalizer (MODEL.md §2.3), bit-exact.
 
     lang: "zh"/"en" or None to detect. homophones: a 1:1 character map (the reference ships one we do
-    not; see spec 2.3 step 3); None skips the step, which is exact for text without any of its keys.
+    not; see MODEL.md §2.3 step 3); None skips the step, which is exact for text without any of its keys.
     """
     return _reference(text, lang, homophones).text
 

@@ -2,7 +2,7 @@
 
 Number spelling itself comes from `num2words` (English) and `cn2an` (Chinese); this module only
 combines them. Every function returns text made of letters/CJK characters and spaces only (no digits,
-hyphens or apostrophes), so the reference normalizer (spec 2.3) keeps all of it.
+hyphens or apostrophes), so the reference normalizer (MODEL.md §2.3) keeps all of it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prompt strings of both stages and the per-position model inputs of one sequence (spec 2.5, 2.6)."""
+"""Prompt strings of both stages and the per-position model inputs of one sequence (MODEL.md §2.5, §2.6)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 NUM_VQ = 4
 DEFAULT_CODE_PROMPT = "[speed_5]"
 
-# Sentence-level control tags and their valid levels (spec 2.2): refine prompt [oral_N][laugh_N][break_N],
+# Sentence-level control tags and their valid levels (MODEL.md §2.2): refine prompt [oral_N][laugh_N][break_N],
 # code prompt [speed_N].
 CONTROL_LEVELS: dict[str, int] = {"speed": 10, "oral": 10, "laugh": 3, "break": 8}
 
@@ -32,7 +32,7 @@ def build_refine_prompt(text: str, prompt: str = "") -> str:
 def build_code_prompt(
     text: str, prompt: str = DEFAULT_CODE_PROMPT, has_speaker: bool = True, txt_smp: str | None = None
 ) -> str:
-    """Code-stage prompt `[Stts][spk_emb|empty_spk]{txt_smp}{prompt}{text}[Ptts]` (spec 2.5).
+    """Code-stage prompt `[Stts][spk_emb|empty_spk]{txt_smp}{prompt}{text}[Ptts]` (MODEL.md §2.5).
 
     As in the reference, [Stts]/[spk_emb]/[empty_spk] already in `text` are removed and the text is
     stripped before the prompt is prepended. `txt_smp` is the transcript of an audio prompt.
@@ -125,7 +125,7 @@ def build_prompt_inputs(
 
 
 def left_pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """The reference's padded batch layout (spec 2.6): left-pad with `pad_id` to the longest sequence.
+    """The reference's padded batch layout (MODEL.md §2.6): left-pad with `pad_id` to the longest sequence.
 
     Returns (ids [B][L], attention_mask [B][L]). The engine itself runs unpadded; this exists for
     baselines and parity checks.

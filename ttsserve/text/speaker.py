@@ -1,4 +1,4 @@
-"""Speaker embeddings and audio prompts as strings (spec 2.7).
+"""Speaker embeddings and audio prompts as strings (MODEL.md §2.7).
 
 Formats (all little-endian):
 - `spk_stat`: base16384( fp16[2*dim] ) = std[dim] ++ mean[dim] (the random-speaker table).

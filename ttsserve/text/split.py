@@ -161,7 +161,7 @@ _REFERENCE_SPLIT = re.compile(r"(?<=。)|(?<=\.)(?=\s)")
 
 
 def reference_split(text: str) -> list[str]:
-    """The reference's split of one input string (spec 2.4): on "\\n" if there is one (pieces kept as
+    """The reference's split of one input string (MODEL.md §2.4): on "\\n" if there is one (pieces kept as
     they are, empty ones included [Q]); otherwise after every "。" and every "." followed by whitespace,
     dropping empty pieces. (Where the whitespace after "." goes does not change the tokens.)"""
     if "\n" in text:

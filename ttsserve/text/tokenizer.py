@@ -1,4 +1,4 @@
-"""ChatTTS text tokenizer: BERT WordPiece through the `tokenizers` library (spec 2.1, 4.7).
+"""ChatTTS text tokenizer: BERT WordPiece through the `tokenizers` library (MODEL.md §2.1, §4.7).
 
 The reference uses transformers' `BertTokenizerFast`; we load the same `tokenizer.json` with the raw
 `tokenizers` library and undo the two differences that matter:
@@ -19,7 +19,7 @@ REQUIRED_SPECIALS = (
     "[spk_emb]", "[empty_spk]", "[break_0]", "[uv_break]", "[laugh]", "[lbreak]", "[speed_5]",
 )  # fmt: skip
 
-# transformers' clean_up_tokenization: plain str.replace calls, in this order (spec 4.7 step 3.2).
+# transformers' clean_up_tokenization: plain str.replace calls, in this order (MODEL.md §4.7 step 3.2).
 _CLEANUP_REPLACEMENTS = (
     (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
     (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
@@ -27,14 +27,14 @@ _CLEANUP_REPLACEMENTS = (
 
 
 def clean_up_tokenization(text: str) -> str:
-    """transformers' whole-string cleanup of decoded text (spec 4.7)."""
+    """transformers' whole-string cleanup of decoded text (MODEL.md §4.7)."""
     for old, new in _CLEANUP_REPLACEMENTS:
         text = text.replace(old, new)
     return text
 
 
 class TextTokenizer:
-    """Encode prompt strings to text ids and decode refine-stage output (spec 2.1, 4.7).
+    """Encode prompt strings to text ids and decode refine-stage output (MODEL.md §2.1, §4.7).
 
     `encode` never adds [CLS]/[SEP], never pads and never truncates. Special tokens (`[uv_break]`,
     `[spk_emb]`, ...) are matched verbatim before the BERT normalizer lower-cases the rest.
@@ -94,7 +94,7 @@ class TextTokenizer:
         return clean_up_tokenization(self._tok.decode(list(ids), skip_special_tokens=False))
 
     def decode_refined(self, ids: list[int]) -> str:
-        """Refine-stage output ids (EOS already removed) -> the code-stage input text (spec 4.7).
+        """Refine-stage output ids (EOS already removed) -> the code-stage input text (MODEL.md §4.7).
 
         Keeps only ids < [break_0] (drops [break_*], [laugh_*], [oral_*], [speed_*]), then decodes
         like the reference. The result is not normalized again.
@@ -134,7 +134,7 @@ class TextTokenizer:
 
     @property
     def break_0_id(self) -> int:
-        """First id dropped from refined text: [break_0] and everything above it (spec 4.7)."""
+        """First id dropped from refined text: [break_0] and everything above it (MODEL.md §4.7)."""
         return self._special_ids["[break_0]"]
 
     @property

@@ -1,4 +1,4 @@
-"""Weight formats of the quantized GPT, and quantizing a GPT state dict (HF names, spec 1.4).
+"""Weight formats of the quantized GPT, and quantizing a GPT state dict (HF names, MODEL.md §1.4).
 
 int8 ("int8"): per-output-channel symmetric. qweight int8 [N, K] with values in [-127, 127];
     scales fp32 [N]; W[n, k] ~= qweight[n, k] * scales[n].

@@ -3,7 +3,7 @@
     ttsserve quantize --method awq-int4 --model ./ChatTTS --out ./ChatTTS-awq [--calibration corpus.txt]
     ttsserve serve --model ./ChatTTS-awq            # the quantization is read from the checkpoint
 
-The copy has the published layout (spec 1.1): asset/gpt/model.safetensors holds the quantized linears
+The copy has the published layout (MODEL.md §1.1): asset/gpt/model.safetensors holds the quantized linears
 (`X.qweight`, `X.scales`, `X.qzeros`; quantize.py) and the norms; asset/gpt/config.json gains the HF-style
 "quantization_config" entry and asset/gpt/quantization_config.json repeats it. Embed, Decoder, DVAE, Vocos
 and the tokenizer are copied unchanged. Mounted by ttsserve/entrypoints/cli.py through add_quantize_parser(subparsers).
