@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -91,7 +92,7 @@ class FakeEngine:
             raise EngineOverloadedError("not accepting requests")
         if len(self.running) >= self.max_queue_len:
             raise EngineOverloadedError("queue full")
-        if not any(c.isalnum() for c in req.text):
+        if not any(c.isalnum() for c in re.sub(r"\[\w+_\d+\]", "", req.text)):  # control tags are not speech
             raise InvalidRequestError("text normalizes to nothing", "text")
         self.requests.append(req)
         rid = req.request_id or f"fake-{len(self.requests)}"
