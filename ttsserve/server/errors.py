@@ -17,7 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from ttsserve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 
 logger = logging.getLogger("ttsserve.server")
 

@@ -25,7 +25,11 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from ttsserve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from ttsserve.engine.synthesis import AudioOutput, FinishReason
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 from ttsserve.text.segments import Segment
