@@ -23,7 +23,7 @@ from ttsserve.bench.corpus import select_texts  # noqa: E402
 from ttsserve.config import EngineConfig  # noqa: E402
 from ttsserve.engine.core.messages import (  # noqa: E402
     AddRequest, CoreOutputs, Hello, SegmentMsg, SynthesisMsg, core_decoder, encoder)
-from ttsserve.engine.core.proc import EngineCore  # noqa: E402
+from ttsserve.engine.core.proc import EngineCoreProc  # noqa: E402
 from ttsserve.engine.engine import Engine  # noqa: E402
 from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
 from ttsserve.text.segments import prepare_segments, tokenize_segments  # noqa: E402
@@ -50,7 +50,7 @@ def main() -> int:
     engine = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=512 << 20,
                                  swap_space=0, max_num_seqs=2 * a.concurrency))
     address = f"ipc://{tempfile.mkdtemp()}/core"
-    core = EngineCore(engine, address)
+    core = EngineCoreProc(engine, address)
     ctx = zmq.Context.instance()
     clients = []
     for i in range(a.api_servers):

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, validated at the library boundary (ValueError on bad values)."""
+"""Per-request sampling parameters, validated at the library boundary (InvalidRequestError on bad values)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,19 @@ import dataclasses
 from dataclasses import dataclass
 
 NUM_VQ = 4
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses as given (the caller's fault; the server's 400).
+
+    param: the request field at fault (a SynthesisRequest / SamplingParams field name such as "text" or
+    "temperature", or "request_id"), None when no single field is. Defined in this bottom module so that
+    params and text checks can raise it; engine/errors.py re-exports it with the other engine errors.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -36,25 +49,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         temps = self.temperatures(NUM_VQ)
         if any(not (t > 0.0) or t != t for t in temps):
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be > 0, got {self.temperature!r}", "temperature")
         if isinstance(self.temperature, tuple) and len(self.temperature) not in (1, NUM_VQ):
-            raise ValueError(f"temperature list must have 1 or {NUM_VQ} values, got {len(self.temperature)}")
+            raise InvalidRequestError(f"temperature list must have 1 or {NUM_VQ} values, got "
+                                      f"{len(self.temperature)}", "temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+            raise InvalidRequestError(f"top_k must be >= 1, got {self.top_k}", "top_k")
         if not (self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      "repetition_penalty")
         if self.repetition_window < 1:
-            raise ValueError(f"repetition_window must be >= 1, got {self.repetition_window}")
+            raise InvalidRequestError(f"repetition_window must be >= 1, got {self.repetition_window}",
+                                      "repetition_window")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
         if not (0 <= self.min_new_tokens <= self.max_new_tokens):
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
-            )
+            raise InvalidRequestError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                                      f"got {self.min_new_tokens}", "min_new_tokens")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
 
     def temperatures(self, num_rows: int) -> tuple[float, ...]:
         """Temperature per codebook row (num_rows = NUM_VQ for code, 1 for text)."""
@@ -136,4 +151,4 @@ class SynthesisRequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text.strip():
-            raise ValueError("text must be a non-empty string")
+            raise InvalidRequestError("text must be a non-empty string", "text")

@@ -132,3 +132,29 @@ def test_pipelined_engine_streams_equal_the_synchronous_engine(engine):
     kv = piped.engine.kv_manager
     assert not piped.engine.has_unfinished() and kv.num_free_blocks == piped.engine.kv_spec.num_blocks
     asyncio.run(piped.shutdown(drain_timeout_s=1))
+
+
+def test_a_dead_engine_thread_ends_streams_and_refuses_requests():
+    """An exception that escapes the loop itself (not a step's) kills the engine for good: the stream in flight
+    ends with an error output, later requests get EngineDeadError, `dead` says why."""
+    from ttsserve.engine.errors import EngineDeadError
+
+    eng = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
+                                               kv_cache_memory=8 << 20, swap_space=0.01))
+
+    def broken() -> bool:
+        raise RuntimeError("simulated loop bug")
+
+    async def main():
+        await eng.start()
+        gen = eng.generate(_req(60, frames=400))
+        await gen.__anext__()
+        eng.core.busy = broken
+        rest = [out async for out in gen]
+        with pytest.raises(EngineDeadError, match="simulated loop bug"):
+            await eng.generate(_req(61)).__anext__()
+        return rest
+
+    rest = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].finish_reason == "error" and "simulated loop bug" in rest[-1].error
+    assert eng.dead and not eng.ready and "simulated loop bug" in eng.dead_reason

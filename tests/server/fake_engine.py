@@ -1,4 +1,4 @@
-"""A fake engine with exactly the AsyncEngine contract, for server tests that must control timing/failures.
+"""A fake EngineClient (engine/protocol.py), for server tests that must control timing/failures.
 
 Audio: a sine per request whose frequency depends on (voice, seed, text) and whose length is 4 frames
 per character (capped by max_new_tokens), streamed in chunks of `frames_per_chunk` frames with a real
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import AsyncIterator
 
 import numpy as np
 
 # The real contract types, so the fake cannot drift from what the engine yields.
-from ttsserve.engine.async_engine import EngineOverloadedError
+from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
 from ttsserve.text.speaker import decode_speaker
@@ -45,6 +46,9 @@ class FakeEngine:
         self.references: list[tuple[int, int]] = []  # (num_samples, rate) given to encode_reference_audio
         self._started = False
         self._accepting = True
+        self._aborts: set[str] = set()  # ids abort() ended, seen by their generator at its next chunk
+        self.dead = False
+        self.dead_reason: str | None = None
         self.drained_cleanly: bool | None = None
 
     async def start(self) -> None:
@@ -67,7 +71,7 @@ class FakeEngine:
         used = sum(self.running.values())
         return {"num_running": len(self.running), "num_waiting": 0, "num_swapped": 0,
                 "kv_cache_usage": used / self.num_blocks, "num_preemptions_total": 0, "num_swaps_total": 0,
-                "step_time_ms_ema": 1.0, "used_blocks": used}
+                "step_time_ms_ema": 1.0, "used_blocks": used, "num_streams": len(self.running)}
 
     def memory_report(self) -> str:
         return f"KV cache: {self.num_blocks} blocks x {BLOCK} = {self.num_blocks * BLOCK} frames (fake)"
@@ -88,8 +92,8 @@ class FakeEngine:
             raise EngineOverloadedError("not accepting requests")
         if len(self.running) >= self.max_queue_len:
             raise EngineOverloadedError("queue full")
-        if not any(c.isalnum() for c in req.text):
-            raise ValueError("text normalizes to nothing")
+        if not any(c.isalnum() for c in re.sub(r"\[\w+_\d+\]", "", req.text)):  # control tags are not speech
+            raise InvalidRequestError("text normalizes to nothing", "text")
         self.requests.append(req)
         rid = req.request_id or f"fake-{len(self.requests)}"
         cap = req.code_params.max_new_tokens
@@ -110,6 +114,10 @@ class FakeEngine:
                 return
             while done < total:
                 await asyncio.sleep(self.chunk_delay_s)
+                if rid in self._aborts:
+                    self._aborts.discard(rid)  # recorded in self.aborted
+                    yield AudioOutput(rid, np.zeros(0, np.float32), True, done, "abort")
+                    return
                 n = min(self.frames_per_chunk, total - done)
                 t = np.arange(done * SAMPLES_PER_FRAME, (done + n) * SAMPLES_PER_FRAME) / self.sample_rate
                 samples = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
@@ -125,6 +133,10 @@ class FakeEngine:
         finally:
             self.running.pop(rid, None)
             (self.finished if finished else self.aborted).append(rid)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self._aborts.add(request_id)
 
     @staticmethod
     def _frequency(req: SynthesisRequest) -> float:

@@ -14,7 +14,7 @@ from tests.server.conftest import REAL_ENGINE
 from ttsserve.config import EngineConfig
 from ttsserve.engine.async_engine import AsyncEngine
 from ttsserve.engine.core.client import CoreClient
-from ttsserve.engine.core.proc import EngineCore
+from ttsserve.engine.core.proc import EngineCoreProc
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest
 
@@ -67,7 +67,7 @@ def _check(got: dict[str, np.ndarray], engine: Engine) -> None:
 
 def test_core_hands_out_deferred_audio_in_mid_step(tmp_path):
     engine = _deferred_engine()
-    core = EngineCore(engine, f"ipc://{tmp_path}/core.sock", drain_timeout_s=5)
+    core = EngineCoreProc(engine, f"ipc://{tmp_path}/core.sock", drain_timeout_s=5)
     loop = threading.Thread(target=core.run, daemon=True)
     loop.start()
     try:

@@ -195,11 +195,11 @@ def test_api_server_tokenizes_as_the_core_and_bad_ids_are_rejected_by_id(core_ad
 def test_client_warms_the_text_path_with_the_core_tokenizer_before_it_is_ready(core_address, monkeypatch):
     """An API server's first request must not pay the normalizer's imports on its event loop (0.33 s measured,
     queueing all of a burst's first requests behind it): start() runs the text path once, tokenizer included."""
-    import ttsserve.engine.core.client as client_mod
+    import ttsserve.engine.input_processor as processor_mod
 
     seen = []
-    real = client_mod.warm_up_text_path
-    monkeypatch.setattr(client_mod, "warm_up_text_path", lambda tok: seen.append((tok, real(tok))) or 0.0)
+    real = processor_mod.warm_up_text_path
+    monkeypatch.setattr(processor_mod, "warm_up_text_path", lambda tok: seen.append((tok, real(tok))) or 0.0)
 
     async def main():
         client = CoreClient(core_address, 9)
@@ -208,7 +208,7 @@ def test_client_warms_the_text_path_with_the_core_tokenizer_before_it_is_ready(c
         try:
             assert client.ready and len(seen) == 1
             tok, _ = seen[0]
-            assert tok is not None and tok is client._tokenizer
+            assert tok is not None and tok is client.processor.tokenizer
         finally:
             await client.shutdown(1)
 

@@ -1,9 +1,12 @@
-"""AsyncEngine: the step loop in one background thread, an async stream of AudioOutput per request.
+"""AsyncEngine: the in-process EngineClient. The EngineCore runs on one background thread; each request is
+an async stream of AudioOutput.
 
-Requests and aborts cross into the engine thread through an inbox; outputs come back to the event loop with
-`call_soon_threadsafe`. The loop survives any single bad request: input errors are raised to the caller
-before anything is queued, and an internal failure during a step fails the requests of that step with an
-error while the engine keeps serving the rest.
+Requests go through the InputProcessor on the caller's event loop (text work, request id), then cross into
+the engine thread through an inbox; outputs come back with `call_soon_threadsafe`. The loop survives any
+single bad request: input errors are raised to the caller before anything is queued, and a failing step
+fails that step's requests while the engine keeps serving (EngineCore.step). An exception that escapes the
+loop itself kills the engine for good: in-flight streams end with an error output, and every later call
+raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -19,31 +22,46 @@ from concurrent.futures import Future
 import numpy as np
 
 from ttsserve.config import EngineConfig
-from ttsserve.constants import MODEL_NAME, SAMPLE_RATE, speaker_stats
-from ttsserve.engine.engine import Engine
+from ttsserve.engine.core.engine_core import EngineCore
 from ttsserve.engine.core.heap import FreezeWhenWarm
-from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.engine import Engine
+from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError
+from ttsserve.engine.input_processor import InputProcessor
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "AudioOutput", "EngineOverloadedError", "fail_all"]
+__all__ = ["AsyncEngine", "AudioOutput", "EngineOverloadedError"]
+
+
+def _final(rid: str, reason: str, error: str | None = None) -> AudioOutput:
+    return AudioOutput(rid, np.zeros(0, np.float32), True, finish_reason=reason, error=error)
+
+
+def _may_be_admitted(fut: Future) -> bool:
+    """The engine thread took the add (running) or admitted it, though its consumer never saw the answer."""
+    return fut.running() or (fut.done() and not fut.cancelled() and fut.exception() is None)
 
 
 class AsyncEngine:
-    sample_rate = SAMPLE_RATE
+    """An EngineClient (engine/protocol.py) running `engine` on a thread of this process."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.model_name = MODEL_NAME
-        self._inbox: queue.Queue = queue.Queue()
+        self.core = EngineCore(engine)
+        self.model_name = self.core.model_name
+        self.sample_rate = self.core.sample_rate
+        self.processor = InputProcessor(engine.model.tokenizer)
+        self.dead_reason: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        # engine thread only: request id -> (the consumer's loop, its queue), for admitted requests
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # event loop only: request id -> (the id its outputs carry, its queue), for abort()
+        self._live: dict[str, tuple[str, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._accepting = True
-        self._last_step = 0.0
         self._stats: dict = engine.stats()
 
     @classmethod
@@ -53,14 +71,15 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._thread is None:
+            self.processor.warm_up()
             self._thread = threading.Thread(target=self._run, name="ttsserve-engine", daemon=True)
             self._thread.start()
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish (up to the timeout), then stop the loop."""
-        self._accepting = False
+        self.core.accepting = False
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline:
+        while self._live and not self.dead and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._stopping = True
         self._wake.set()
@@ -69,81 +88,100 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and self.core.accepting and not self._stopping and not self.dead
+
+    @property
+    def dead(self) -> bool:
+        return self.dead_reason is not None
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
-        """Stream the audio of `req`. ValueError (bad input) is raised before the first output."""
-        if not self._accepting or not self.ready:
+        """Stream the audio of `req` (the EngineClient contract)."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        if not self.ready:
             raise EngineOverloadedError("the engine is not accepting requests (starting or shutting down)")
-        if len(self._streams) >= self.engine.cfg.max_queue_len:
-            raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)})")
+        public = req.request_id
+        req, segments = self.processor.process(req)
+        rid = req.request_id
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         admitted: Future = Future()
-        self._inbox.put(("add", req, (loop, q), admitted))
-        self._wake.set()
-        rid = await asyncio.wrap_future(admitted)  # raises ValueError from the front end
-        finished = False
+        self._post(("add", (req, segments), (loop, q), admitted))
+        if self.dead:  # died between the check above and the post: nobody else will answer it
+            self._fail_inbox(self.dead_reason)
+        ok = finished = False
         try:
+            await asyncio.wrap_future(admitted)  # the EngineCore's typed error, if it refused
+            ok = True
+            self._live[rid] = (public or rid, q)
             while True:
                 out: AudioOutput = await q.get()
+                if public is not None:
+                    out.request_id = public
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
-            if not finished:  # the consumer went away: free the request's blocks at the next step
-                self._inbox.put(("abort", rid, None, None))
-                self._wake.set()
+            self._live.pop(rid, None)
+            if not finished and (ok or _may_be_admitted(admitted)):  # the consumer went away: free its blocks
+                self._post(("abort", rid, None, None))
+
+    async def abort(self, request_id: str) -> None:
+        for rid, (out_id, q) in list(self._live.items()):
+            if out_id == request_id:
+                self._live.pop(rid)
+                self._post(("abort", rid, None, None))
+                q.put_nowait(_final(rid, "abort"))
 
     def stats(self) -> dict:
-        return dict(self._stats, num_streams=len(self._streams))
+        return dict(self._stats, num_streams=len(self._live))
 
     def memory_report(self) -> str:
-        return self.engine.memory_report()
+        return self.core.memory_report()
 
     # ---- voices ------------------------------------------------------------------------------------
     def random_speaker(self, seed: int) -> np.ndarray:
-        from ttsserve.text.speaker import sample_random_speaker
-
-        std, mean = speaker_stats(self.engine.model.spk_stat, self.engine.model.hidden_size)
-        return sample_random_speaker(std, mean, seed)
+        return self.core.random_speaker(seed)
 
     def parse_speaker(self, s: str) -> np.ndarray:
-        from ttsserve.text.speaker import decode_speaker
-
-        return decode_speaker(s, dim=self.engine.model.hidden_size)
+        return self.core.parse_speaker(s)
 
     def encode_reference_audio(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
         """A reference recording -> int32 [num_vq, P] audio-code prompt (DVAE encoder, MODEL.md §5.4)."""
-        from ttsserve.engine.voice_encode import encode_reference
-
-        return encode_reference(self.engine.model, wav, sample_rate)
+        return self.core.encode_reference_audio(wav, sample_rate)
 
     # ---- the engine thread -------------------------------------------------------------------------
+    def _post(self, item: tuple) -> None:
+        self._inbox.put(item)
+        self._wake.set()
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the engine is dead: every consumer is told
+            logger.exception("the engine thread died")
+            self._die(f"the engine thread died: {type(e).__name__}: {e}")
+
+    def _loop(self) -> None:
         if self.engine.model.device.type == "cpu":
             from ttsserve.runner.cpu_threads import configure_cpu_threads
 
             configure_cpu_threads(self.engine.cfg.cpu_threads)  # the engine thread runs every torch op
         freeze = FreezeWhenWarm(self.engine, "server")
+        core = self.core
         while not self._stopping:
             freeze.check()
             self._drain_inbox()
-            # Aborted requests are released by the scheduler's next step, so step while any remain.
-            if not (self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()):
-                self._stats = self.engine.stats()
+            if not core.busy():
+                self._stats = core.stats()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step(emit=self._deliver_all)  # audio done early leaves in mid-step
-            except Exception as e:  # one guarded place: fail this step's requests, keep serving
-                logger.exception("engine step failed")
-                outputs = self._fail_all(f"internal error: {type(e).__name__}: {e}")
-            self._stats = self.engine.stats()
-            self._last_step = time.monotonic()
+            outputs = core.step(emit=self._deliver_all)  # audio done early leaves in mid-step
+            self._stats = core.stats()
             self._deliver_all(outputs)
 
     def _drain_inbox(self) -> None:
@@ -153,13 +191,16 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "abort":
-                self.engine.abort(payload)
+                self.core.abort(payload)
                 self._streams.pop(payload, None)
                 continue
+            if not fut.set_running_or_notify_cancel():  # the consumer left before its turn
+                continue
+            req, segments = payload
             try:
-                rid = self.engine.add_synthesis(payload)
-            except Exception as e:  # ValueError for bad input; anything else is reported, not fatal
-                fut.set_exception(e if isinstance(e, ValueError) else RuntimeError(str(e)))
+                rid = self.core.add(req, segments)
+            except Exception as e:  # noqa: BLE001 - InvalidRequestError, EngineOverloadedError, RuntimeError
+                fut.set_exception(e)
                 continue
             self._streams[rid] = stream
             fut.set_result(rid)
@@ -178,16 +219,19 @@ class AsyncEngine:
         try:
             loop.call_soon_threadsafe(q.put_nowait, out)
         except RuntimeError:  # the client's event loop is gone
-            self.engine.abort(out.request_id)
+            self.core.abort(out.request_id)
 
-    def _fail_all(self, message: str) -> list[AudioOutput]:
-        return fail_all(self.engine, message)
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        for rid in list(self._streams):
+            self._deliver(_final(rid, "error", reason))
+        self._fail_inbox(reason)
 
-
-def fail_all(engine: Engine, message: str) -> list[AudioOutput]:
-    """Abort every synthesis of `engine` (after a failed step) -> one final error output each."""
-    outputs = []
-    for rid in list(engine.syntheses):
-        engine.abort(rid)
-        outputs.append(AudioOutput(rid, np.zeros(0, np.float32), True, finish_reason="error", error=message))
-    return outputs
+    def _fail_inbox(self, reason: str) -> None:
+        while True:
+            try:
+                _, _, _, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(reason))

@@ -222,6 +222,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.syntheses)
 
+    @property
+    def num_syntheses(self) -> int:
+        """Syntheses admitted and not finished (the queue bound counts these)."""
+        return len(self.syntheses)
+
+    def has_synthesis(self, rid: str) -> bool:
+        return rid in self.syntheses
+
+    def abort_all(self) -> list[str]:
+        """Abort every synthesis (after a failed step) -> their ids."""
+        rids = list(self.syntheses)
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
     # ---- the step ----------------------------------------------------------------------------------
     def step(self, emit: Callable[[list[AudioOutput]], None] | None = None) -> list[AudioOutput]:
         """One engine step. On CUDA the GPT step is queued first, then the vocoder's host work runs while the

@@ -1,7 +1,23 @@
-"""Engine errors the HTTP edge maps to status codes (torch-free, so API-server processes can import them)."""
+"""The engine's typed errors, the only ones an EngineClient raises at its boundary (torch-free, so API-server
+processes import them). They cross the ZMQ wire with their kind and param (core/messages.ErrorInfo) and the
+server maps them to HTTP with one isinstance table (server/errors.engine_error).
+
+    InvalidRequestError   the request as given is refused (a ValueError; `param` names the field) -> 400
+    EngineOverloadedError the engine cannot take the request now (queue full, starting, shutting down) -> 503
+    EngineDeadError       the engine can never serve again (its process or thread is gone) -> 503 engine_dead
+"""
 
 from __future__ import annotations
 
+from ttsserve.params import InvalidRequestError
+
+__all__ = ["EngineDeadError", "EngineOverloadedError", "InvalidRequestError"]
+
 
 class EngineOverloadedError(RuntimeError):
-    """The engine cannot take the request now (queue full, starting, shutting down, core gone); retry later."""
+    """The engine cannot take the request now (queue full, starting, shutting down); retry later."""
+
+
+class EngineDeadError(EngineOverloadedError):
+    """The engine is gone for good (a dead engine-core process, an engine thread that died): nothing here
+    will serve again. An EngineOverloadedError, so callers that only retry elsewhere need not tell them apart."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
+
+# Why a synthesis ended: EOS in every segment, a segment hit max_new_tokens, aborted, or failed (the worst wins).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 CROSSFADE_SAMPLES = 480  # 20 ms at 24 kHz: long enough to hide a seam, short enough to keep words intact
 
@@ -14,7 +18,7 @@ class AudioOutput:
     """What a synthesis request's stream yields.
 
     samples: float32 [n] at 24 kHz (may be empty). The final output has finished=True and the usage fields.
-    finish_reason: "stop" | "length" | "abort" | "error" (the worst over all segments).
+    finish_reason: a FinishReason on the final output (the worst over all segments), None before it.
     truncated_segments: indices of segments that hit max_new_tokens instead of ending naturally.
     """
 
@@ -22,7 +26,7 @@ class AudioOutput:
     samples: np.ndarray
     finished: bool
     num_frames: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     truncated_segments: list[int] = field(default_factory=list)
     error: str | None = None
     dropped_chars: list[str] = field(default_factory=list)

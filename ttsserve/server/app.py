@@ -1,9 +1,8 @@
 """The FastAPI app: OpenAI-compatible speech, the simple /synthesize API, voices, models and operations.
 
-`create_app(engine, cfg)` serves any object with the AsyncEngine contract (generate / stats / ready /
-random_speaker / parse_speaker / encode_reference_audio / memory_report / start / shutdown; optionally
-`dead`, True once the engine is gone for good, which turns /health into a 503). The app starts the engine
-in its lifespan and drains it on shutdown.
+`create_app(engine, cfg)` serves any EngineClient (engine/protocol.py): the in-process AsyncEngine, an API
+server's CoreClient, or a test fake. The app starts the engine in its lifespan and drains it on shutdown;
+a dead engine turns /health into a 503. Engine errors become HTTP errors through server/errors.engine_error.
 """
 
 from __future__ import annotations
@@ -20,10 +19,18 @@ from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 
 from ttsserve.audio.encode import FORMATS, content_type, validate_format
-from ttsserve.constants import MODEL_NAME, SAMPLE_RATE
+from ttsserve.constants import SAMPLE_RATE
+from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.protocol import EngineClient
 from ttsserve.server.access_log import RequestContextMiddleware, access_logger
 from ttsserve.server.args import ServerConfig
-from ttsserve.server.errors import ApiError, bad_request, install_error_handlers
+from ttsserve.server.errors import (
+    ApiError,
+    bad_request,
+    engine_error,
+    engine_param,
+    install_error_handlers,
+)
 from ttsserve.server.limits import (
     AdmissionGate,
     ApiKeyAuth,
@@ -67,7 +74,7 @@ _AUDIO_200 = {"description": "the audio, in the requested format", "content": _A
 class ServerState:
     """Everything the handlers share; one per app."""
 
-    def __init__(self, engine, cfg: ServerConfig, rate_limiter=None) -> None:
+    def __init__(self, engine: EngineClient, cfg: ServerConfig, rate_limiter=None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.api_keys)
@@ -76,7 +83,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine.stats)
         self.store = VoiceStore(cfg.voices_db)
         self.voices = VoiceResolver(self.store, engine.random_speaker, engine.parse_speaker)
-        names = cfg.served_model_names or (getattr(engine, "model_name", MODEL_NAME), *OPENAI_MODEL_NAMES)
+        names = cfg.served_model_names or (engine.model_name, *OPENAI_MODEL_NAMES)
         self.model_names = tuple(dict.fromkeys(names))
         self.created = int(time.time())
 
@@ -121,11 +128,14 @@ class ServerState:
         """
         try:
             validate_format(fmt)
+        except ValueError as e:
+            raise bad_request(str(e), param=_fmt_param(endpoint)) from None
+        try:
             req, stretch = build_synthesis_request(
                 text, voice, opts, speed=speed, instructions=instructions,
                 max_new_tokens_cap=self.cfg.max_new_tokens, request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}")
         except ValueError as e:
-            raise bad_request(str(e), param=_param_of(str(e), text_param, fmt_param=_fmt_param(endpoint))) from None
+            raise bad_request(str(e), param=_http_param(e, text_param)) from None
         rate = opts.sample_rate or SAMPLE_RATE
         try:
             release = self.gate.acquire()
@@ -184,8 +194,7 @@ def _unfinished_reason(error: BaseException | None) -> str:
     if error is None or isinstance(error, (ClientGone, OSError)) or type(error).__name__ in (
             "CancelledError", "ClientDisconnect"):
         return "abort"
-    if isinstance(error, ValueError) or type(error).__name__ == "EngineOverloadedError" or (
-            isinstance(error, ApiError) and error.status < 500):
+    if isinstance(error, (ValueError, EngineOverloadedError)) or (isinstance(error, ApiError) and error.status < 500):
         return "rejected"
     return "error"
 
@@ -201,15 +210,11 @@ def _fmt_param(endpoint: str) -> str:
     return "format" if endpoint == "synthesize" else "response_format"
 
 
-def _param_of(message: str, text_param: str, fmt_param: str) -> str:
-    head = message.split(" ", 1)[0]
-    if head in _SAMPLING_FIELDS:
-        return head
-    if head == "speed":
-        return "speed"
-    if "audio format" in message:
-        return fmt_param
-    return text_param
+def _http_param(e: BaseException, text_param: str) -> str:
+    """The HTTP field an invalid request names: a sampling option keeps its name (the HTTP and engine
+    names agree); the text, its prompts and anything unnamed are the text field's fault."""
+    param = engine_param(e)
+    return param if param in _SAMPLING_FIELDS else text_param
 
 
 def _as_api_error(e: BaseException, text_param: str) -> BaseException:
@@ -217,11 +222,7 @@ def _as_api_error(e: BaseException, text_param: str) -> BaseException:
         return e
     if isinstance(e, ClientGone):
         return ApiError(499, "client closed the request", code="client_closed_request")
-    if isinstance(e, ValueError):
-        return bad_request(str(e), param=text_param)
-    if type(e).__name__ == "EngineOverloadedError":  # ttsserve.engine.async_engine, matched by name
-        return ApiError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
-    return e
+    return engine_error(e, _http_param(e, text_param))
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -243,8 +244,8 @@ def _drop_422_from_openapi(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(engine, cfg: ServerConfig | None = None, *, rate_limiter=None) -> FastAPI:
-    """The ASGI app serving `engine` (an AsyncEngine or anything with its contract).
+def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_limiter=None) -> FastAPI:
+    """The ASGI app serving `engine`.
 
     rate_limiter: anything with RateLimiter's `check(identity, num_chars)` (default: a RateLimiter of this
     process from cfg's limits); API servers of one engine core share one (server/shared_limits.py).
@@ -306,7 +307,7 @@ def create_app(engine, cfg: ServerConfig | None = None, *, rate_limiter=None) ->
 
     @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health():
-        if getattr(engine, "dead", False):  # a separate engine process exited: this server cannot recover
+        if engine.dead:  # the engine (its process or thread) is gone: this server cannot recover
             raise ApiError(503, "the engine is gone", code="engine_dead")
         return {"status": "ok"}
 

@@ -17,6 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ttsserve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+
 logger = logging.getLogger("ttsserve.server")
 
 # status -> OpenAI error `type` (the API uses invalid_request_error for most 4xx).
@@ -73,6 +79,29 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+# The engine's typed errors (engine/errors.py) -> (status, code, headers); the first isinstance match wins, so
+# a subclass comes before its base. A plain ValueError from the engine side is an invalid request too.
+_ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str, dict[str, str]], ...] = (
+    (EngineDeadError, 503, "engine_dead", {"Retry-After": "1"}),
+    (EngineOverloadedError, 503, "server_overloaded", {"Retry-After": "1"}),
+    (ValueError, 400, "invalid_value", {}),
+)
+
+
+def engine_error(e: BaseException, param: str | None = None) -> BaseException:
+    """`e` as its ApiError when it is an engine error (else `e` unchanged). param: the HTTP field to name
+    for an invalid request (the caller maps the engine's InvalidRequestError.param to its own field names)."""
+    for cls, status, code, headers in _ENGINE_ERRORS:
+        if isinstance(e, cls):
+            return ApiError(status, str(e), param=param if status == 400 else None, code=code, headers=dict(headers))
+    return e
+
+
+def engine_param(e: BaseException) -> str | None:
+    """The request field an engine error names (InvalidRequestError.param), None for the rest."""
+    return e.param if isinstance(e, InvalidRequestError) else None
 
 
 # What json.loads raises on a hostile body besides JSONDecodeError: RecursionError for nesting deeper than the

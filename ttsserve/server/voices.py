@@ -24,8 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from ttsserve.audio.decode import AudioTooLongError, decode_audio_file
+from ttsserve.engine.errors import InvalidRequestError
 from ttsserve.params import Voice
-from ttsserve.server.errors import ApiError, parse_json_body
+from ttsserve.server.errors import ApiError, engine_param, parse_json_body
 from ttsserve.server.protocol import (
     VOICE_NAME_PATTERN,
     VoiceCreateJSON,
@@ -143,10 +144,12 @@ class VoiceStore:
 
 
 def check_voice_name(name: str) -> str:
+    """`name` unchanged; InvalidRequestError (param "name") for a malformed or built-in name."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise ValueError("voice name must be 1-64 characters of letters, digits, space, '_', '.', '-'")
+        raise InvalidRequestError("voice name must be 1-64 characters of letters, digits, space, '_', '.', '-'",
+                                  "name")
     if name.lower() in BUILTIN_VOICES:
-        raise ValueError(f"{name!r} is a built-in voice name")
+        raise InvalidRequestError(f"{name!r} is a built-in voice name", "name")
     return name
 
 
@@ -290,9 +293,8 @@ async def _create_from_upload(st, request) -> VoiceRecord:
         raise ApiError(409, str(e), param="name", code="voice_exists") from None
     except AudioTooLongError as e:
         raise ApiError(400, f"reference {e}", param="audio_sample", code="audio_too_long") from None
-    except ValueError as e:
-        param = "name" if "name" in str(e) else "audio_sample"
-        raise ApiError(400, str(e), param=param) from None
+    except ValueError as e:  # the name's checks name it; the recording's do not
+        raise ApiError(400, str(e), param=engine_param(e) or "audio_sample") from None
 
 
 async def _create_from_json(st, request) -> VoiceRecord:

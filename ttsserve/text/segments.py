@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ttsserve.params import SynthesisRequest
+from ttsserve.params import InvalidRequestError, SynthesisRequest
 
 if TYPE_CHECKING:
     from ttsserve.text.tokenizer import TextTokenizer
@@ -41,16 +41,25 @@ def _speakable(text: str) -> bool:
     return any(ch.isalnum() for ch in _TAG_RE.sub("", text))
 
 
-def prepare_segments(req: SynthesisRequest) -> list[Segment]:
-    """Check the control prompts, split and normalize; ValueError when nothing speakable is left. Text only
-    (no tokenizer, no model): an API server runs it before the request reaches the engine core."""
-    from ttsserve.text.normalize import normalize_text
+def _check_control_prompt(req: SynthesisRequest, field: str, allowed: tuple[str, ...]) -> None:
     from ttsserve.text.prompt import validate_control_prompt
+
+    try:
+        validate_control_prompt(getattr(req, field), allowed=allowed)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), field) from None
+
+
+def prepare_segments(req: SynthesisRequest) -> list[Segment]:
+    """Check the control prompts, split and normalize; InvalidRequestError (param: the field) for a bad
+    control prompt or when nothing speakable is left. Text only (no tokenizer, no model): the engine
+    client's input processor runs it before the request reaches the engine core."""
+    from ttsserve.text.normalize import normalize_text
     from ttsserve.text.split import split_text
 
-    validate_control_prompt(req.code_prompt, allowed=("speed",))
+    _check_control_prompt(req, "code_prompt", ("speed",))
     if req.refine_text:
-        validate_control_prompt(req.refine_prompt, allowed=("oral", "laugh", "break"))
+        _check_control_prompt(req, "refine_prompt", ("oral", "laugh", "break"))
     if req.raw_text:
         return [Segment(0, req.text, [])]
     pieces = [s.text for s in split_text(req.text)] if req.split else [req.text]
@@ -60,7 +69,7 @@ def prepare_segments(req: SynthesisRequest) -> list[Segment]:
         if _speakable(norm.text):
             out.append(Segment(len(out), norm.text.strip(), list(norm.dropped)))
     if not out:
-        raise ValueError("text: nothing speakable is left after normalization")
+        raise InvalidRequestError("text: nothing speakable is left after normalization", "text")
     return out
 
 

@@ -1,2 +1,3 @@
-"""The engine core in its own process: proc.py (the step loop behind a ZMQ ROUTER), client.py (the
-AsyncEngine contract for API-server processes), messages.py (the typed msgpack wire format)."""
+"""The engine core: engine_core.py (EngineCore, the transport-free loop body), proc.py (its process, behind a ZMQ
+ROUTER), client.py (CoreClient, the EngineClient of API-server processes), messages.py (the typed msgpack wire
+format)."""

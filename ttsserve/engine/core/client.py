@@ -1,15 +1,15 @@
-"""CoreClient: the AsyncEngine contract inside an API-server process, served by an engine core over ZMQ.
+"""CoreClient: the EngineClient (engine/protocol.py) of an API-server process, served by an engine core over ZMQ.
 
 One DEALER socket (identity `api-<index>`) to the core's ROUTER, used only from the event loop's thread;
 a receive task routes the core's batched outputs to one asyncio.Queue per request. A socket monitor
 watches the connection: when the core process dies, every in-flight request ends with an error output
-(or EngineOverloadedError if it was not admitted yet), pending utility calls fail, `ready` turns False and
+(or EngineDeadError if it was not admitted yet), pending utility calls fail, `ready` turns False and
 `dead` True. Nothing waits on a dead core.
 
 random_speaker / parse_speaker run here, from the speaker statistics the core sends in its CoreInfo: the
 app calls them synchronously on the event loop, where a round trip would wait behind an engine step. They
 give the same vectors as the core's utility calls of the same names. The core's tokenizer comes with the
-CoreInfo too, so the code prompts of requests without a refine pass are tokenized here (segment_msgs).
+CoreInfo too, so the InputProcessor tokenizes the code prompts of requests without a refine pass here.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ from ttsserve.engine.core.messages import (
     core_decoder,
     encoder,
 )
-from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from ttsserve.engine.input_processor import InputProcessor
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
-from ttsserve.text.segments import prepare_segments, tokenize_segments, warm_up_text_path
 
 logger = logging.getLogger("ttsserve.core_client")
 
@@ -76,7 +80,7 @@ class CoreClient:
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._request_ids = itertools.count()
+        self.processor = InputProcessor(None, index)  # the core's tokenizer joins it at the handshake
         self._stats: dict = {}
         self._accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,7 +88,6 @@ class CoreClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._hello: asyncio.Future | None = None
-        self._tokenizer = None  # TextTokenizer, the core's (from its CoreInfo)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -111,8 +114,8 @@ class CoreClient:
         if info.tokenizer_json is not None:
             from ttsserve.text.tokenizer import TextTokenizer
 
-            self._tokenizer = TextTokenizer.from_json(info.tokenizer_json)
-        logger.debug("text path warmed up in %.2f s", warm_up_text_path(self._tokenizer))
+            self.processor.tokenizer = TextTokenizer.from_json(info.tokenizer_json)
+        logger.debug("text path warmed up in %.2f s", self.processor.warm_up())
         self._stats = dict(info.stats)
         self._info = info
         self._accepting = True
@@ -139,17 +142,15 @@ class CoreClient:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
-        """Stream the audio of `req`. ValueError (bad input, with the core's message) and EngineOverloadedError
-        are raised before the first output; a core that dies mid-stream ends it with an error output."""
+        """Stream the audio of `req` (the EngineClient contract); a core that dies mid-stream ends it with an
+        error output."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
         if not self.ready:
-            raise EngineOverloadedError(self.dead_reason or "the engine is not accepting requests "
-                                        "(starting or shutting down)")
-        if len(self._streams) >= self._info.max_queue_len:
-            raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)})")
-        # Ids are namespaced by API server: two servers may well be handed the same X-Request-ID.
-        rid = f"{req.request_id}@api{self.index}" if req.request_id else f"api{self.index}-{next(self._request_ids)}"
-        if rid in self._streams:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
+            raise EngineOverloadedError("the engine is not accepting requests (starting or shutting down)")
+        rid = self.processor.engine_request_id(req.request_id)
+        if rid in self._streams:  # this map's key; the core refuses duplicates among all API servers
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", "request_id")
         segments = self.segment_msgs(req)
         msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
         stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
@@ -174,13 +175,19 @@ class CoreClient:
                 self._post(Abort([rid]))
 
     def segment_msgs(self, req: SynthesisRequest) -> list[SegmentMsg]:
-        """The text work, here rather than on the core's step loop: control-prompt checks, split, normalize
-        and, without refine_text, the code prompts' token ids with the core's tokenizer (the ids the core
-        would compute). ValueError (the caller's 400, without a round trip) for text nothing is left of."""
-        segments = prepare_segments(req)
-        if self._tokenizer is not None:
-            segments = tokenize_segments(req, segments, self._tokenizer)
-        return [SegmentMsg.of(s) for s in segments]
+        """The InputProcessor's segments of `req` (tokenized with the core's tokenizer) as wire messages.
+        InvalidRequestError (the caller's 400, without a round trip) for input the text path refuses."""
+        return [SegmentMsg.of(s) for s in self.processor.segments(req)]
+
+    async def abort(self, request_id: str) -> None:
+        for rid, s in list(self._streams.items()):
+            if (s.public_id or rid) == request_id:
+                self._streams.pop(rid)
+                if not self.dead:
+                    self._post(Abort([rid]))  # after its AddRequest: the core admits it, then aborts it
+                if not s.admitted.done():
+                    s.admitted.set_result(None)
+                s.queue.put_nowait(AudioOutput(request_id, np.zeros(0, np.float32), True, finish_reason="abort"))
 
     def stats(self) -> dict:
         """The core's engine stats (shared by all API servers; ~0.1 s old at most), plus num_streams: this
@@ -293,7 +300,7 @@ class CoreClient:
         logger.error("%s: failing %d in-flight requests", reason, len(self._streams))
         for rid, s in self._streams.items():
             if not s.admitted.done():
-                s.admitted.set_exception(EngineOverloadedError(reason))
+                s.admitted.set_exception(EngineDeadError(reason))
             else:
                 s.queue.put_nowait(AudioOutput(s.public_id or rid, np.zeros(0, np.float32), True,
                                                finish_reason="error", error=reason))

@@ -13,9 +13,9 @@ core -> API server:
     UtilityReply  result or error of one UtilityCall
 
 Arrays travel as raw little-endian bytes with dtype and shape (ArrayMsg; a segment's prompt ids as int32
-bytes), never as lists. Errors travel as (kind, message): kind "value" is re-raised as ValueError,
-"overloaded" as EngineOverloadedError, anything else as RuntimeError, so a bad input still becomes the
-server's 400 with the core's message.
+bytes), never as lists. Errors travel as ErrorInfo (kind, message, param) and are re-raised as the same
+typed error (engine/errors.py): "invalid" as InvalidRequestError with its param, "overloaded" as
+EngineOverloadedError, "dead" as EngineDeadError, anything else as RuntimeError.
 """
 
 from __future__ import annotations
@@ -25,12 +25,16 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from ttsserve.engine.errors import EngineOverloadedError
-from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from ttsserve.engine.synthesis import AudioOutput, FinishReason
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 from ttsserve.text.segments import Segment
 
-ErrorKind = Literal["value", "overloaded", "runtime"]
+ErrorKind = Literal["invalid", "overloaded", "dead", "runtime"]
 
 
 class ArrayMsg(msgspec.Struct, array_like=True, frozen=True):
@@ -52,20 +56,28 @@ class ArrayMsg(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ErrorInfo(msgspec.Struct, array_like=True, frozen=True):
+    """A typed engine error on the wire. param: InvalidRequestError's field (None for the other kinds).
+    A plain ValueError travels as "invalid" without a param; any other exception as "runtime"."""
+
     kind: ErrorKind
     message: str
+    param: str | None = None
 
     @classmethod
     def of(cls, e: BaseException) -> ErrorInfo:
+        if isinstance(e, EngineDeadError):
+            return cls("dead", str(e))
         if isinstance(e, EngineOverloadedError):
             return cls("overloaded", str(e))
         if isinstance(e, ValueError):
-            return cls("value", str(e))
+            return cls("invalid", str(e), e.param if isinstance(e, InvalidRequestError) else None)
         return cls("runtime", f"{type(e).__name__}: {e}")
 
     def exception(self) -> Exception:
-        if self.kind == "value":
-            return ValueError(self.message)
+        if self.kind == "invalid":
+            return InvalidRequestError(self.message, self.param)
+        if self.kind == "dead":
+            return EngineDeadError(self.message)
         if self.kind == "overloaded":
             return EngineOverloadedError(self.message)
         return RuntimeError(self.message)
@@ -195,7 +207,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     samples: bytes
     finished: bool
     num_frames: int
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     truncated_segments: list[int]
     error: str | None
     dropped_chars: list[str]

@@ -1,10 +1,11 @@
-"""The engine-core process: owns the Engine and its step loop; API servers reach it over one ZMQ ROUTER socket.
+"""The engine-core process: EngineCoreProc runs an EngineCore (engine_core.py) behind one ZMQ ROUTER socket
+that API servers reach.
 
 One thread runs everything that touches the engine: receive (adds, aborts, utility calls), flush admissions,
 step, flush outputs. Each flush sends at most one CoreOutputs per API server, so a step's audio for 100
-streams of one API server is one message. The loop is guarded: a request that fails its checks is rejected
-by id (ValueError -> the server's 400), a failing step fails that step's requests and the loop keeps serving,
-a utility call that raises answers its caller with the error. Only the DVAE reference encoder (slow, rare)
+streams of one API server is one message. The EngineCore guards the engine: a request that fails its checks
+is rejected by id with its typed error (ErrorInfo), a failing step fails that step's requests and the loop
+keeps serving; a utility call that raises answers its caller with the error. Only the DVAE reference encoder (slow, rare)
 runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
 
 Sockets: ROUTER bound at the ipc address, ROUTER_MANDATORY (a send to an API server that is gone raises, and
@@ -12,7 +13,7 @@ its requests are aborted), ROUTER_HANDOVER (a restarted API server reconnecting 
 over; its Hello aborts what its predecessor left) and no high-water mark (audio is never dropped; a stalled API server costs core
 memory, not other streams' progress).
 
-This module imports torch only inside run_engine_core / EngineCore, after the OpenMP environment is set.
+This module imports torch only inside run_engine_core, after the OpenMP environment is set.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
-from ttsserve.constants import MODEL_NAME, speaker_stats
+from ttsserve.engine.core.engine_core import EngineCore
 from ttsserve.engine.core.heap import FreezeWhenWarm, freeze_startup_heap
 from ttsserve.engine.core.messages import (
     Abort,
@@ -72,15 +72,12 @@ class _Batch:
     stats_sent_at: float = 0.0
 
 
-class EngineCore:
-    """The step loop of one Engine, serving any number of API servers (see the module docstring)."""
+class EngineCoreProc:
+    """The step loop of one EngineCore, serving any number of API servers (see the module docstring)."""
 
     def __init__(self, engine, address: str, drain_timeout_s: float = 30.0) -> None:
-        from ttsserve.engine.async_engine import AsyncEngine, fail_all
-
         self.engine = engine
-        self.sample_rate = AsyncEngine.sample_rate
-        self._fail_all = fail_all
+        self.core = EngineCore(engine)
         self.drain_timeout_s = drain_timeout_s
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -101,14 +98,13 @@ class EngineCore:
         self._stats_version = 0  # bumped by every step; the stats are built when a server is due for them
         self._stop_deadline: float | None = None
         self._freeze = FreezeWhenWarm(engine, "engine core")
-        model = engine.model
-        std, mean = speaker_stats(model.spk_stat, model.hidden_size)
-        self._spk_std, self._spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
-        self._tokenizer_json = model.tokenizer.to_json()  # once: every Hello gets it (API servers tokenize)
+        self._tokenizer_json = engine.model.tokenizer.to_json()  # once: every Hello gets it (API servers tokenize)
+        core = self.core
         self._methods: dict[str, Callable[..., Any]] = {
-            "stats": engine.stats, "memory_report": engine.memory_report,
-            "random_speaker": self._random_speaker, "parse_speaker": self._parse_speaker,
-            "encode_reference_audio": self._encode_reference_audio,
+            "stats": core.stats, "memory_report": core.memory_report,
+            "random_speaker": lambda seed: ArrayMsg.of(core.random_speaker(int(seed))),
+            "parse_speaker": lambda s: ArrayMsg.of(core.parse_speaker(s)),
+            "encode_reference_audio": lambda wav, rate: ArrayMsg.of(core.encode_reference_audio(wav.array(), rate)),
         }
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -116,31 +112,29 @@ class EngineCore:
         """Stop admitting; the loop ends once in-flight requests finish or the drain timeout passes.
         Safe to call from a signal handler."""
         if self._stop_deadline is None:
+            self.core.accepting = False
             self._stop_deadline = time.monotonic() + self.drain_timeout_s
 
     def run(self) -> None:
+        core = self.core
         try:
             while True:
-                busy = self._busy()
+                busy = core.busy()
                 if self._stop_deadline is not None and (not busy or time.monotonic() > self._stop_deadline):
                     break
                 self._receive(0 if busy else IDLE_POLL_MS)
                 self._flush()  # admissions and rejections leave before the step
-                if self._busy():
+                if core.busy():
                     self._step()
                 self._flush()
                 self._freeze.check()
         finally:
             self._close()
 
-    def _busy(self) -> bool:
-        # Aborted requests are released by the scheduler's next step, so step while any remain.
-        return self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()
-
     def _close(self) -> None:
         leftover = list(self.owner)
         for rid in leftover:  # the drain timeout passed: tell their API servers instead of going silent
-            self.engine.abort(rid)
+            self.core.abort(rid)
             self._batch(self.owner.pop(rid)).outputs.append(RequestOutput(
                 rid, b"", True, 0, "error", [], "the engine core shut down", []))
         self._flush()
@@ -176,7 +170,7 @@ class EngineCore:
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 if self.owner.get(rid) == ident:
-                    self.engine.abort(rid)
+                    self.core.abort(rid)
                     del self.owner[rid]
         elif isinstance(msg, UtilityCall):
             self._utility(ident, msg)
@@ -187,31 +181,24 @@ class EngineCore:
         self._abort_owned_by(ident)  # requests of an earlier process with this identity have no reader
         self.batches[ident] = _Batch(stats_version=self._stats_version, stats_sent_at=time.monotonic())
         logger.info("API server %d (pid %d) connected", msg.api_server_index, msg.pid)
-        model = self.engine.model
-        info = CoreInfo(os.getpid(), self.sample_rate, MODEL_NAME, self.engine.memory_report(), model.hidden_size,
-                        ArrayMsg.of(self._spk_std), ArrayMsg.of(self._spk_mean), self.engine.cfg.max_queue_len,
-                        self.engine.stats(), self._tokenizer_json)
+        core = self.core
+        info = CoreInfo(os.getpid(), core.sample_rate, core.model_name, core.memory_report(), core.hidden_size,
+                        ArrayMsg.of(core.spk_std), ArrayMsg.of(core.spk_mean), core.max_queue_len,
+                        core.stats(), self._tokenizer_json)
         self._send(ident, encoder.encode(info))
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
         rid = msg.request_id
         batch = self._batch(ident)
         try:
-            if self._stop_deadline is not None:
-                raise EngineOverloadedError("the engine core is shutting down")
-            if len(self.engine.syntheses) >= self.engine.cfg.max_queue_len:
-                raise EngineOverloadedError(f"too many requests in flight ({len(self.engine.syntheses)})")
-            if rid in self.owner:
-                raise ValueError(f"request_id {rid!r} is already in use")
             req = dataclasses.replace(decode_synthesis(msg.request), request_id=rid)
             segments = None if msg.segments is None else [m.segment(i) for i, m in enumerate(msg.segments)]
-            self.engine.add_synthesis(req, segments)
-        except (ValueError, EngineOverloadedError) as e:
+            self.core.add(req, segments)
+        except (ValueError, EngineOverloadedError) as e:  # typed: kind and param cross the wire
             batch.rejected.append(Rejection(rid, ErrorInfo.of(e)))
             return
-        except Exception as e:  # a front-end bug must reject this request, not kill the loop
-            logger.exception("add_synthesis failed for %s", rid)
-            batch.rejected.append(Rejection(rid, ErrorInfo("runtime", f"internal error: {type(e).__name__}: {e}")))
+        except Exception as e:  # noqa: BLE001 - EngineCore.add's internal error (logged there)
+            batch.rejected.append(Rejection(rid, ErrorInfo("runtime", str(e))))
             return
         self.owner[rid] = ident
         batch.admitted.append(rid)
@@ -226,7 +213,7 @@ class EngineCore:
     def _call(self, call: UtilityCall) -> UtilityReply:
         method = self._methods.get(call.method)
         if method is None:
-            return UtilityReply(call.call_id, error=ErrorInfo("value", f"unknown utility method {call.method!r}"))
+            return UtilityReply(call.call_id, error=ErrorInfo("invalid", f"unknown utility method {call.method!r}"))
         try:
             return UtilityReply(call.call_id, result=method(*call.args))
         except Exception as e:  # the caller gets the error (ValueError stays ValueError); the loop goes on
@@ -241,29 +228,10 @@ class EngineCore:
             sock.connect(_RESULTS_ADDRESS)
         sock.send_multipart([ident, encoder.encode(self._call(call))])
 
-    def _random_speaker(self, seed: int) -> ArrayMsg:
-        from ttsserve.text.speaker import sample_random_speaker
-
-        return ArrayMsg.of(sample_random_speaker(self._spk_std, self._spk_mean, int(seed)))
-
-    def _parse_speaker(self, s: str) -> ArrayMsg:
-        from ttsserve.text.speaker import decode_speaker
-
-        return ArrayMsg.of(decode_speaker(s, dim=self.engine.model.hidden_size))
-
-    def _encode_reference_audio(self, wav: ArrayMsg, sample_rate: int) -> ArrayMsg:
-        from ttsserve.engine.voice_encode import encode_reference
-
-        return ArrayMsg.of(encode_reference(self.engine.model, wav.array(), int(sample_rate)))
-
     # ---- stepping and sending ----------------------------------------------------------------------
     def _step(self) -> None:
-        try:
-            # audio the device finished since the last step leaves in mid-step, not at the step's end
-            outputs = self.engine.step(emit=self._emit)
-        except Exception as e:  # one guarded place: fail this step's requests, keep serving
-            logger.exception("engine step failed")
-            outputs = self._fail_all(self.engine, f"internal error: {type(e).__name__}: {e}")
+        # audio the device finished since the last step leaves in mid-step, not at the step's end
+        outputs = self.core.step(emit=self._emit)
         self._stats_version += 1
         self._dispatch(outputs)
 
@@ -295,7 +263,7 @@ class EngineCore:
             # alone): built and encoded once for every server due, not on every step.
             if b.stats_version != self._stats_version and now - b.stats_sent_at >= STATS_INTERVAL_S:
                 if stats_raw is None:
-                    stats_raw = msgspec.Raw(encoder.encode(self.engine.stats()))
+                    stats_raw = msgspec.Raw(encoder.encode(self.core.stats()))
                 stats, b.stats_version, b.stats_sent_at = stats_raw, self._stats_version, now
             if not (b.admitted or b.rejected or b.outputs or stats is not None):
                 continue
@@ -319,7 +287,7 @@ class EngineCore:
     def _abort_owned_by(self, ident: bytes) -> int:
         rids = [rid for rid, owner in self.owner.items() if owner == ident]
         for rid in rids:
-            self.engine.abort(rid)
+            self.core.abort(rid)
             del self.owner[rid]
         return len(rids)
 
@@ -337,7 +305,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
     from ttsserve.engine.engine import Engine
 
     try:
-        core = EngineCore(Engine(cfg), address, drain_timeout_s)
+        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s)
     except Exception as e:  # reported to the launcher, which exits with a one-line reason
         logger.exception("the engine core failed to start")
         ready.send(("error", f"{type(e).__name__}: {e}"))

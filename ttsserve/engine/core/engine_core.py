@@ -1,0 +1,113 @@
+"""EngineCore: the synchronous engine loop's body, with no transport. The in-process client (AsyncEngine) runs
+it on its step thread; the engine-core process (proc.py) runs it behind a ZMQ socket. Everything that guards
+the Engine lives here once: admission (shutting-down check, queue bound, duplicate ids, input errors typed),
+the busy test, and the guarded step, which fails that step's requests on an exception and keeps serving.
+
+Not thread-safe: one thread owns an EngineCore, as one thread owns its Engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from ttsserve.constants import MODEL_NAME, SAMPLE_RATE, speaker_stats
+from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.params import SynthesisRequest
+from ttsserve.text.segments import Segment
+
+logger = logging.getLogger("ttsserve.engine")
+
+
+class EngineCore:
+    """One Engine behind the checks every front shares (see the module docstring)."""
+
+    sample_rate = SAMPLE_RATE
+    model_name = MODEL_NAME
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.max_queue_len: int = engine.cfg.max_queue_len
+        self.accepting = True  # False once shutting down: new requests get EngineOverloadedError
+        model = engine.model
+        std, mean = speaker_stats(model.spk_stat, model.hidden_size)
+        # float16 [hidden] each: random_speaker's statistics (also sent to API servers, which sample locally)
+        self.spk_std, self.spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add(self, req: SynthesisRequest, segments: list[Segment] | None = None) -> str:
+        """Admit `req` (its request_id set by the client's input processor) -> its id. Raises
+        EngineOverloadedError (shutting down, queue full), InvalidRequestError (a duplicate id, input the
+        engine refuses; nothing is left queued), RuntimeError for an internal failure (logged)."""
+        rid = req.request_id
+        assert rid, "the input processor assigns every request id"
+        if not self.accepting:
+            raise EngineOverloadedError("the engine is shutting down")
+        n = self.engine.num_syntheses
+        if n >= self.max_queue_len:
+            raise EngineOverloadedError(f"too many requests in flight ({n})")
+        if self.engine.has_synthesis(rid):
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
+        try:
+            return self.engine.add_synthesis(req, segments)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:  # the engine's own checks (prompt room, prepared ids): no single field
+            raise InvalidRequestError(str(e)) from None
+        except Exception as e:  # a front-end bug must reject this request, not kill the loop
+            logger.exception("add_synthesis failed for %s", rid)
+            raise RuntimeError(f"internal error: {type(e).__name__}: {e}") from e
+
+    def abort(self, rid: str) -> None:
+        """Its sequences leave the batch and free their blocks at the next step (unknown ids: no-op)."""
+        self.engine.abort(rid)
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        # Aborted requests are released by the scheduler's next step, so step while any remain.
+        return self.engine.has_unfinished() or self.engine.scheduler.has_unfinished_requests()
+
+    def step(self, emit: Callable[[list[AudioOutput]], None] | None = None) -> list[AudioOutput]:
+        """One engine step (emit: Engine.step's mid-step output callback). An exception fails every
+        synthesis with one final error output each and the engine keeps serving."""
+        try:
+            return self.engine.step(emit=emit)
+        except Exception as e:  # one guarded place: fail this step's requests, keep serving
+            logger.exception("engine step failed")
+            return self.fail_all(f"internal error: {type(e).__name__}: {e}")
+
+    def fail_all(self, message: str) -> list[AudioOutput]:
+        """Abort every synthesis -> one final error output each."""
+        return [AudioOutput(rid, np.zeros(0, np.float32), True, finish_reason="error", error=message)
+                for rid in self.engine.abort_all()]
+
+    # ---- utilities ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def memory_report(self) -> str:
+        return self.engine.memory_report()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.model.hidden_size
+
+    def random_speaker(self, seed: int) -> np.ndarray:
+        """float16 [hidden]: the speaker vector of `seed` (the same on every client)."""
+        from ttsserve.text.speaker import sample_random_speaker
+
+        return sample_random_speaker(self.spk_std, self.spk_mean, int(seed))
+
+    def parse_speaker(self, s: str) -> np.ndarray:
+        from ttsserve.text.speaker import decode_speaker
+
+        return decode_speaker(s, dim=self.hidden_size)
+
+    def encode_reference_audio(self, wav: np.ndarray, sample_rate: int) -> np.ndarray:
+        """A reference recording -> int32 [num_vq, P] audio-code prompt (the DVAE encoder; slow)."""
+        from ttsserve.engine.voice_encode import encode_reference
+
+        return encode_reference(self.engine.model, wav, int(sample_rate))
