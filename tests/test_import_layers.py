@@ -1,4 +1,5 @@
-"""The package's layers: the import-linter contract in pyproject.toml holds, and no two folders import each other.
+"""The package's layers: the import-linter contract in pyproject.toml holds, and no two folders (at any depth,
+engine/ and engine/core/ included) import each other.
 
 The contract ([tool.importlinter], `layers`, exhaustive) lists every folder and top-level module of ttsserve
 from entrypoints/ down to constants.py: a folder imports only folders below it, and siblings joined by `|`
@@ -31,10 +32,13 @@ def test_layers_contract_is_kept() -> None:
 
 
 def _folder(module: str) -> str:
-    """The layer a module belongs to: ttsserve.engine.core.proc -> ttsserve.engine; ttsserve.config -> ttsserve
-    (the top-level modules, constants.py to platform.py, form the bottom layer)."""
-    top = ".".join(module.split(".")[:2])
-    return top if REPO.joinpath(*top.split(".")).is_dir() else "ttsserve"
+    """The folder (package) a module lives in, at any depth: ttsserve.engine.core.proc -> ttsserve.engine.core,
+    ttsserve.engine.engine -> ttsserve.engine, ttsserve.config -> ttsserve (the top-level modules, constants.py
+    to platform.py, form the bottom layer). A package's __init__ belongs to the package itself."""
+    parts = module.split(".")
+    if REPO.joinpath(*parts).is_dir():
+        return module
+    return ".".join(parts[:-1])
 
 
 def folder_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:

@@ -14,7 +14,7 @@ from ttsserve.config import EngineConfig
 
 @pytest.fixture(scope="module")
 def server():
-    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
 
     engine = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",

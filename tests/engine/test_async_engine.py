@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ttsserve.config import EngineConfig
-from ttsserve.engine.async_engine import AsyncEngine
+from ttsserve.engine.core.async_engine import AsyncEngine
 from ttsserve.params import SamplingParams, SynthesisRequest
 
 

@@ -48,7 +48,7 @@ def local_engine():
 
 def _make(kind: str, request) -> EngineClient:
     if kind == "async_engine":
-        from ttsserve.engine.async_engine import AsyncEngine
+        from ttsserve.engine.core.async_engine import AsyncEngine
 
         return AsyncEngine(request.getfixturevalue("local_engine"))
     if kind == "core_client":
@@ -187,7 +187,7 @@ def test_random_speaker_is_deterministic(make_client):
 
 # ---- the two real modes, side by side --------------------------------------------------------------------
 def test_in_process_and_multiprocess_serve_the_same(local_engine, core_address):
-    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.engine.core.client import CoreClient
 
     bad = [SynthesisRequest("???"), SynthesisRequest("hi", code_prompt="[speed_12]"),

@@ -8,7 +8,7 @@ import pytest
 
 from engine_testutil import run_all
 from ttsserve.config import EngineConfig
-from ttsserve.engine.async_engine import AsyncEngine
+from ttsserve.engine.core.async_engine import AsyncEngine
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest
 

@@ -23,7 +23,7 @@ REAL_MAX_NEW_TOKENS = 24
 
 
 def make_real_engine(**overrides):
-    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.engine.core.async_engine import AsyncEngine
 
     return AsyncEngine.from_config(EngineConfig(**{**REAL_ENGINE, **overrides}))
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from tests.server.conftest import REAL_ENGINE
 from ttsserve.config import EngineConfig
-from ttsserve.engine.async_engine import AsyncEngine
+from ttsserve.engine.core.async_engine import AsyncEngine
 from ttsserve.engine.core.client import CoreClient
 from ttsserve.engine.core.proc import EngineCoreProc
 from ttsserve.engine.engine import Engine

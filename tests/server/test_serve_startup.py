@@ -111,7 +111,7 @@ def test_a_blank_api_key_refuses_to_start():
 ], ids=["block-size", "not-an-int", "env", "dummy-seed", "fp8-on-cpu", "cuda-index", "model-env", "blank-key",
         "blank-second-key", "blank-env-key", "blank-env-item", "bad-host"])
 def test_refused_before_the_engine_is_built(args, env, needle, monkeypatch, capsys):
-    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.entrypoints.serve import run_serve
     from ttsserve.server.args import add_serve_arguments
 

@@ -49,7 +49,7 @@ class TTSServeReplica:
     lifespan, which Ray runs before the replica takes traffic."""
 
     def __init__(self, engine_cfg: EngineConfig, server_cfg: Any) -> None:
-        from ttsserve.engine.async_engine import AsyncEngine
+        from ttsserve.engine.core.async_engine import AsyncEngine
 
         self._engine = AsyncEngine.from_config(engine_cfg)
         self._server_cfg = server_cfg

@@ -1,6 +1,6 @@
 """EngineClient: the contract between the HTTP server and an engine, whatever runs it.
 
-Implementations: engine/async_engine.AsyncEngine (the EngineCore on a thread of this process),
+Implementations: engine/core/async_engine.AsyncEngine (the EngineCore on a thread of this process),
 engine/core/client.CoreClient (an engine-core process over ZMQ) and the tests' FakeEngine. Both real clients
 run requests through the same InputProcessor and the same EngineCore, so they refuse the same inputs with the
 same typed errors (engine/errors.py) and produce the same audio for the same seeded request.

@@ -58,7 +58,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock=sock)
     import uvicorn
 
-    from ttsserve.engine.async_engine import AsyncEngine
+    from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
 
     _configure_logging(log_level)
