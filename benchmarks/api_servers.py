@@ -75,8 +75,14 @@ async def _client(c: httpx.AsyncClient, body: dict, stop_at: float, ttfa: list[f
 
 
 async def _load(url: str, a: argparse.Namespace, duration: float) -> tuple[int, list[float]]:
-    body = {"model": "tts-1", "input": "The quick brown fox jumps over the lazy dog.", "voice": "alloy",
-            "response_format": a.format, "min_new_tokens": a.frames, "max_new_tokens": a.frames}
+    body = {
+        "model": "tts-1",
+        "input": "The quick brown fox jumps over the lazy dog.",
+        "voice": "alloy",
+        "response_format": a.format,
+        "min_new_tokens": a.frames,
+        "max_new_tokens": a.frames,
+    }
     ttfa: list[float] = []
     limits = httpx.Limits(max_connections=a.concurrency * 2, max_keepalive_connections=0)  # a connection each
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
@@ -88,9 +94,22 @@ async def _load(url: str, a: argparse.Namespace, duration: float) -> tuple[int, 
 def run_point(count: int, a: argparse.Namespace) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *a.serve_flags, "--port", str(port),
-           "--api-server-count", str(count), "--voices-db", ":memory:", "--max-new-tokens", str(a.frames),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ttsserve.entrypoints.serve",
+        *a.serve_flags,
+        "--port",
+        str(port),
+        "--api-server-count",
+        str(count),
+        "--voices-db",
+        ":memory:",
+        "--max-new-tokens",
+        str(a.frames),
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TTSSERVE_CPU_COMPILE": os.environ.get("TTSSERVE_CPU_COMPILE", "0")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -105,9 +124,17 @@ def run_point(count: int, a: argparse.Namespace) -> dict:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"api_server_count": count, "concurrency": a.concurrency, "format": a.format, "frames": a.frames,
-            "requests": n, "wall_s": round(wall, 2), "audio_s_per_s": round((after - before) / wall, 2),
-            "ttfa_p50_s": round(float(np.percentile(ttfa, 50)), 3), "ttfa_p99_s": round(float(np.percentile(ttfa, 99)), 3)}
+    return {
+        "api_server_count": count,
+        "concurrency": a.concurrency,
+        "format": a.format,
+        "frames": a.frames,
+        "requests": n,
+        "wall_s": round(wall, 2),
+        "audio_s_per_s": round((after - before) / wall, 2),
+        "ttfa_p50_s": round(float(np.percentile(ttfa, 50)), 3),
+        "ttfa_p99_s": round(float(np.percentile(ttfa, 99)), 3),
+    }
 
 
 def encoder_speeds(seconds: float = 30.0, chunk: int = 2048) -> dict[str, float]:
@@ -124,7 +151,7 @@ def encoder_speeds(seconds: float = 30.0, chunk: int = 2048) -> dict[str, float]
             enc = StreamingEncoder(fmt, 24000, input_rate=24000)
             t0 = time.perf_counter()
             for i in range(0, n, chunk):
-                enc.write(x[i:i + chunk])
+                enc.write(x[i : i + chunk])
             enc.close()
             best = min(best, time.perf_counter() - t0)
         speeds[fmt] = round(seconds / best, 1)
@@ -133,7 +160,7 @@ def encoder_speeds(seconds: float = 30.0, chunk: int = 2048) -> dict[str, float]
 
 def main() -> None:
     argv = sys.argv[1:]
-    serve_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    serve_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="0,2", help="--api-server-count values, e.g. 0,2,4")
     ap.add_argument("--concurrency", type=int, default=16)
@@ -141,7 +168,7 @@ def main() -> None:
     ap.add_argument("--format", default="mp3")
     ap.add_argument("--frames", type=int, default=96, help="frames per request (96 = 2.05 s of audio)")
     ap.add_argument("--encoders", action="store_true", help="only time the container encoders on one core")
-    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if a.encoders:
         print(json.dumps({"x_real_time_per_core": encoder_speeds()}))
         return

@@ -22,8 +22,16 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 
 
 def decoding_engine(num_streams: int = 128) -> tuple[Engine, list[str]]:
-    e = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0,
-                            max_num_seqs=num_streams, kv_cache_memory=256 << 20))
+    e = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            swap_space=0,
+            max_num_seqs=num_streams,
+            kv_cache_memory=256 << 20,
+        )
+    )
     for n in range(num_streams):
         params = SamplingParams(seed=n, max_new_tokens=100000, min_new_tokens=100000)
         e.add_synthesis(SynthesisRequest("hello world", request_id=f"r{n}", code_params=params))

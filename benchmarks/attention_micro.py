@@ -69,7 +69,7 @@ def make_md(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> Att
     block_tables = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32)
     slots, taken = [], 0
     for b, (n, s) in enumerate(zip(q_lens, seq_lens)):
-        block_tables[b, : blocks[b]] = perm[taken: taken + blocks[b]]
+        block_tables[b, : blocks[b]] = perm[taken : taken + blocks[b]]
         taken += blocks[b]
         pos = torch.arange(s - n, s)
         slots.append(block_tables[b, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
@@ -79,8 +79,14 @@ def make_md(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> Att
     return AttentionMetadata(
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        block_tables=block_tables.cuda(), slot_mapping=torch.cat(slots).cuda(), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), block_size=BLOCK_SIZE, cu_seqlens_q_cpu=cu, seq_lens_cpu=list(seq_lens))
+        block_tables=block_tables.cuda(),
+        slot_mapping=torch.cat(slots).cuda(),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=BLOCK_SIZE,
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=list(seq_lens),
+    )
 
 
 class PagedSetup:
@@ -97,7 +103,8 @@ class PagedSetup:
     def step_fn(self, backend):
         def step() -> None:
             for cache in self.caches:
-                backend.forward(self.q, self.k, self.v, cache, self.md, HEAD_DIM ** -0.5)
+                backend.forward(self.q, self.k, self.v, cache, self.md, HEAD_DIM**-0.5)
+
         return step
 
 
@@ -106,7 +113,7 @@ def bench_sdpa(batch: int, ctx: int) -> tuple[float, float]:
     kvs = [torch.randn(2, batch, HEADS, ctx, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
 
     def step() -> None:
-        for kv in kvs:
+        for kv in kvs:  # noqa: F821 (ruff misreads the del below)
             F.scaled_dot_product_attention(q, kv[0], kv[1])
 
     result = eager_time_ms(step), graph_time_ms(step)
@@ -123,8 +130,10 @@ def layer_bytes(batch: int, ctx: int) -> int:
 def decode_table(gen: torch.Generator, rows: list[dict]) -> None:
     from ttsserve.attention.triton_paged import TritonPagedAttention
 
-    print(f"{'batch':>5} {'ctx':>5} | {'triton eager':>12} {'graph':>7} {'TB/s':>5} {'%peak':>5} | "
-          f"{'sdpa eager':>10} {'graph':>7} {'TB/s':>5}   (ms per {LAYERS} layers)")
+    print(
+        f"{'batch':>5} {'ctx':>5} | {'triton eager':>12} {'graph':>7} {'TB/s':>5} {'%peak':>5} | "
+        f"{'sdpa eager':>10} {'graph':>7} {'TB/s':>5}   (ms per {LAYERS} layers)"
+    )
     for batch, ctx in SHAPES:
         setup = PagedSetup([1] * batch, [ctx] * batch, gen)
         step = setup.step_fn(TritonPagedAttention())
@@ -134,10 +143,22 @@ def decode_table(gen: torch.Generator, rows: list[dict]) -> None:
         s_eager, s_graph = bench_sdpa(batch, ctx)
         nbytes = layer_bytes(batch, ctx) * LAYERS
         tbps, sdpa_tbps = nbytes / t_graph / 1e9, nbytes / s_graph / 1e9
-        rows.append(dict(batch=batch, ctx=ctx, triton_eager_ms=t_eager, triton_graph_ms=t_graph,
-                         sdpa_eager_ms=s_eager, sdpa_graph_ms=s_graph, bytes=nbytes, triton_tbps=tbps))
-        print(f"{batch:>5} {ctx:>5} | {t_eager:>12.3f} {t_graph:>7.3f} {tbps:>5.2f} {100 * tbps / PEAK_TBPS:>5.1f} | "
-              f"{s_eager:>10.3f} {s_graph:>7.3f} {sdpa_tbps:>5.2f}")
+        rows.append(
+            dict(
+                batch=batch,
+                ctx=ctx,
+                triton_eager_ms=t_eager,
+                triton_graph_ms=t_graph,
+                sdpa_eager_ms=s_eager,
+                sdpa_graph_ms=s_graph,
+                bytes=nbytes,
+                triton_tbps=tbps,
+            )
+        )
+        print(
+            f"{batch:>5} {ctx:>5} | {t_eager:>12.3f} {t_graph:>7.3f} {tbps:>5.2f} {100 * tbps / PEAK_TBPS:>5.1f} | "
+            f"{s_eager:>10.3f} {s_graph:>7.3f} {sdpa_tbps:>5.2f}"
+        )
 
 
 def prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
@@ -159,10 +180,20 @@ def prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
                 F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask if ctx else None, is_causal=not ctx)
 
         s_graph = graph_time_ms(sdpa)
-        rows.append(dict(prefill_seqs=num_seqs, q_len=q_len, ctx=ctx, triton_eager_ms=t_eager,
-                         triton_graph_ms=t_graph, sdpa_graph_ms=s_graph))
-        print(f"prefill {num_seqs:>2} x {q_len} new after {ctx:>4} cached: triton eager {t_eager:.3f} "
-              f"graph {t_graph:.3f} ms | dense sdpa graph {s_graph:.3f} ms")
+        rows.append(
+            dict(
+                prefill_seqs=num_seqs,
+                q_len=q_len,
+                ctx=ctx,
+                triton_eager_ms=t_eager,
+                triton_graph_ms=t_graph,
+                sdpa_graph_ms=s_graph,
+            )
+        )
+        print(
+            f"prefill {num_seqs:>2} x {q_len} new after {ctx:>4} cached: triton eager {t_eager:.3f} "
+            f"graph {t_graph:.3f} ms | dense sdpa graph {s_graph:.3f} ms"
+        )
 
 
 def sweep(gen: torch.Generator, rows: list[dict]) -> None:
@@ -196,8 +227,9 @@ def sweep(gen: torch.Generator, rows: list[dict]) -> None:
             for bn in (32, 64):
                 for w in (4, 8):
                     for st in (2, 3):
-                        t = replace(base, prefill_block_m=bm, prefill_block_n=bn, prefill_num_warps=w,
-                                    prefill_num_stages=st)
+                        t = replace(
+                            base, prefill_block_m=bm, prefill_block_n=bn, prefill_num_warps=w, prefill_num_stages=st
+                        )
                         ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=t)))
                         rows.append(dict(prefill_seqs=num_seqs, q_len=q_len, ctx=ctx, graph_ms=ms, **asdict(t)))
                         cells.append(f"m{bm}/n{bn}/w{w}/s{st}={ms:.3f}")
@@ -213,8 +245,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     rows: list[dict] = []
-    print(f"decode attention, {LAYERS} layers, bf16, {HEADS}x{HEAD_DIM} heads, block_size {BLOCK_SIZE}, "
-          f"{torch.cuda.get_device_name()}; bandwidth vs {PEAK_TBPS} TB/s")
+    print(
+        f"decode attention, {LAYERS} layers, bf16, {HEADS}x{HEAD_DIM} heads, block_size {BLOCK_SIZE}, "
+        f"{torch.cuda.get_device_name()}; bandwidth vs {PEAK_TBPS} TB/s"
+    )
     decode_table(gen, rows)
     prefill_table(gen, rows)
     if args.sweep:

@@ -40,8 +40,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    engine = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=256 << 20,
-                                 swap_space=0, max_num_seqs=2 * a.requests))
+    engine = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            kv_cache_memory=256 << 20,
+            swap_space=0,
+            max_num_seqs=2 * a.requests,
+        )
+    )
     texts = [s.text for s in select_texts(a.requests, seed=0)]
     api_tok = TextTokenizer.from_json(engine.model.tokenizer.to_json())
     for k in range(a.rounds):
@@ -50,8 +58,10 @@ def main() -> int:
         segments = [prepare_segments(r) for r in reqs]
         prepared = _timed_adds(engine, reqs, segments)
         with_ids = _timed_adds(engine, reqs, [tokenize_segments(r, s, api_tok) for r, s in zip(reqs, segments)])
-        print(f"round {k}: {itself:.3f} ms per request normalizing itself, {prepared:.3f} ms with prepared segments, "
-              f"{with_ids:.3f} ms with prepared segments and code ids")
+        print(
+            f"round {k}: {itself:.3f} ms per request normalizing itself, {prepared:.3f} ms with prepared segments, "
+            f"{with_ids:.3f} ms with prepared segments and code ids"
+        )
     return 0
 
 

@@ -32,8 +32,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--frames", type=int, default=48)
     a = ap.parse_args()
-    engine = Engine(EngineConfig(load_format="dummy", dummy_size="real", device="cpu", dtype=a.dtype,
-                                 quantization=a.quantization, swap_space=0, kv_cache_memory=1 << 29))
+    engine = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="real",
+            device="cpu",
+            dtype=a.dtype,
+            quantization=a.quantization,
+            swap_space=0,
+            kv_cache_memory=1 << 29,
+        )
+    )
     engine.wait_warm()
     runner, graph = engine.runner, engine.runner.cpu_graph
     assert graph is not None and graph.ready, "the compiled step is not ready"
@@ -60,9 +69,11 @@ def main() -> None:
         engine.add_synthesis(SynthesisRequest(TEXT, code_params=p, split=False))
     while engine.has_unfinished():
         engine.step()
-    print(f"{a.dtype} quantization={a.quantization} batch={a.batch}: {stats['steps']} decode steps compared; "
-          f"worst hidden rel. L2 {stats['rel']:.2e}, worst code-logit diff {stats['logit']:.3f}, "
-          f"top-1 agreement {stats['agree'] / max(1, stats['total']):.4f} ({stats['total']} codebook positions)")
+    print(
+        f"{a.dtype} quantization={a.quantization} batch={a.batch}: {stats['steps']} decode steps compared; "
+        f"worst hidden rel. L2 {stats['rel']:.2e}, worst code-logit diff {stats['logit']:.3f}, "
+        f"top-1 agreement {stats['agree'] / max(1, stats['total']):.4f} ({stats['total']} codebook positions)"
+    )
 
 
 if __name__ == "__main__":

@@ -67,16 +67,16 @@ def linear_fn(kind: str, n: int, k: int, m: int):
         s = torch.rand(n, dtype=torch.bfloat16) * 1e-3
         return lambda: torch._weight_int8pack_mm(x, q, s)
     if kind == "w8a8":
-        from ttsserve.model.cpu_linear import DynamicInt8Linear
         from ttsserve.layers.quant.linear import QuantLinear
         from ttsserve.layers.quant.quantize import QuantConfig
+        from ttsserve.model.cpu_linear import DynamicInt8Linear
 
         x, layer = torch.randn(m, k), DynamicInt8Linear(QuantLinear.from_weight(w, QuantConfig.for_method("int8")))
         return lambda: layer(x)
     if kind == "int4":
-        from ttsserve.model.cpu_linear import PackedInt4Linear
         from ttsserve.layers.quant.linear import QuantLinear
         from ttsserve.layers.quant.quantize import QuantConfig
+        from ttsserve.model.cpu_linear import PackedInt4Linear
 
         x = torch.randn(m, k, dtype=torch.bfloat16)
         layer = PackedInt4Linear(QuantLinear.from_weight(w, QuantConfig.for_method("awq-int4")))
@@ -91,7 +91,7 @@ def bench_linears(kinds: list[str], ms: list[int], reps: int) -> None:
         cells = []
         for kind in kinds:
             fns = [linear_fn(kind, n, k, m) for _ in range(LAYERS) for n, k in SHAPES]
-            t = best_ms(lambda: [f() for f in fns], reps)
+            t = best_ms(lambda: [f() for f in fns], reps)  # noqa: F821 (ruff misreads the del below)
             gbs = params * weight_bytes[kind] / t / 1e6
             cells.append(f"{kind} {t:6.1f} ms ({gbs:4.1f} GB/s)")
             del fns
@@ -99,7 +99,10 @@ def bench_linears(kinds: list[str], ms: list[int], reps: int) -> None:
 
 
 def bench_attention(cases: list[tuple[int, int]], reps: int) -> None:
-    backends = {"compiled": TorchPagedAttention(compile_decode=True), "eager": TorchPagedAttention(compile_decode=False)}
+    backends = {
+        "compiled": TorchPagedAttention(compile_decode=True),
+        "eager": TorchPagedAttention(compile_decode=False),
+    }
     for b, ctx in cases:
         cells = []
         for (name, backend), dt in itertools.product(backends.items(), (torch.float32, torch.bfloat16)):
@@ -109,10 +112,14 @@ def bench_attention(cases: list[tuple[int, int]], reps: int) -> None:
             tables = torch.randperm(num_blocks)[: b * nb].view(b, nb).tolist()
             md = make_metadata(tables, [ctx - 1] * b, [1] * b, BLOCK)
             q, k = torch.randn(b, HEADS, HEAD_DIM).to(dt), torch.randn(b, HEADS, HEAD_DIM).to(dt)
-            t = best_ms(lambda: [backend.forward(q, k, k, c, md, HEAD_DIM ** -0.5) for c in caches], reps)
+            t = best_ms(lambda: [backend.forward(q, k, k, c, md, HEAD_DIM**-0.5) for c in caches], reps)
             cells.append(f"{name} {str(dt)[6:]} KV {t:6.2f} ms")
-        print(f"attention x20 layers, B={b:2d} ctx={ctx:4d}: " + " | ".join(cells)
-              + f"   [load {os.getloadavg()[0]:.1f}]", flush=True)
+        print(
+            f"attention x20 layers, B={b:2d} ctx={ctx:4d}: "
+            + " | ".join(cells)
+            + f"   [load {os.getloadavg()[0]:.1f}]",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -125,9 +132,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, cpu capability "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
     if a.kinds:
         bench_linears(a.kinds.split(","), [int(x) for x in a.ms.split(",")], a.reps)
     if a.attention:

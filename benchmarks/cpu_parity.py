@@ -34,8 +34,13 @@ from ttsserve.config import EngineConfig  # noqa: E402
 from ttsserve.model.chattts import build_model, read_checkpoint  # noqa: E402
 from ttsserve.model.cpu_linear import pack_linears_  # noqa: E402
 
-CANDIDATES = {"bf16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"), "awq-int4": (torch.bfloat16, "awq-int4"),
-              "int8+bf16-unpacked": (torch.bfloat16, "int8"), "int8+fp32-unpacked": (torch.float32, "int8")}
+CANDIDATES = {
+    "bf16": (torch.bfloat16, None),
+    "int8": (torch.bfloat16, "int8"),
+    "awq-int4": (torch.bfloat16, "awq-int4"),
+    "int8+bf16-unpacked": (torch.bfloat16, "int8"),
+    "int8+fp32-unpacked": (torch.float32, "int8"),
+}
 
 
 @torch.no_grad()
@@ -58,12 +63,14 @@ def audio_parity(model, samples) -> dict[str, float]:
     """fp32 vs bf16 Decoder + Vocos on the fp32 model's teacher-forced hidden states."""
     from ttsserve.tools.quant.calibrate import teacher_forced_hidden
 
-    nets = {"fp32": (model.decoder, model.vocos),
-            "bf16": (copy.deepcopy(model.decoder).to(torch.bfloat16), copy.deepcopy(model.vocos).to(torch.bfloat16))}
+    nets = {
+        "fp32": (model.decoder, model.vocos),
+        "bf16": (copy.deepcopy(model.decoder).to(torch.bfloat16), copy.deepcopy(model.vocos).to(torch.bfloat16)),
+    }
     err = ref_sq = 0.0
     for s in samples:
         f = s.codes.shape[0]
-        hidden = teacher_forced_hidden(model.gpt, s.embeds)[s.num_prompt - 1:s.num_prompt - 1 + f]  # [f, H]
+        hidden = teacher_forced_hidden(model.gpt, s.embeds)[s.num_prompt - 1 : s.num_prompt - 1 + f]  # [f, H]
         wavs = {}
         for name, (dec, voc) in nets.items():
             dtype = next(dec.parameters()).dtype
@@ -100,18 +107,29 @@ def main() -> None:
             pack_linears_(cand.gpt)
         fid = compare_models(ref, cand, samples)
         worst, mean = logit_diff(ref, cand, samples)
-        results[name] = {"top1_agreement": fid.top1_agreement, "kl": fid.kl, "max_abs_logit_diff": worst,
-                         "mean_abs_logit_diff": mean, "mel_rel_l2": fid.mel_rel_l2,
-                         "hidden_rel_l2": fid.hidden_rel_l2, "positions": fid.positions}
+        results[name] = {
+            "top1_agreement": fid.top1_agreement,
+            "kl": fid.kl,
+            "max_abs_logit_diff": worst,
+            "mean_abs_logit_diff": mean,
+            "mel_rel_l2": fid.mel_rel_l2,
+            "hidden_rel_l2": fid.hidden_rel_l2,
+            "positions": fid.positions,
+        }
         agree = sum(fid.top1_agreement) / len(fid.top1_agreement)
-        print(f"{name:>10}: top-1 agreement {agree:.4f} (per codebook {[round(x, 4) for x in fid.top1_agreement]}), "
-              f"KL {max(fid.kl):.2e} nats (worst codebook), |logit diff| max {worst:.4f} mean {mean:.5f}, "
-              f"mel rel L2 {fid.mel_rel_l2:.4f}, hidden rel L2 {fid.hidden_rel_l2:.4f} "
-              f"({fid.positions} positions)", flush=True)
+        print(
+            f"{name:>10}: top-1 agreement {agree:.4f} (per codebook {[round(x, 4) for x in fid.top1_agreement]}), "
+            f"KL {max(fid.kl):.2e} nats (worst codebook), |logit diff| max {worst:.4f} mean {mean:.5f}, "
+            f"mel rel L2 {fid.mel_rel_l2:.4f}, hidden rel L2 {fid.hidden_rel_l2:.4f} "
+            f"({fid.positions} positions)",
+            flush=True,
+        )
         del cand
     results["audio_bf16"] = audio_parity(ref, samples)
-    print(f"audio stage bf16 vs fp32 (same hiddens): waveform rel L2 {results['audio_bf16']['wav_rel_l2']:.4f}, "
-          f"SNR {results['audio_bf16']['wav_snr_db']:.1f} dB")
+    print(
+        f"audio stage bf16 vs fp32 (same hiddens): waveform rel L2 {results['audio_bf16']['wav_rel_l2']:.4f}, "
+        f"SNR {results['audio_bf16']['wav_snr_db']:.1f} dB"
+    )
     if ref.is_dummy:
         print(RANDOM_WEIGHTS_NOTE)
     if a.json:

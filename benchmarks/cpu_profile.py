@@ -30,9 +30,16 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away i
 def build_engine(a: argparse.Namespace):
     from ttsserve.engine.engine import Engine
 
-    cfg = EngineConfig(model=a.model, load_format="dummy" if a.model is None else "auto", dummy_size=a.dummy_size,
-                       device="cpu", dtype=a.dtype, quantization=a.quantization, swap_space=0,
-                       kv_cache_memory=a.kv_cache_memory)
+    cfg = EngineConfig(
+        model=a.model,
+        load_format="dummy" if a.model is None else "auto",
+        dummy_size=a.dummy_size,
+        device="cpu",
+        dtype=a.dtype,
+        quantization=a.quantization,
+        swap_space=0,
+        kv_cache_memory=a.kv_cache_memory,
+    )
     engine = Engine(cfg)
     engine.wait_warm()  # the CPU attention compile (TTSSERVE_CPU_COMPILE=1) runs in the background
     return engine
@@ -68,8 +75,10 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     engine = build_engine(a)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()} (interop {torch.get_num_interop_threads()})"
-          f", dtype {engine.model.dtype}, quantization {engine.model.quantization}, batch {a.batch}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()} (interop {torch.get_num_interop_threads()})"
+        f", dtype {engine.model.dtype}, quantization {engine.model.quantization}, batch {a.batch}"
+    )
     submit(engine, a.batch, 8, seed=1000)  # warm-up
     run_to_completion(engine)
     submit(engine, a.batch, a.frames)
@@ -92,11 +101,15 @@ def main() -> None:
     run_to_completion(engine)
     steps = engine.counters.steps - base[0]
     print(f"load average (1 min) at start: {load0:.2f}, at end: {os.getloadavg()[0]:.2f}")
-    print(f"decode step (batch {a.batch}): {plain_ms:.1f} ms unprofiled ({n_plain} steps), "
-          f"{prof_ms:.1f} ms profiled; per frame {plain_ms / a.batch:.2f} ms; "
-          f"RTF {plain_ms / a.batch * 46.875 / 1e3:.3f} per stream if steps were all decode")
-    print("engine phases, ms per step:", {k: round((v - base[1][k]) / steps, 2)
-                                          for k, v in engine.timings.__dict__.items()})
+    print(
+        f"decode step (batch {a.batch}): {plain_ms:.1f} ms unprofiled ({n_plain} steps), "
+        f"{prof_ms:.1f} ms profiled; per frame {plain_ms / a.batch:.2f} ms; "
+        f"RTF {plain_ms / a.batch * 46.875 / 1e3:.3f} per stream if steps were all decode"
+    )
+    print(
+        "engine phases, ms per step:",
+        {k: round((v - base[1][k]) / steps, 2) for k, v in engine.timings.__dict__.items()},
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
 
 

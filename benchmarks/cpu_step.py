@@ -46,14 +46,26 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=None, help="EngineConfig.cpu_threads when it has that field")
-    ap.add_argument("--lookahead-frames", type=int, default=None,
-                    help="the windowed vocoder stage with this right context (52 = exact); default: incremental")
+    ap.add_argument(
+        "--lookahead-frames",
+        type=int,
+        default=None,
+        help="the windowed vocoder stage with this right context (52 = exact); default: incremental",
+    )
     a = ap.parse_args()
     logging.disable(logging.WARNING)
     from ttsserve.engine.engine import Engine
 
-    kw = dict(model=a.model, load_format="dummy" if a.model is None else "auto", device="cpu", dtype=a.dtype,
-              quantization=a.quantization, swap_space=0, kv_cache_memory=1 << 30, lookahead_frames=a.lookahead_frames)
+    kw = dict(
+        model=a.model,
+        load_format="dummy" if a.model is None else "auto",
+        device="cpu",
+        dtype=a.dtype,
+        quantization=a.quantization,
+        swap_space=0,
+        kv_cache_memory=1 << 30,
+        lookahead_frames=a.lookahead_frames,
+    )
     if a.threads is not None:
         if "cpu_threads" in EngineConfig.__dataclass_fields__:
             kw["cpu_threads"] = a.threads
@@ -74,16 +86,24 @@ def main() -> None:
     steps = engine.counters.steps - steps0
     audio_s = a.frames / FRAMES_PER_SECOND
     phases = {k: round((v - t0[k]) / steps, 2) for k, v in engine.timings.__dict__.items()}
-    print(f"{a.dtype} quantization={a.quantization} batch={a.batch} frames={a.frames} "
-          f"vocoder={type(engine.audio).__name__}(lookahead={a.lookahead_frames}) threads="
-          f"{torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: "
-          f"{wall * 1e3 / steps:.1f} ms/step wall, RTF {wall / audio_s:.2f} per stream, "
-          f"{a.batch * audio_s / wall:.2f} audio-s/s; cpu {cpu:.2f} s for {wall:.2f} s wall; "
-          f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(
+        f"{a.dtype} quantization={a.quantization} batch={a.batch} frames={a.frames} "
+        f"vocoder={type(engine.audio).__name__}(lookahead={a.lookahead_frames}) threads="
+        f"{torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: "
+        f"{wall * 1e3 / steps:.1f} ms/step wall, RTF {wall / audio_s:.2f} per stream, "
+        f"{a.batch * audio_s / wall:.2f} audio-s/s; cpu {cpu:.2f} s for {wall:.2f} s wall; "
+        f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}"
+    )
     print("engine phases, ms per step:", phases)
     g = engine.runner.cpu_graph
-    print("compiled decode step:", "off" if g is None else
-          f"ready (compiled in {g.compile_s:.0f} s)" if g.ready else "failed or not ready (eager)")
+    print(
+        "compiled decode step:",
+        "off"
+        if g is None
+        else f"ready (compiled in {g.compile_s:.0f} s)"
+        if g.ready
+        else "failed or not ready (eager)",
+    )
 
 
 if __name__ == "__main__":

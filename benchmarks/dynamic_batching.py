@@ -16,15 +16,30 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 
 
 def run(target_ms: float, a: argparse.Namespace) -> dict:
-    e = Engine(EngineConfig(load_format="dummy", dummy_size=a.dummy_size, device="cpu", swap_space=0,
-                            kv_cache_memory=a.kv_mib << 20, target_step_latency_ms=target_ms,
-                            first_chunk_frames=4, lookahead_frames=4))
+    e = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size=a.dummy_size,
+            device="cpu",
+            swap_space=0,
+            kv_cache_memory=a.kv_mib << 20,
+            target_step_latency_ms=target_ms,
+            first_chunk_frames=4,
+            lookahead_frames=4,
+        )
+    )
     e.wait_warm()  # the CPU attention compile (TTSSERVE_CPU_COMPILE=1) runs in the background
     params = SamplingParams(seed=0, min_new_tokens=a.frames, max_new_tokens=a.frames)
     t0 = time.perf_counter()
     for i in range(a.requests):
-        e.add_synthesis(SynthesisRequest(f"request number {i} of the batch", code_params=params.replace(seed=i),
-                                         raw_text=True, request_id=f"r{i}"))
+        e.add_synthesis(
+            SynthesisRequest(
+                f"request number {i} of the batch",
+                code_params=params.replace(seed=i),
+                raw_text=True,
+                request_id=f"r{i}",
+            )
+        )
     first, steps, batches, samples = {}, [], [], 0
     while e.has_unfinished():
         s = time.perf_counter()
@@ -37,9 +52,16 @@ def run(target_ms: float, a: argparse.Namespace) -> dict:
                 first[o.request_id] = time.perf_counter() - t0
     wall = time.perf_counter() - t0
     ttfa = np.array(list(first.values()))
-    return {"target_ms": target_ms, "step_ms_p50": np.percentile(steps, 50), "step_ms_p99": np.percentile(steps, 99),
-            "mean_batch": float(np.mean(batches)), "audio_s_per_s": samples / 24000 / wall,
-            "ttfa_p50_s": np.percentile(ttfa, 50), "ttfa_p99_s": np.percentile(ttfa, 99), "wall_s": wall}
+    return {
+        "target_ms": target_ms,
+        "step_ms_p50": np.percentile(steps, 50),
+        "step_ms_p99": np.percentile(steps, 99),
+        "mean_batch": float(np.mean(batches)),
+        "audio_s_per_s": samples / 24000 / wall,
+        "ttfa_p50_s": np.percentile(ttfa, 50),
+        "ttfa_p99_s": np.percentile(ttfa, 99),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -55,8 +77,10 @@ def main() -> None:
     run(0.0, argparse.Namespace(**{**vars(a), "requests": 4, "frames": 8}))  # warm-up: first-call costs
     for t in (float(x) for x in a.targets.split(",")):
         r = run(t, a)
-        print(f"| {t:g} | {r['step_ms_p50']:.1f} / {r['step_ms_p99']:.1f} | {r['mean_batch']:.1f} | "
-              f"{r['audio_s_per_s']:.2f} | {r['ttfa_p50_s']:.2f} / {r['ttfa_p99_s']:.2f} | {r['wall_s']:.1f} |")
+        print(
+            f"| {t:g} | {r['step_ms_p50']:.1f} / {r['step_ms_p99']:.1f} | {r['mean_batch']:.1f} | "
+            f"{r['audio_s_per_s']:.2f} | {r['ttfa_p50_s']:.2f} / {r['ttfa_p99_s']:.2f} | {r['wall_s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Usage: python3 benchmarks/first_wave.py DEVICE SIZE N FRAMES "w w s10 w w" [nowi
   nowide: warm up without warm_up.py's wide wave (on the H200: wave 1 waited 325 ms for first audio, wave 2 168 ms)
   (cpu tiny 16 60 "w w": a smoke run; on the CPU the engine is warmed up here by hand)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,11 +58,13 @@ def run_wave(e, w: int, n: int, frames: int) -> str:
                 pending.discard(o.request_id)
     a1, r1, ns = dataclasses.asdict(e.timings), dataclasses.asdict(e.runner.timings), max(1, e.counters.steps - s0)
     t = sorted(v * 1e3 for v in first.values() if v is not None)
-    return (f"wave {w}: ttfa min {t[0]:.0f} p50 {t[len(t) // 2]:.0f} p99 {t[int(len(t) * .99)]:.0f} ms; "
-            f"steps {len(step_ms)}; first-20 {[round(x, 1) for x in step_ms[:20]]}; "
-            f"mean {statistics.mean(step_ms):.2f} max {max(step_ms):.1f} ms; total {time.perf_counter() - t0:.2f} s\n"
-            f"   phases/step: {per_step(a1, a0, ns, [k for k in a1 if k.endswith('_ms')])}\n"
-            f"   runner/step: {per_step(r1, r0, ns, [k for k in r1 if isinstance(r1[k], float)])}")
+    return (
+        f"wave {w}: ttfa min {t[0]:.0f} p50 {t[len(t) // 2]:.0f} p99 {t[int(len(t) * 0.99)]:.0f} ms; "
+        f"steps {len(step_ms)}; first-20 {[round(x, 1) for x in step_ms[:20]]}; "
+        f"mean {statistics.mean(step_ms):.2f} max {max(step_ms):.1f} ms; total {time.perf_counter() - t0:.2f} s\n"
+        f"   phases/step: {per_step(a1, a0, ns, [k for k in a1 if k.endswith('_ms')])}\n"
+        f"   runner/step: {per_step(r1, r0, ns, [k for k in r1 if isinstance(r1[k], float)])}"
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -26,8 +26,16 @@ def main() -> None:
     ap.add_argument("--freeze", action="store_true")
     ap.add_argument("--seconds", type=float, default=20.0)
     a = ap.parse_args()
-    engine = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0,
-                                 max_num_seqs=128, kv_cache_memory=256 << 20))
+    engine = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            swap_space=0,
+            max_num_seqs=128,
+            kv_cache_memory=256 << 20,
+        )
+    )
     if a.freeze:
         freeze_startup_heap("gc_pause")
     passes = {g: [0, 0.0] for g in range(3)}
@@ -45,18 +53,27 @@ def main() -> None:
     n, steps, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < a.seconds:
         while len(engine.syntheses) < 96:
-            engine.add_synthesis(SynthesisRequest("hello world this is a test of the speech model", request_id=f"r{n}",
-                                                  code_params=SamplingParams(seed=n, max_new_tokens=60, min_new_tokens=60)))
+            engine.add_synthesis(
+                SynthesisRequest(
+                    "hello world this is a test of the speech model",
+                    request_id=f"r{n}",
+                    code_params=SamplingParams(seed=n, max_new_tokens=60, min_new_tokens=60),
+                )
+            )
             n += 1
         engine.step()
         steps += 1
     wall = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
-    print(f"{'frozen' if a.freeze else 'default'}: {steps} steps ({1e3 * wall / steps:.2f} ms each), {n} requests, "
-          f"{len(gc.get_objects())} tracked objects")
+    print(
+        f"{'frozen' if a.freeze else 'default'}: {steps} steps ({1e3 * wall / steps:.2f} ms each), {n} requests, "
+        f"{len(gc.get_objects())} tracked objects"
+    )
     for g, (count, total) in passes.items():
-        print(f"  gen {g}: {count} passes, {1e3 * total:.1f} ms in all, {1e3 * total / max(count, 1):.2f} ms each "
-              f"({100 * total / wall:.1f}% of the run)")
+        print(
+            f"  gen {g}: {count} passes, {1e3 * total:.1f} ms in all, {1e3 * total / max(count, 1):.2f} ms each "
+            f"({100 * total / wall:.1f}% of the run)"
+        )
 
 
 if __name__ == "__main__":

@@ -124,9 +124,15 @@ def stream_stats(recs: dict) -> dict:
                 stall_s += t - (clock + played)
                 clock = t - played
             played += n / SR
-    return {"ttfa_p50_s": pct(ttfa, 50), "ttfa_p99_s": pct(ttfa, 99), "ttfa_max_s": max(ttfa),
-            "min_stream_speed_x_realtime": min(speeds), "median_stream_speed_x_realtime": statistics.median(speeds),
-            "playback_stalls": stalls, "playback_stall_s": stall_s}
+    return {
+        "ttfa_p50_s": pct(ttfa, 50),
+        "ttfa_p99_s": pct(ttfa, 99),
+        "ttfa_max_s": max(ttfa),
+        "min_stream_speed_x_realtime": min(speeds),
+        "median_stream_speed_x_realtime": statistics.median(speeds),
+        "playback_stalls": stalls,
+        "playback_stall_s": stall_s,
+    }
 
 
 def finish(engine: Engine, ids: list[str]) -> None:
@@ -178,12 +184,17 @@ def sec_memory(ctx: dict) -> dict:
     recs = drive(e, ids, t0, sample_memory=True)
     wall = time.perf_counter() - t0
     free1, _ = torch.cuda.mem_get_info()
-    out = {"kv_cache_GiB": kv / 2**30, "gpu_used_before_engine_GiB": (total - free0) / 2**30,
-           "gpu_used_peak_GiB": max(recs.pop("_peak_used"), total - free1) / 2**30,
-           "torch_max_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30,
-           "torch_max_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30,
-           "preemptions": e.counters.preemptions, "wall_s": wall,
-           "audio_s": sum(r["samples"] for r in recs.values()) / SR, "memory_report": e.memory_report()}
+    out = {
+        "kv_cache_GiB": kv / 2**30,
+        "gpu_used_before_engine_GiB": (total - free0) / 2**30,
+        "gpu_used_peak_GiB": max(recs.pop("_peak_used"), total - free1) / 2**30,
+        "torch_max_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30,
+        "torch_max_reserved_GiB": torch.cuda.max_memory_reserved() / 2**30,
+        "preemptions": e.counters.preemptions,
+        "wall_s": wall,
+        "audio_s": sum(r["samples"] for r in recs.values()) / SR,
+        "memory_report": e.memory_report(),
+    }
     del e
     gc.collect()
     torch.cuda.empty_cache()
@@ -193,9 +204,11 @@ def sec_memory(ctx: dict) -> dict:
 def sec_step(ctx: dict) -> dict:
     model, out = ctx["model"], {}
     sizes = [1, 8, 32, 64, 128, 256] if not ctx["quick"] else [1, 64]
-    engines = {"graph": ctx.setdefault("e_graph", make_engine(model, max_num_seqs=256)),
-               "graph_uncompiled": make_engine(model, max_num_seqs=256),
-               "eager": make_engine(model, max_num_seqs=256, enforce_eager=True)}
+    engines = {
+        "graph": ctx.setdefault("e_graph", make_engine(model, max_num_seqs=256)),
+        "graph_uncompiled": make_engine(model, max_num_seqs=256),
+        "eager": make_engine(model, max_num_seqs=256, enforce_eager=True),
+    }
     if SETUP["device"] == "cuda":  # the same graphs without torch.compile's fusion, for the comparison
         from ttsserve.runner.cuda_graphs import DecodeGraphs
 
@@ -204,7 +217,7 @@ def sec_step(ctx: dict) -> dict:
         engines["graph_uncompiled"].runner.graphs.capture()
         out["graph_compiled"] = engines["graph"].runner.graphs.ops.compiled
     for name, e in engines.items():
-        for b in (sizes if name == "graph" else [1, 256] if not ctx["quick"] else [1]):
+        for b in sizes if name == "graph" else [1, 256] if not ctx["quick"] else [1]:
             ids = submit(e, b, 1000, seed=b)
             for _ in range(100 if not ctx["quick"] else 30):  # prefill, then decode to a context of ~150
                 e.step()
@@ -214,12 +227,20 @@ def sec_step(ctx: dict) -> dict:
                 e.step()
             sync()
             wall = (time.perf_counter() - t0) / n * 1e3
-            row = {"engine_step_ms": wall,
-                   "runner_ms": (e.runner.timings.prepare_ms + e.runner.timings.forward_ms
-                                 + e.runner.timings.output_ms - rt0["prepare_ms"] - rt0["forward_ms"]
-                                 - rt0["output_ms"]) / n,
-                   "breakdown_ms": {k: (v - tm0[k]) / n for k, v in e.timings.__dict__.items()},
-                   "frames_per_s": b / wall * 1e3}
+            row = {
+                "engine_step_ms": wall,
+                "runner_ms": (
+                    e.runner.timings.prepare_ms
+                    + e.runner.timings.forward_ms
+                    + e.runner.timings.output_ms
+                    - rt0["prepare_ms"]
+                    - rt0["forward_ms"]
+                    - rt0["output_ms"]
+                )
+                / n,
+                "breakdown_ms": {k: (v - tm0[k]) / n for k, v in e.timings.__dict__.items()},
+                "frames_per_s": b / wall * 1e3,
+            }
             g = e.runner.graphs
             if g is not None:
                 bucket = g.bucket(b)
@@ -242,8 +263,11 @@ def _one(e: Engine, frames: int, seed: int) -> dict:
 def sec_single(ctx: dict) -> dict:
     e = ctx.setdefault("e_graph", make_engine(ctx["model"], max_num_seqs=256))
     runs = [_one(e, FRAMES_10S, seed=7 + i) for i in range(3)]
-    return {"graph_runs": runs, "graph_latency_median_s": statistics.median(r["latency_s"] for r in runs),
-            "graph_ttfa_median_s": statistics.median(r["ttfa_s"] for r in runs)}
+    return {
+        "graph_runs": runs,
+        "graph_latency_median_s": statistics.median(r["latency_s"] for r in runs),
+        "graph_ttfa_median_s": statistics.median(r["ttfa_s"] for r in runs),
+    }
 
 
 def _saturate(e: Engine, n: int) -> dict:
@@ -255,10 +279,17 @@ def _saturate(e: Engine, n: int) -> dict:
     wall = time.perf_counter() - t0
     steps = e.counters.steps - s0
     audio = sum(r["samples"] for r in recs.values()) / SR
-    return {"streams": n, "wall_s": wall, "audio_s": audio, "audio_s_per_s": audio / wall, "steps": steps,
-            "step_ms_mean": wall / steps * 1e3, "preemptions": e.counters.preemptions,
-            "breakdown_ms_per_step": {k: (v - tm0[k]) / steps for k, v in e.timings.__dict__.items()},
-            **stream_stats(recs)}
+    return {
+        "streams": n,
+        "wall_s": wall,
+        "audio_s": audio,
+        "audio_s_per_s": audio / wall,
+        "steps": steps,
+        "step_ms_mean": wall / steps * 1e3,
+        "preemptions": e.counters.preemptions,
+        "breakdown_ms_per_step": {k: (v - tm0[k]) / steps for k, v in e.timings.__dict__.items()},
+        **stream_stats(recs),
+    }
 
 
 def sec_saturation(ctx: dict) -> dict:
@@ -305,27 +336,35 @@ def sec_streams(ctx: dict) -> dict:
 
 @torch.no_grad()
 def sec_vocoder(ctx: dict) -> dict:
-    from ttsserve.h2d import to_device
     from ttsserve.audio.stage import AudioStage
+    from ttsserve.h2d import to_device
 
     m, out = ctx["model"], {}
-    stages = {"fp32": AudioStage(m.decoder, None, m.vocos, device=m.device),
-              "bf16": AudioStage(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.bfloat16),
-              "fp16": AudioStage(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.float16)}
+    stages = {
+        "fp32": AudioStage(m.decoder, None, m.vocos, device=m.device),
+        "bf16": AudioStage(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.bfloat16),
+        "fp16": AudioStage(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.float16),
+    }
     n = stages["fp32"].max_window_frames
     b = 64
     x = torch.randn(b, m.decoder.hidden_size, n, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     lens = to_device([n] * b, m.device)
     wavs = {}
     for name, st in stages.items():
+
         def call(st=st):
             mel = st.decoder(x.to(st.decoder.coef.dtype), lens)
             return st.vocos(mel.to(next(st.vocos.parameters()).dtype), 2 * lens)
+
         wavs[name] = call().float()
         ms = gpu_time_ms(call, 10)
         emitted = b * st.max_chunk_frames  # frames a full call emits (the rest is context)
-        out[name] = {"call_ms": ms, "windows": b, "window_frames": n,
-                     "emitted_audio_s_per_s": emitted / 46.875 / ms * 1e3}
+        out[name] = {
+            "call_ms": ms,
+            "windows": b,
+            "window_frames": n,
+            "emitted_audio_s_per_s": emitted / 46.875 / ms * 1e3,
+        }
     from ttsserve.audio.incremental_stage import IncrementalAudioStage
 
     for name, cls in (("windowed", AudioStage), ("incremental", IncrementalAudioStage)):
@@ -360,10 +399,14 @@ def _stage_step(stage_cls, m, b: int) -> dict:
         if n == st.max_chunk_frames and k > 4:
             times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
-    out = {"step_ms": ms, "streams": b, "new_frames_per_stream": st.max_chunk_frames,
-           "emitted_audio_s_per_s": b * st.max_chunk_frames / 46.875 / ms * 1e3,
-           "frames_decoded_per_emitted": st.frames_decoded_total / max(1, sum(
-               s.num_emitted_frames for s in st._streams.values()))}
+    out = {
+        "step_ms": ms,
+        "streams": b,
+        "new_frames_per_stream": st.max_chunk_frames,
+        "emitted_audio_s_per_s": b * st.max_chunk_frames / 46.875 / ms * 1e3,
+        "frames_decoded_per_emitted": st.frames_decoded_total
+        / max(1, sum(s.num_emitted_frames for s in st._streams.values())),
+    }
     if hasattr(st, "state_bytes_per_request"):
         out["state_bytes_per_request"] = st.state_bytes_per_request
     return out
@@ -376,19 +419,30 @@ def sec_startup(ctx: dict) -> dict:
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
     e = Engine(model_config(max_num_seqs=256), model=ctx["model"])
-    out = {"startup_s": time.perf_counter() - t0, "memory_report": e.memory_report(),
-           "graph_capture_s": e.runner.graphs.capture_s if e.runner.graphs else None,
-           "concurrent_30s": e.kv_spec.concurrent_utterances(30.0),
-           "concurrent_10s": e.kv_spec.concurrent_utterances(10.0)}
+    out = {
+        "startup_s": time.perf_counter() - t0,
+        "memory_report": e.memory_report(),
+        "graph_capture_s": e.runner.graphs.capture_s if e.runner.graphs else None,
+        "concurrent_30s": e.kv_spec.concurrent_utterances(30.0),
+        "concurrent_10s": e.kv_spec.concurrent_utterances(10.0),
+    }
     del e
     gc.collect()
     torch.cuda.empty_cache()
     return out
 
 
-SECTIONS = {"memory": sec_memory, "ceilings": sec_ceilings, "vocoder": sec_vocoder, "vocoder_rows": sec_vocoder_rows,
-            "single": sec_single,
-            "step": sec_step, "saturation": sec_saturation, "streams": sec_streams, "startup": sec_startup}
+SECTIONS = {
+    "memory": sec_memory,
+    "ceilings": sec_ceilings,
+    "vocoder": sec_vocoder,
+    "vocoder_rows": sec_vocoder_rows,
+    "single": sec_single,
+    "step": sec_step,
+    "saturation": sec_saturation,
+    "streams": sec_streams,
+    "startup": sec_startup,
+}
 
 
 def main() -> int:
@@ -405,8 +459,12 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = load_model(model_config())
-    results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "torch": torch.__version__, "model_load_s": time.perf_counter() - t0,
-               "command": " ".join(sys.argv)}
+    results = {
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
+        "torch": torch.__version__,
+        "model_load_s": time.perf_counter() - t0,
+        "command": " ".join(sys.argv),
+    }
     ctx = {"model": model, "quick": a.quick}
     for name in a.sections.split(","):
         t = time.perf_counter()
@@ -418,8 +476,11 @@ def main() -> int:
         results[name + "_section_s"] = time.perf_counter() - t
         (out_dir / "gpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
         LOG.info("section %s done in %.1f s", name, time.perf_counter() - t)
-    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict) or "error" not in v},
-                     indent=1, default=str)[:6000])
+    print(
+        json.dumps(
+            {k: v for k, v in results.items() if not isinstance(v, dict) or "error" not in v}, indent=1, default=str
+        )[:6000]
+    )
     return 0
 
 

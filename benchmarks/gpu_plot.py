@@ -17,8 +17,11 @@ def main(paths: list[str], out: str) -> None:
         step = json.load(open(path))["step"]
         tag = path.rsplit("/", 1)[-1].removesuffix(".json")
         for kind in ("graph", "graph_uncompiled", "eager"):
-            pts = sorted((int(k.rsplit("_b", 1)[1]), v) for k, v in step.items()
-                         if isinstance(v, dict) and k.rsplit("_b", 1)[0] == kind)
+            pts = sorted(
+                (int(k.rsplit("_b", 1)[1]), v)
+                for k, v in step.items()
+                if isinstance(v, dict) and k.rsplit("_b", 1)[0] == kind
+            )
             if not pts:
                 continue
             bs = [b for b, _ in pts]
@@ -26,8 +29,15 @@ def main(paths: list[str], out: str) -> None:
             if "graph_gpu_ms" in pts[0][1]:
                 ax1.plot(bs, [v["graph_gpu_ms"] for _, v in pts], ls="--", marker="x", label=f"{tag}: {kind} (GPU)")
             ax2.plot(bs, [v["frames_per_s"] / 46.875 for _, v in pts], marker="o", label=f"{tag}: {kind}")
-    ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms per decode step", title="decode step, H200 bf16")
-    ax2.set(xscale="log", xlabel="batch size", ylabel="audio-s per s (engine steps, vocoder incl.)", title="decode throughput")
+    ax1.set(
+        xscale="log", yscale="log", xlabel="batch size", ylabel="ms per decode step", title="decode step, H200 bf16"
+    )
+    ax2.set(
+        xscale="log",
+        xlabel="batch size",
+        ylabel="audio-s per s (engine steps, vocoder incl.)",
+        title="decode throughput",
+    )
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)

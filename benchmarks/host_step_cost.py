@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,8 +80,9 @@ def _sync(device: torch.device) -> None:
 # ---- scheduler + block manager ---------------------------------------------------------------------------
 def _scheduler(n: int) -> Scheduler:
     bm = KVCacheManager(n * MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE)
-    cfg = SchedulerConfig(max_num_seqs=max(n, 256), max_num_batched_tokens=max(4096, n * PROMPT_LEN),
-                          max_model_len=MAX_MODEL_LEN)
+    cfg = SchedulerConfig(
+        max_num_seqs=max(n, 256), max_num_batched_tokens=max(4096, n * PROMPT_LEN), max_model_len=MAX_MODEL_LEN
+    )
     s = Scheduler(cfg, bm)
     for i in range(n):  # distinct prompts: no prefix sharing; code items are 4-tuples as in the engine
         prompt = [(i, j, j + 1, j + 2) for j in range(PROMPT_LEN)]
@@ -145,8 +145,11 @@ def bench_input_batch(n: int, steps: int, device: torch.device) -> dict[str, flo
         t_flush += time.perf_counter() - t1
         t_sync += t1 - t0
     _sync(device)
-    return {"assign_rows_sync_loop": _us(t_sync, steps), "flush_block_tables": _us(t_flush, steps),
-            "flush_block_tables_pins": pins.count / steps}
+    return {
+        "assign_rows_sync_loop": _us(t_sync, steps),
+        "flush_block_tables": _us(t_flush, steps),
+        "flush_block_tables_pins": pins.count / steps,
+    }
 
 
 # ---- audio stage -----------------------------------------------------------------------------------------
@@ -198,11 +201,16 @@ def main() -> int:
     dev = torch.device(a.device)
     for n in a.seqs:
         k = max(a.steps // a.rounds, 1)
-        res = {**_best(lambda: bench_scheduler(n, k), a.rounds),
-               **_best(lambda: bench_input_batch(n, k, dev), a.rounds),
-               **_best(lambda: bench_append_batch(n, k, a.width, dev), a.rounds)}
-        print(f"N={n} {dev.type}: " + ", ".join(f"{k} {v:.2f}" if k.endswith("_pins") else f"{k} {v:.1f} us"
-                                                 for k, v in res.items()), flush=True)
+        res = {
+            **_best(lambda: bench_scheduler(n, k), a.rounds),
+            **_best(lambda: bench_input_batch(n, k, dev), a.rounds),
+            **_best(lambda: bench_append_batch(n, k, a.width, dev), a.rounds),
+        }
+        print(
+            f"N={n} {dev.type}: "
+            + ", ".join(f"{k} {v:.2f}" if k.endswith("_pins") else f"{k} {v:.1f} us" for k, v in res.items()),
+            flush=True,
+        )
     return 0
 
 

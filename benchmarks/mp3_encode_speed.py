@@ -1,6 +1,7 @@
 """How much mp3 this host can encode: ttsserve's StreamingEncoder (libmp3lame via PyAV, 96 kb/s, 24 kHz mono)
 fed in served-size writes, in 1..N processes at once (each times its own encoding, the signal made
-before; the aggregate is the sum of the processes' speeds, all running together). The aggregate is the ceiling of any server's mp3
+before; the aggregate is the sum of the processes' speeds, all running together). The aggregate is the ceiling
+of any server's mp3
 throughput on the host (each streamed response is one encoder; HTTP and the engine come on top).
 
 Usage: python3 benchmarks/mp3_encode_speed.py [--procs 1,8,16] [--seconds 20] [--write-samples 8192]
@@ -17,7 +18,7 @@ import numpy as np
 
 
 def _signal(kind: str, seconds: float, rate: int = 24000) -> np.ndarray:
-    """"noise": what dummy weights produce; "voiced": harmonics of a 110-170 Hz gliding pitch with 4-Hz syllables."""
+    """ "noise": what dummy weights produce; "voiced": harmonics of a 110-170 Hz gliding pitch with 4-Hz syllables."""
     n = int(seconds * rate)
     if kind == "noise":
         return (np.random.default_rng(0).standard_normal(n) * 0.3).astype(np.float32)
@@ -37,7 +38,7 @@ def _encode(args: tuple[str, float, int]) -> float:
     enc = StreamingEncoder("mp3")
     t0 = time.perf_counter()
     for i in range(0, x.size, write):
-        enc.write(x[i:i + write])
+        enc.write(x[i : i + write])
     enc.close()
     return seconds / (time.perf_counter() - t0)
 
@@ -54,8 +55,11 @@ def main() -> None:
             with mp.get_context("spawn").Pool(n) as pool:
                 pool.map(_encode, [(kind, 1.0, a.write_samples)] * n)  # imports and codec set-up
                 speeds = pool.map(_encode, [(kind, a.seconds, a.write_samples)] * n)
-            print(f"{kind:6s} procs {n:3d}: per process {np.median(speeds):6.1f}x real time (min {min(speeds):.1f}), "
-                  f"aggregate {sum(speeds):7.1f} audio-s/s", flush=True)
+            print(
+                f"{kind:6s} procs {n:3d}: per process {np.median(speeds):6.1f}x real time (min {min(speeds):.1f}), "
+                f"aggregate {sum(speeds):7.1f} audio-s/s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import torch
 
 from ttsserve.bench.offline import OfflineSpec, TTSServeBackend, run_offline
 from ttsserve.config import EngineConfig
-from ttsserve.model.cpu_linear import stored_weight_bytes
 from ttsserve.engine.args import parse_size
+from ttsserve.model.cpu_linear import stored_weight_bytes
 
 VARIANTS = {  # name -> (quantization, kv_cache_dtype)
     "bf16": (None, "auto"),
@@ -35,9 +35,16 @@ VARIANTS = {  # name -> (quantization, kv_cache_dtype)
 
 def run_variant(name: str, args: argparse.Namespace) -> dict:
     quantization, kv_dtype = VARIANTS[name]
-    cfg = EngineConfig(load_format="dummy", dummy_size=args.dummy_size, device=args.device, quantization=quantization,
-                       kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory, swap_space=0,
-                       max_num_seqs=max(args.batch_sizes))
+    cfg = EngineConfig(
+        load_format="dummy",
+        dummy_size=args.dummy_size,
+        device=args.device,
+        quantization=quantization,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        swap_space=0,
+        max_num_seqs=max(args.batch_sizes),
+    )
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -47,12 +54,16 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     # Warm every chunk shape at every batch size: first-use compilation must not land in one variant's figures.
     spec = OfflineSpec(batch_sizes=args.batch_sizes, frames=args.frames, warmup_frames=min(args.frames, 128))
     results = run_offline(spec, backend, progress=False)
-    row = {"variant": name, "engine_build_s": round(build_s, 2), "memory_report": backend.engine.memory_report(),
-           "gpt_weight_bytes": stored_weight_bytes(backend.engine.model.gpt),
-           "kv_bytes_per_frame": backend.engine.kv_spec.bytes_per_token,
-           "kv_frames": backend.engine.kv_spec.num_blocks * backend.engine.kv_spec.block_size,
-           "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-           "runs": [r.summary() for r in results]}
+    row = {
+        "variant": name,
+        "engine_build_s": round(build_s, 2),
+        "memory_report": backend.engine.memory_report(),
+        "gpt_weight_bytes": stored_weight_bytes(backend.engine.model.gpt),
+        "kv_bytes_per_frame": backend.engine.kv_spec.bytes_per_token,
+        "kv_frames": backend.engine.kv_spec.num_blocks * backend.engine.kv_spec.block_size,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "runs": [r.summary() for r in results],
+    }
     del backend, results
     gc.collect()
     if cuda:
@@ -80,8 +91,11 @@ def main() -> None:
         rows.append(run_variant(name, args))
         (args.out / "quant_engine.json").write_text(json.dumps(rows, indent=1))
         for r in rows[-1]["runs"]:
-            print(f"{name:9s} batch {r['load']:4d}: {r['audio_seconds_per_s']:8.1f} audio-s/s  "
-                  f"latency p50 {r['latency_s']['p50']:.2f} s  | {rows[-1]['memory_report']}", flush=True)
+            print(
+                f"{name:9s} batch {r['load']:4d}: {r['audio_seconds_per_s']:8.1f} audio-s/s  "
+                f"latency p50 {r['latency_s']['p50']:.2f} s  | {rows[-1]['memory_report']}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

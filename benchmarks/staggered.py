@@ -65,8 +65,9 @@ def _request(engine, k: int, n: int, seed: int) -> SynthesisRequest:
     server's built-in voices), normalized text, EOS when the model samples it (at most n frames)."""
     text = gb.TEXTS[k % len(gb.TEXTS)]
     if not SERVED_LIKE:
-        return SynthesisRequest(text, code_params=SamplingParams(seed=seed + k, min_new_tokens=n, max_new_tokens=n),
-                                raw_text=True)
+        return SynthesisRequest(
+            text, code_params=SamplingParams(seed=seed + k, min_new_tokens=n, max_new_tokens=n), raw_text=True
+        )
     from ttsserve.params import Voice
     from ttsserve.text.speaker import sample_random_speaker
 
@@ -83,15 +84,27 @@ def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
     def submit() -> None:
         nonlocal k
         rid = engine.add_synthesis(_request(engine, k, natural_frames(rng), seed))
-        live[rid] = {"t_submit": time.perf_counter() - t0, "chunks": [], "samples": 0, "ttfa": None, "done": None,
-                     "step_submit": engine.counters.steps, "ttfa_steps": None}
+        live[rid] = {
+            "t_submit": time.perf_counter() - t0,
+            "chunks": [],
+            "samples": 0,
+            "ttfa": None,
+            "done": None,
+            "step_submit": engine.counters.steps,
+            "ttfa_steps": None,
+        }
         k += 1
 
     for _ in range(concurrency):
         submit()
-    base = (dict(engine.timings.__dict__), engine.counters.steps, engine.audio.calls_total,
-            dict(engine.runner.timings.__dict__))
+    base = (
+        dict(engine.timings.__dict__),
+        engine.counters.steps,
+        engine.audio.calls_total,
+        dict(engine.runner.timings.__dict__),
+    )
     mixed0 = engine.runner.timings.mixed_graph_steps
+
     def handle(outputs) -> None:
         now = time.perf_counter() - t0
         for o in outputs:
@@ -137,15 +150,21 @@ def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int)
     tm = {k: (v - base[0][k]) / max(steps, 1) for k, v in engine.timings.__dict__.items()}
     rt = {k: (v - base[3][k]) / max(steps, 1) for k, v in engine.runner.timings.__dict__.items() if k.endswith("_ms")}
     return {
-        "requests": len(done), "seconds": elapsed, "steps": steps,
+        "requests": len(done),
+        "seconds": elapsed,
+        "steps": steps,
         "audio_s_per_s": sum(r["samples"] for r in done) / gb.SR / elapsed,
-        "ttfa_p50_s": gb.pct(ttfa, 50) if ttfa else None, "ttfa_p99_s": gb.pct(ttfa, 99) if ttfa else None,
+        "ttfa_p50_s": gb.pct(ttfa, 50) if ttfa else None,
+        "ttfa_p99_s": gb.pct(ttfa, 99) if ttfa else None,
         "ttfa_steps_p50": gb.pct(ttfa_steps, 50) if ttfa else None,
         "ttfa_steps_p99": gb.pct(ttfa_steps, 99) if ttfa else None,
-        "stalled_streams": stalled, "step_ms": elapsed * 1e3 / max(steps, 1),
+        "stalled_streams": stalled,
+        "step_ms": elapsed * 1e3 / max(steps, 1),
         "vocoder_calls_per_step": (engine.audio.calls_total - base[2]) / max(steps, 1),
         "mixed_graph_steps": engine.runner.timings.mixed_graph_steps - mixed0,
-        "step_breakdown_ms": tm, "runner_breakdown_ms": rt, "async_scheduling": engine.pipelined,
+        "step_breakdown_ms": tm,
+        "runner_breakdown_ms": rt,
+        "async_scheduling": engine.pipelined,
     }
 
 
@@ -172,10 +191,17 @@ def main() -> int:
     ap.add_argument("--concurrency", default="128")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--variants", default="eager-vocoder,graphs,graphs-cadence4")
-    ap.add_argument("--frames", default="140,600", help="utterance frames LO,HI, uniform (bench serve's capped "
-                    "natural lengths are closer to 60,256)")
-    ap.add_argument("--workload", choices=("staggered", "served"), default="staggered",
-                    help="served: a speaker voice, normalized text, lengths ended by EOS (capped by --frames HI)")
+    ap.add_argument(
+        "--frames",
+        default="140,600",
+        help="utterance frames LO,HI, uniform (bench serve's capped natural lengths are closer to 60,256)",
+    )
+    ap.add_argument(
+        "--workload",
+        choices=("staggered", "served"),
+        default="staggered",
+        help="served: a speaker voice, normalized text, lengths ended by EOS (capped by --frames HI)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dummy-size", default="real")
     a = ap.parse_args()
@@ -186,18 +212,28 @@ def main() -> int:
     model = load_model(gb.model_config())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"setup": dict(gb.SETUP), "workload": a.workload, "concurrency": a.concurrency, "seconds": a.seconds, "frames": FRAMES,
-               "runs": {}}
+    results = {
+        "setup": dict(gb.SETUP),
+        "workload": a.workload,
+        "concurrency": a.concurrency,
+        "seconds": a.seconds,
+        "frames": FRAMES,
+        "runs": {},
+    }
     for c in (int(x) for x in a.concurrency.split(",")):
         for name in a.variants.split(","):
             r = run_variant(model, name, c, a.seconds)
             results["runs"][f"{name}@{c}"] = r
-            print(f"{name:>18} @{c:<4} {r['audio_s_per_s']:8.1f} audio-s/s  ttfa p50 {r['ttfa_p50_s']:.3f} "
-                  f"p99 {r['ttfa_p99_s']:.3f} s ({r['ttfa_steps_p50']:.0f} / {r['ttfa_steps_p99']:.0f} steps)  stalled {r['stalled_streams']}/{r['requests']}  step "
-                  f"{r['step_ms']:.2f} ms (runner {r['step_breakdown_ms']['runner_ms']:.2f}, audio "
-                  f"{r['step_breakdown_ms']['audio_step_ms']:.2f}, device wait "
-                  f"{r['runner_breakdown_ms']['forward_ms']:.2f})  voc calls/step "
-                  f"{r['vocoder_calls_per_step']:.2f}  mixed {r['mixed_graph_steps']}", flush=True)
+            print(
+                f"{name:>18} @{c:<4} {r['audio_s_per_s']:8.1f} audio-s/s  ttfa p50 {r['ttfa_p50_s']:.3f} "
+                f"p99 {r['ttfa_p99_s']:.3f} s ({r['ttfa_steps_p50']:.0f} / {r['ttfa_steps_p99']:.0f} steps)  "
+                f"stalled {r['stalled_streams']}/{r['requests']}  step "
+                f"{r['step_ms']:.2f} ms (runner {r['step_breakdown_ms']['runner_ms']:.2f}, audio "
+                f"{r['step_breakdown_ms']['audio_step_ms']:.2f}, device wait "
+                f"{r['runner_breakdown_ms']['forward_ms']:.2f})  voc calls/step "
+                f"{r['vocoder_calls_per_step']:.2f}  mixed {r['mixed_graph_steps']}",
+                flush=True,
+            )
             (out / "staggered.json").write_text(json.dumps(results, indent=1))
     return 0
 

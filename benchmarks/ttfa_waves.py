@@ -23,9 +23,11 @@ def main(paths: list[str]) -> int:
             reqs = sorted(res["requests"], key=lambda r: int(r["request_id"].rsplit("-", 1)[1]))
             t = np.array([r["ttfa_s"] for r in reqs if r["ttfa_s"] is not None])
             first, rest = t[:c], t[c:]
-            print(f"{path} @{c}: all p50 {np.median(t):.3f} p99 {np.percentile(t, 99):.3f} s | first {len(first)}: "
-                  f"p50 {np.median(first):.3f} | after ({len(rest)}): p50 {np.median(rest):.3f} "
-                  f"p95 {np.percentile(rest, 95):.3f} p99 {np.percentile(rest, 99):.3f} s")
+            print(
+                f"{path} @{c}: all p50 {np.median(t):.3f} p99 {np.percentile(t, 99):.3f} s | first {len(first)}: "
+                f"p50 {np.median(first):.3f} | after ({len(rest)}): p50 {np.median(rest):.3f} "
+                f"p95 {np.percentile(rest, 95):.3f} p99 {np.percentile(rest, 99):.3f} s"
+            )
     return 0
 
 

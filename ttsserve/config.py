@@ -125,7 +125,10 @@ class EngineConfig:
             (self.load_format in ("auto", "safetensors", "dummy"), "load_format must be auto|safetensors|dummy"),
             (self.dummy_size in ("real", "tiny"), "dummy_size must be real|tiny"),
             (0 <= self.seed < 2**63, "seed (of the dummy weights) must be in [0, 2**63)"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device must be auto|cpu|cuda[:N]"),
+            (
+                self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+                "device must be auto|cpu|cuda[:N]",
+            ),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.quantization in (None, "int8", "awq-int4"), "quantization must be int8|awq-int4"),
             (self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype must be auto|fp8"),
@@ -143,10 +146,14 @@ class EngineConfig:
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.lookahead_frames is None or self.lookahead_frames >= 1, "lookahead_frames must be >= 1"),
             (self.vocoder_cadence is None or 1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
-            (self.admission_interval is None or 1 <= self.admission_interval <= 64,
-             "admission_interval must be in [1, 64]"),
-            (self.num_scheduler_steps is None or 1 <= self.num_scheduler_steps <= 16,
-             "num_scheduler_steps must be in [1, 16]"),
+            (
+                self.admission_interval is None or 1 <= self.admission_interval <= 64,
+                "admission_interval must be in [1, 64]",
+            ),
+            (
+                self.num_scheduler_steps is None or 1 <= self.num_scheduler_steps <= 16,
+                "num_scheduler_steps must be in [1, 16]",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

@@ -51,23 +51,28 @@ class SamplingParams:
         if any(not (t > 0.0) or t != t for t in temps):
             raise InvalidRequestError(f"temperature must be > 0, got {self.temperature!r}", "temperature")
         if isinstance(self.temperature, tuple) and len(self.temperature) not in (1, NUM_VQ):
-            raise InvalidRequestError(f"temperature list must have 1 or {NUM_VQ} values, got "
-                                      f"{len(self.temperature)}", "temperature")
+            raise InvalidRequestError(
+                f"temperature list must have 1 or {NUM_VQ} values, got {len(self.temperature)}", "temperature"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 1:
             raise InvalidRequestError(f"top_k must be >= 1, got {self.top_k}", "top_k")
         if not (self.repetition_penalty > 0.0):
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                                      "repetition_penalty")
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
+            )
         if self.repetition_window < 1:
-            raise InvalidRequestError(f"repetition_window must be >= 1, got {self.repetition_window}",
-                                      "repetition_window")
+            raise InvalidRequestError(
+                f"repetition_window must be >= 1, got {self.repetition_window}", "repetition_window"
+            )
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
         if not (0 <= self.min_new_tokens <= self.max_new_tokens):
-            raise InvalidRequestError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                                      f"got {self.min_new_tokens}", "min_new_tokens")
+            raise InvalidRequestError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
+                "min_new_tokens",
+            )
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
 

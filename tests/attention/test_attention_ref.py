@@ -44,7 +44,7 @@ def test_dense_matches_float64_with_chunked_appends(heads: tuple[int, int]) -> N
 def _random_block_tables(num_seqs: int, blocks_each: int, num_blocks: int, rng: random.Random) -> list[list[int]]:
     pool = list(range(num_blocks))
     rng.shuffle(pool)
-    return [pool[i * blocks_each:(i + 1) * blocks_each] for i in range(num_seqs)]
+    return [pool[i * blocks_each : (i + 1) * blocks_each] for i in range(num_seqs)]
 
 
 @pytest.mark.parametrize("heads,block_size", [((4, 4), 4), ((4, 2), 3), ((2, 1), 16)])
@@ -57,8 +57,10 @@ def test_paged_matches_dense_random_schedule(heads: tuple[int, int], block_size:
     num_blocks = num_seqs * blocks_each + 3
     tables = _random_block_tables(num_seqs, blocks_each, num_blocks, rng)
     lens = [rng.randint(8, max_len) for _ in range(num_seqs)]
-    qkv = [(torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g),
-            torch.randn(n, hkv, d, generator=g)) for n in lens]
+    qkv = [
+        (torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g))
+        for n in lens
+    ]
     dense_out = [DenseAttention(1).attend(0, *x) for x in qkv]
     cache = torch.zeros(kv_cache_shape(num_blocks, block_size, hkv, d))
     done, paged_out = [0] * num_seqs, [[] for _ in range(num_seqs)]
@@ -67,17 +69,19 @@ def test_paged_matches_dense_random_schedule(heads: tuple[int, int], block_size:
         active = [i for i in range(num_seqs) if done[i] < lens[i]]
         rng.shuffle(active)  # batch order differs from sequence order
         # Every third step is decode-only (one token each), others mix chunks of random sizes.
-        news = [1 if step % 3 == 2 or done[i] >= 6 and rng.random() < 0.5
-                else rng.randint(1, lens[i] - done[i]) for i in active]
+        news = [
+            1 if step % 3 == 2 or done[i] >= 6 and rng.random() < 0.5 else rng.randint(1, lens[i] - done[i])
+            for i in active
+        ]
         news = [min(x, lens[i] - done[i]) for x, i in zip(news, active)]
         md = make_metadata([tables[i] for i in active], [done[i] for i in active], news, block_size)
         decode_only_steps += md.is_decode_only
-        q = torch.cat([qkv[i][0][done[i]:done[i] + x] for i, x in zip(active, news)])
-        k = torch.cat([qkv[i][1][done[i]:done[i] + x] for i, x in zip(active, news)])
-        v = torch.cat([qkv[i][2][done[i]:done[i] + x] for i, x in zip(active, news)])
-        out = PagedAttention(backend, [cache], md, d ** -0.5).attend(0, q, k, v)
+        q = torch.cat([qkv[i][0][done[i] : done[i] + x] for i, x in zip(active, news)])
+        k = torch.cat([qkv[i][1][done[i] : done[i] + x] for i, x in zip(active, news)])
+        v = torch.cat([qkv[i][2][done[i] : done[i] + x] for i, x in zip(active, news)])
+        out = PagedAttention(backend, [cache], md, d**-0.5).attend(0, q, k, v)
         for j, (i, x) in enumerate(zip(active, news)):
-            paged_out[i].append(out[md.cu_seqlens_q_cpu[j]:md.cu_seqlens_q_cpu[j + 1]])
+            paged_out[i].append(out[md.cu_seqlens_q_cpu[j] : md.cu_seqlens_q_cpu[j + 1]])
             done[i] += x
         step += 1
     assert decode_only_steps > 0

@@ -82,10 +82,15 @@ def _opus_head_rate(data: bytes) -> int:
 
 # ---------------------------------------------------------------- validation
 
+
 def test_content_types():
     assert {f: content_type(f) for f in FORMATS} == {
-        "mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac",
-        "flac": "audio/flac", "wav": "audio/wav", "pcm": "audio/pcm",
+        "mp3": "audio/mpeg",
+        "opus": "audio/ogg",
+        "aac": "audio/aac",
+        "flac": "audio/flac",
+        "wav": "audio/wav",
+        "pcm": "audio/pcm",
     }
 
 
@@ -137,6 +142,7 @@ def test_bad_samples_rejected():
 
 # ---------------------------------------------------------------- quantization
 
+
 def test_float_to_int16_clips_and_rounds():
     x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.7, -3.0, np.nan, 1e-5], np.float32)
     assert float_to_int16(x).tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 0]
@@ -152,6 +158,7 @@ def test_fixed_scale_across_chunks():
 
 
 # ---------------------------------------------------------------- lossless formats
+
 
 @pytest.mark.parametrize("sample_rate", [24000, 16000, 44100])
 @pytest.mark.parametrize("fmt", ["pcm", "wav", "flac"])

@@ -26,8 +26,11 @@ def sds() -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def nets(sds):
-    return (HiddenDecoder.from_state_dict(sds["Decoder"]), DVAE.from_state_dict(sds["DVAE"]),
-            Vocos.from_state_dict(sds["Vocos"]))
+    return (
+        HiddenDecoder.from_state_dict(sds["Decoder"]),
+        DVAE.from_state_dict(sds["DVAE"]),
+        Vocos.from_state_dict(sds["Vocos"]),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ def _dominant_hz(x: np.ndarray, rate: int) -> float:
 
 # ---------------------------------------------------------------- resampling
 
+
 @pytest.mark.parametrize("to_rate", [8000, 16000, 22050, 44100, 48000])
 def test_resample_length_and_frequency(to_rate):
     x = _sine(440.0, 1.0)
@@ -81,6 +82,7 @@ def test_resample_rejects_bad_input():
 
 
 # ---------------------------------------------------------------- volume
+
 
 def test_normalize_peak():
     x = _sine(200.0, 0.2, amp=0.1)
@@ -134,6 +136,7 @@ def test_stream_normalizer_steady_signal_matches_whole():
 
 # ---------------------------------------------------------------- trimming
 
+
 def test_trim_silence_ends_only():
     tone = _sine(300.0, 0.1)
     gap = np.zeros(4800, np.float32)  # 200 ms of internal silence must stay
@@ -161,6 +164,7 @@ def test_trim_silence_threshold_noise_and_edges():
 
 
 # ---------------------------------------------------------------- speed mapping
+
 
 def test_speed_to_prompt_normal_and_bounds():
     assert speed_to_prompt(1.0) == (5, 1.0)
@@ -200,6 +204,7 @@ def test_atempo_stages():
 
 
 # ---------------------------------------------------------------- time stretch
+
 
 @pytest.mark.parametrize("factor", [0.25, 0.6, 1.5, 3.0])
 def test_time_stretch_duration_and_pitch(factor):

@@ -26,8 +26,11 @@ STAGES = [AudioStage, IncrementalAudioStage]
 @pytest.fixture(scope="module")
 def tiny() -> tuple[HiddenDecoder, DVAE, Vocos]:
     load = lambda name: load_file(ASSET / f"{name}.safetensors")  # noqa: E731
-    return (HiddenDecoder.from_state_dict(load("Decoder")), DVAE.from_state_dict(load("DVAE")),
-            Vocos.from_state_dict(load("Vocos")))
+    return (
+        HiddenDecoder.from_state_dict(load("Decoder")),
+        DVAE.from_state_dict(load("DVAE")),
+        Vocos.from_state_dict(load("Vocos")),
+    )
 
 
 @torch.no_grad()
@@ -48,15 +51,21 @@ def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.eval()
 
 
-def random_nets(seed: int, hidden: int, dec_dim: int, dec_layers: int, voc_dim: int, voc_layers: int,
-                dvae: bool = False) -> tuple[HiddenDecoder, DVAE | None, Vocos]:
+def random_nets(
+    seed: int, hidden: int, dec_dim: int, dec_layers: int, voc_dim: int, voc_layers: int, dvae: bool = False
+) -> tuple[HiddenDecoder, DVAE | None, Vocos]:
     """Random Decoder (and DVAE) + Vocos; the real model is hidden 768, dec 512 x 12, Vocos 512 x 8."""
     dec = HiddenDecoder(ConvNeXtStack(hidden // 2, hidden // 2, dec_dim, 128, dec_layers, 4 * dec_dim), 100)
     voc = Vocos(VocosBackbone(100, voc_dim, 3 * voc_dim, voc_layers), ISTFTHead(voc_dim, 1024))
     dv = None
     if dvae:
-        dv = DVAE(ConvNeXtStack(64, 128, 64, 16, dec_layers, 256), ConvNeXtStack(64, 64, 64, 16, dec_layers, 256),
-                  GFSQ(128), 100, 1024)
+        dv = DVAE(
+            ConvNeXtStack(64, 128, 64, 16, dec_layers, 256),
+            ConvNeXtStack(64, 64, 64, 16, dec_layers, 256),
+            GFSQ(128),
+            100,
+            1024,
+        )
         dv = _randomize(dv, seed + 2)
     return _randomize(dec, seed), dv, _randomize(voc, seed + 1)
 
@@ -67,8 +76,9 @@ def one_shot(dec, vocos, frames: torch.Tensor, codes: bool = False) -> np.ndarra
     return vocos(mel)[0].numpy()
 
 
-def stream(stage: StreamingStage, req_id: str, frames: torch.Tensor, bursts: list[int] | None = None,
-           use_codes: bool = False) -> list[AudioChunk]:
+def stream(
+    stage: StreamingStage, req_id: str, frames: torch.Tensor, bursts: list[int] | None = None, use_codes: bool = False
+) -> list[AudioChunk]:
     """Feed frames in bursts (default: one per step), step after each, then finish and flush."""
     stage.add_request(req_id, use_codes=use_codes)
     chunks: list[AudioChunk] = []
@@ -92,8 +102,9 @@ def joined(chunks: list[AudioChunk]) -> np.ndarray:
     return np.concatenate([ch.samples for ch in chunks])
 
 
-def run_schedule(stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int,
-         width: int = 64) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+def run_schedule(
+    stage: IncrementalAudioStage, specs: list[tuple[int, int, int]], seed: int, width: int = 64
+) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
     """Streams (length, start step, burst) of random [n, width] frames appended step by step; -> each stream's
     (joined audio, frames)."""
     g = torch.Generator().manual_seed(seed)
@@ -269,7 +280,8 @@ def test_batched_step_equals_single_requests(tiny, stage_cls) -> None:
         single = stage_cls(dec, None, vocos)
         alone = stream(single, k, frames[k]) if lengths[k] else stream(single, k, frames[k], [])
         assert [(c.start_sample, len(c.samples), c.is_final) for c in got[k]] == [
-            (c.start_sample, len(c.samples), c.is_final) for c in alone]
+            (c.start_sample, len(c.samples), c.is_final) for c in alone
+        ]
         assert np.abs(joined(got[k]) - joined(alone)).max(initial=0.0) < 1e-6
     assert np.abs(joined(got["q"]) - one_shot(dvae, vocos, codes, codes=True)).max() < 1e-5
 
@@ -388,7 +400,7 @@ def test_multi_frame_append_batch_equals_frame_by_frame(tiny, stage_cls) -> None
             stage.add_request(k)
         chunks = {k: [] for k in ids}
         for t in range(0, 201, m):
-            stage.append_batch(ids, frames[t:t + m] if m > 1 else frames[t])
+            stage.append_batch(ids, frames[t : t + m] if m > 1 else frames[t])
             if t + m == 201:
                 for k in ids:
                     stage.finish(k)

@@ -8,7 +8,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-from test_audio_stage import STAGES, joined, one_shot, random_nets, stream, tiny  # noqa: F401 (tiny: a fixture)
+from test_audio_stage import STAGES, joined, one_shot, random_nets, stream
+from test_audio_stage import tiny as tiny  # a fixture, used by name
 
 from ttsserve.audio.stage import AudioChunk
 
@@ -77,7 +78,7 @@ def test_deferred_calls_are_read_back_when_finished_without_waiting(tiny, stage_
         assert polled and all(ch.req_id == "r" for ch in polled) and stage.has_pending
         chunks += polled
         break
-    for t in range(t + 1, 120):  # now the device never finishes on its own: step() waits for the oldest
+    for t in range(t + 1, 120):  # noqa: B020 (t continues from the loop above)  # now the device never finishes on its own: step() waits for the oldest
         stage.append("r", frames[t : t + 1])
         chunks += stage.step()
         assert len(stage._in_flight) <= stage.MAX_IN_FLIGHT

@@ -112,7 +112,8 @@ def test_deferred_gives_the_same_chunks_one_step_later(tiny) -> None:  # noqa: F
     now, later = IncrementalAudioStage(dec, None, vocos), IncrementalAudioStage(dec, None, vocos, deferred=True)
     a, b = stream(now, "r", frames), stream(later, "r", frames)
     assert [(c.start_sample, len(c.samples), c.is_final) for c in a] == [
-        (c.start_sample, len(c.samples), c.is_final) for c in b]
+        (c.start_sample, len(c.samples), c.is_final) for c in b
+    ]
     assert np.array_equal(joined(a), joined(b))
 
 
@@ -165,13 +166,22 @@ def test_the_engine_picks_the_incremental_stage_when_exact(tiny) -> None:  # noq
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=4),
-       st.integers(1, 8), st.integers(0, 3))
+@given(
+    st.lists(st.tuples(st.integers(0, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=4),
+    st.integers(1, 8),
+    st.integers(0, 3),
+)
 def test_any_schedule_of_many_streams_is_exact(specs, first_chunk, extra_max) -> None:
     """Streams of random length start at random steps and append random bursts; each equals its one-shot."""
     dec, vocos = _TINY_NETS
-    stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=first_chunk,
-                                  max_chunk_frames=first_chunk << extra_max, max_windows_per_call=3)
+    stage = IncrementalAudioStage(
+        dec,
+        None,
+        vocos,
+        first_chunk_frames=first_chunk,
+        max_chunk_frames=first_chunk << extra_max,
+        max_windows_per_call=3,
+    )
     results = run_schedule(stage, specs, seed=len(specs))
     for i, (n, _, _) in enumerate(specs):
         wav, frames = results[i]

@@ -25,8 +25,10 @@ def _graphed_stage(**kwargs) -> IncrementalAudioStage:
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=7),
-       st.integers(1, 8))
+@given(
+    st.lists(st.tuples(st.integers(1, 70), st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=7),
+    st.integers(1, 8),
+)
 def test_graphed_calls_equal_the_one_shot_decode(specs, first_chunk) -> None:
     """Up to 7 streams (more than the 6 slots planned: the slots grow and each bucket is 'captured' again), random
     starts and bursts; every call is padded to a (rows, frames) bucket and each stream equals its one-shot."""

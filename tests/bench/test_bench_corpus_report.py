@@ -33,7 +33,7 @@ def test_select_texts_is_seeded_filtered_and_cycles() -> None:
     zh = select_texts(30, seed=0, langs=("zh",))
     assert all(s.lang == "zh" for s in zh)
     pool = {s.id for s in load_corpus() if s.lang == "zh"}
-    assert len({s.id for s in zh[:len(pool)]}) == len(pool)  # no repeats before the pool is used up
+    assert len({s.id for s in zh[: len(pool)]}) == len(pool)  # no repeats before the pool is used up
     assert select_texts(0) == []
     with pytest.raises(ValueError, match="no corpus sentence"):
         select_texts(1, langs=("fr",))
@@ -41,8 +41,10 @@ def test_select_texts_is_seeded_filtered_and_cycles() -> None:
 
 def test_bad_corpus_line_names_the_line(tmp_path) -> None:
     p = tmp_path / "c.jsonl"
-    p.write_text('{"id": "a", "lang": "en", "length": "short", "text": "hi"}\n{"id": "b", "lang": "xx", '
-                 '"length": "short", "text": "x"}\n')
+    p.write_text(
+        '{"id": "a", "lang": "en", "length": "short", "text": "hi"}\n{"id": "b", "lang": "xx", '
+        '"length": "short", "text": "x"}\n'
+    )
     with pytest.raises(ValueError, match=r"c\.jsonl:2"):
         load_corpus(p)
 
@@ -55,11 +57,20 @@ def test_percentiles() -> None:
 
 
 def _run(backend: str, load: int, frames: int, wall: float) -> RunResult:
-    recs = [RequestRecord(f"{backend}-{i}", num_frames=frames, num_samples=512 * frames - 256,
-                          latency_s=wall * (i + 1) / load, ttfa_s=0.1 * (i + 1)) for i in range(load)]
+    recs = [
+        RequestRecord(
+            f"{backend}-{i}",
+            num_frames=frames,
+            num_samples=512 * frames - 256,
+            latency_s=wall * (i + 1) / load,
+            ttfa_s=0.1 * (i + 1),
+        )
+        for i in range(load)
+    ]
     recs.append(RequestRecord("bad", status="429"))
-    return RunResult(backend, "offline", "batch_size", load, wall, recs, peak_memory_bytes=2**30,
-                     memory_kind="rss_peak_sampled")
+    return RunResult(
+        backend, "offline", "batch_size", load, wall, recs, peak_memory_bytes=2**30, memory_kind="rss_peak_sampled"
+    )
 
 
 def test_summary_figures_are_consistent() -> None:
@@ -73,8 +84,12 @@ def test_summary_figures_are_consistent() -> None:
 
 
 def test_report_files_ratios_and_strict_json(tmp_path) -> None:
-    results = [_run("hf", 1, 10, 4.0), _run("ttsserve", 1, 10, 1.0), _run("hf", 8, 10, 8.0),
-               _run("ttsserve", 8, 10, 2.0)]
+    results = [
+        _run("hf", 1, 10, 4.0),
+        _run("ttsserve", 1, 10, 1.0),
+        _run("hf", 8, 10, 8.0),
+        _run("ttsserve", 8, 10, 2.0),
+    ]
     results[0].requests[0].latency_s = math.nan  # must not break strict JSON
     r = ratios(results)
     assert [q["load"] for q in r] == [1, 8]

@@ -21,8 +21,11 @@ from ttsserve.config import EngineConfig  # noqa: E402
 from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-TEXTS = ["Hello world, this is a test of the speech model.", "今天天气真不错。",
-         "ChatTTS 是一个 open source 的语音模型，very nice。"]
+TEXTS = [
+    "Hello world, this is a test of the speech model.",
+    "今天天气真不错。",
+    "ChatTTS 是一个 open source 的语音模型，very nice。",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +39,14 @@ def test_baseline_reproduces_reference_greedy_batch(golden_hf: HFBaseline) -> No
     texts = {t["key"]: t for t in json.loads((GOLDEN / "a_prompts.json").read_text())["texts"]}
     spk = torch.from_numpy(np.load(GOLDEN / "b_speaker.npz")["tiny_spk_emb_fp16"])
     st = meta["code_settings"]
-    params = SamplingParams(greedy=True, min_new_tokens=st["min_new_token"], max_new_tokens=st["max_new_token"],
-                            repetition_penalty=st["repetition_penalty"], top_p=st["top_P"], top_k=st["top_K"])
+    params = SamplingParams(
+        greedy=True,
+        min_new_tokens=st["min_new_token"],
+        max_new_tokens=st["max_new_token"],
+        repetition_penalty=st["repetition_penalty"],
+        top_p=st["top_P"],
+        top_k=st["top_K"],
+    )
     prompts = []
     for key in meta["keys"]:
         ids = torch.tensor(texts[key]["code"]["ids"])[:, None].repeat(1, 4)
@@ -79,8 +88,9 @@ def test_baseline_greedy_equals_engine_tiny() -> None:
     cfg = EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu")
     engine = Engine(cfg)
     hf = HFBaseline(cfg)
-    params = [SamplingParams(greedy=True, min_new_tokens=n, max_new_tokens=n, seed=7 + i)
-              for i, n in enumerate((24, 17, 30))]
+    params = [
+        SamplingParams(greedy=True, min_new_tokens=n, max_new_tokens=n, seed=7 + i) for i, n in enumerate((24, 17, 30))
+    ]
     # the engine: all three at once, capturing each sequence's sampled frames and hidden states
     frames: dict[str, list] = {}
     hiddens: dict[str, list] = {}
@@ -100,8 +110,10 @@ def test_baseline_greedy_equals_engine_tiny() -> None:
         return out
 
     setattr(engine.runner, name, spy)
-    rids = [engine.add_synthesis(SynthesisRequest(t, code_params=p, split=False, request_id=f"r{i}"))
-            for i, (t, p) in enumerate(zip(TEXTS, params))]
+    rids = [
+        engine.add_synthesis(SynthesisRequest(t, code_params=p, split=False, request_id=f"r{i}"))
+        for i, (t, p) in enumerate(zip(TEXTS, params))
+    ]
     while engine.has_unfinished():
         engine.step()
     # the baseline: one static batch of the same prompts (built by the same front end) and seeds

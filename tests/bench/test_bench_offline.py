@@ -21,9 +21,29 @@ def run_cli(*argv: str) -> int:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[dict, object]:
     out = tmp_path_factory.mktemp("offline")
-    rc = run_cli("--backend", "both", "--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu",
-                 "--batch-sizes", "1,2", "--frames", "16", "--rounds", "2", "--swap-space", "0",
-                 "--kv-cache-memory", "64M", "--no-progress", "--out", str(out))
+    rc = run_cli(
+        "--backend",
+        "both",
+        "--load-format",
+        "dummy",
+        "--dummy-size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1,2",
+        "--frames",
+        "16",
+        "--rounds",
+        "2",
+        "--swap-space",
+        "0",
+        "--kv-cache-memory",
+        "64M",
+        "--no-progress",
+        "--out",
+        str(out),
+    )
     assert rc == 0
     return json.loads((out / "report.json").read_text()), out
 
@@ -67,18 +87,42 @@ def test_figures_are_consistent(report) -> None:
 
 
 def test_bad_flags_exit_2(capsys) -> None:
-    assert run_cli("--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--frames", "0",
-                   "--no-progress") == 2
+    assert (
+        run_cli("--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--frames", "0", "--no-progress")
+        == 2
+    )
     assert "frames must be >= 1" in capsys.readouterr().err
 
 
 def test_preemptions_are_counted_under_a_small_kv_pool(tmp_path) -> None:
     """8 blocks of 16 frames cannot hold 3 prompts plus 40 frames each at once: the engine must preempt, every
     request must still finish with all its frames, and the report must say how often it preempted."""
-    rc = run_cli("--backend", "ttsserve", "--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu",
-                 "--batch-sizes", "3", "--frames", "40", "--swap-space", "0", "--kv-cache-memory", "128K",
-                 "--text-lengths", "short", "--warmup-frames", "0", "--no-progress", "--no-plots",
-                 "--out", str(tmp_path))
+    rc = run_cli(
+        "--backend",
+        "ttsserve",
+        "--load-format",
+        "dummy",
+        "--dummy-size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "3",
+        "--frames",
+        "40",
+        "--swap-space",
+        "0",
+        "--kv-cache-memory",
+        "128K",
+        "--text-lengths",
+        "short",
+        "--warmup-frames",
+        "0",
+        "--no-progress",
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+    )
     assert rc == 0
     (res,) = json.loads((tmp_path / "report.json").read_text())["results"]
     s = res["summary"]
@@ -101,10 +145,15 @@ def test_bench_parser_has_every_subcommand() -> None:
 def test_engine_overrides_are_typed_and_checked() -> None:
     from ttsserve.bench.cli_bench import engine_overrides
 
-    got = engine_overrides(["first_chunk_frames=4", "enable-prefix-caching=false", "kv_cache_memory=none",
-                            "gpu_memory_utilization=0.5"])
-    assert got == {"first_chunk_frames": 4, "enable_prefix_caching": False, "kv_cache_memory": None,
-                   "gpu_memory_utilization": 0.5}
+    got = engine_overrides(
+        ["first_chunk_frames=4", "enable-prefix-caching=false", "kv_cache_memory=none", "gpu_memory_utilization=0.5"]
+    )
+    assert got == {
+        "first_chunk_frames": 4,
+        "enable_prefix_caching": False,
+        "kv_cache_memory": None,
+        "gpu_memory_utilization": 0.5,
+    }
     with pytest.raises(ValueError, match="no_such_field"):
         engine_overrides(["no_such_field=1"])
     with pytest.raises(ValueError, match="'x' is not a valid"):

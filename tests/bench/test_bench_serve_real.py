@@ -17,15 +17,17 @@ def server():
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
 
-    engine = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
-                                                  swap_space=0, kv_cache_memory=32 << 20))
+    engine = AsyncEngine.from_config(
+        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0, kv_cache_memory=32 << 20)
+    )
     with LiveServer(create_app(engine)) as srv:
         yield srv
 
 
 def test_streaming_concurrency_sweep(server) -> None:
-    spec = ServeSpec(url=server.url, concurrency=[1, 3], num_requests=6, duration=60, max_new_tokens=24,
-                     text_lengths=("short",))
+    spec = ServeSpec(
+        url=server.url, concurrency=[1, 3], num_requests=6, duration=60, max_new_tokens=24, text_lengths=("short",)
+    )
     results = run_serving(spec, progress=False)
     assert [r.load for r in results] == [1, 3]
     for res in results:
@@ -53,9 +55,30 @@ def test_streaming_concurrency_sweep(server) -> None:
 def test_cli_serve_non_streaming_synthesize(server, tmp_path) -> None:
     from ttsserve.entrypoints.cli import main
 
-    rc = main(["bench", "serve", "--url", server.url, "--endpoint", "synthesize", "--no-stream", "--qps", "4",
-               "--num-requests", "4", "--duration", "30", "--max-new-tokens", "16", "--text-lengths", "short",
-               "--no-progress", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            server.url,
+            "--endpoint",
+            "synthesize",
+            "--no-stream",
+            "--qps",
+            "4",
+            "--num-requests",
+            "4",
+            "--duration",
+            "30",
+            "--max-new-tokens",
+            "16",
+            "--text-lengths",
+            "short",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "report.json").read_text())
     (res,) = data["results"]

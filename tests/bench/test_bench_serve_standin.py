@@ -48,9 +48,11 @@ def standin_app() -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse("# HELP x\nprocess_resident_memory_bytes 1.5e8\n"
-                                 f"ttsserve_kv_cache_usage_ratio {0.1 * app.state.in_flight}\n"
-                                 "ttsserve_num_preemptions_total 0\n")
+        return PlainTextResponse(
+            "# HELP x\nprocess_resident_memory_bytes 1.5e8\n"
+            f"ttsserve_kv_cache_usage_ratio {0.1 * app.state.in_flight}\n"
+            "ttsserve_num_preemptions_total 0\n"
+        )
 
     return app
 
@@ -119,8 +121,7 @@ def test_client_processes_split_the_load_and_keep_request_ids() -> None:
     assert [s for s, _ in spread("concurrency", 2, items, 4)] == [1.0, 1.0]  # no process without a client
     assert spread("qps", 4.0, items[:1], 2) == [(2.0, [0])]  # a process without texts is not started
     with LiveServer(standin_app()) as srv:
-        spec = ServeSpec(url=srv.url, concurrency=[3], num_requests=9, duration=30, max_new_tokens=None,
-                         client_procs=2)
+        spec = ServeSpec(url=srv.url, concurrency=[3], num_requests=9, duration=30, max_new_tokens=None, client_procs=2)
         (res,) = run_serving(spec, progress=False)
     s = res.summary()
     assert sorted(int(r.request_id.split("-")[1]) for r in res.requests) == list(range(9))

@@ -12,10 +12,10 @@ def test_counted_samples_match_the_encoded_duration(seconds):
     n = int(24000 * seconds)
     wav = (0.3 * np.sin(np.arange(n) * 0.05)).astype(np.float32)
     enc = StreamingEncoder("mp3", 24000)
-    data = b"".join(enc.write(wav[i:i + 2400]) for i in range(0, n, 2400)) + enc.close()
+    data = b"".join(enc.write(wav[i : i + 2400]) for i in range(0, n, 2400)) + enc.close()
     whole = Mp3FrameCounter().feed(data)
     counter = Mp3FrameCounter()
-    split = sum(counter.feed(data[i:i + 333]) for i in range(0, len(data), 333))  # odd chunk boundaries
+    split = sum(counter.feed(data[i : i + 333]) for i in range(0, len(data), 333))  # odd chunk boundaries
     assert split == whole
     assert n <= whole <= n + 4 * 576  # the encoder's delay and padding: a few frames more, never fewer
 

@@ -18,10 +18,25 @@ def dp_cluster(tmp_path_factory) -> Cluster:
     """Two tiny CPU replicas behind the built-in balancer (session-wide; tests leave both replicas ready)."""
     base = free_port_run(3)
     log = tmp_path_factory.mktemp("dp") / "launcher.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "ttsserve.entrypoints.data_parallel", *TINY_SERVE_ARGS, "--host", "127.0.0.1",
-           "--port", str(base), "--data-parallel-size", "2", "--data-parallel-base-port", str(base + 1)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "ttsserve.entrypoints.data_parallel",
+        *TINY_SERVE_ARGS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(base),
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-base-port",
+        str(base + 1),
+    ]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     cluster = Cluster(proc, base, [base + 1, base + 2], log)

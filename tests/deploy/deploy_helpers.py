@@ -13,8 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_SERVE_ARGS = ["--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--voices-db", ":memory:",
-                   "--kv-cache-memory", "64M", "--swap-space", "0", "--log-level", "warning"]
+TINY_SERVE_ARGS = [
+    "--load-format",
+    "dummy",
+    "--dummy-size",
+    "tiny",
+    "--device",
+    "cpu",
+    "--voices-db",
+    ":memory:",
+    "--kv-cache-memory",
+    "64M",
+    "--swap-space",
+    "0",
+    "--log-level",
+    "warning",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,7 +103,7 @@ class Cluster:
                 argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "ttsserve.entrypoints.serve" in argv and any(argv[k:k + 2] == want for k in range(len(argv))):
+            if "ttsserve.entrypoints.serve" in argv and any(argv[k : k + 2] == want for k in range(len(argv))):
                 return int(d.name)
         raise AssertionError(f"no process for replica {i}\n{self.log.read_text()[-2000:]}")
 

@@ -16,16 +16,17 @@ from ttsserve.model.dummy_cache import cached_dummy_checkpoint
 
 def test_parse_phases_reads_the_first_matching_line_of_each_phase() -> None:
     t0 = datetime(2026, 1, 2, 3, 4, 5).timestamp()
-    log = "\n".join([
-        "2026-01-02 03:04:07,500 INFO ttsserve.server: loading model (dummy)",
-        "noise without a timestamp: loaded 1 MB of weights",
-        "2026-01-02 03:04:09,000 INFO ttsserve.model.chattts: loaded dummy (tiny) on cpu: 3.8 MB of weights",
-        "2026-01-02 03:04:09,250 INFO ttsserve.engine.engine: KV cache: 4 blocks",
-        "2026-01-02 03:04:10,000 INFO ttsserve.server: memory: KV cache: 4 blocks",  # not the first: ignored
-        "2026-01-02 03:04:10,125 INFO ttsserve.server: ttsserve ready: KV cache: 4 blocks",
-    ])
-    assert parse_phases(log, t0) == {"imports": 2.5, "model_loaded": 4.0, "engine_built": 4.25,
-                                     "app_started": 5.125}
+    log = "\n".join(
+        [
+            "2026-01-02 03:04:07,500 INFO ttsserve.server: loading model (dummy)",
+            "noise without a timestamp: loaded 1 MB of weights",
+            "2026-01-02 03:04:09,000 INFO ttsserve.model.chattts: loaded dummy (tiny) on cpu: 3.8 MB of weights",
+            "2026-01-02 03:04:09,250 INFO ttsserve.engine.engine: KV cache: 4 blocks",
+            "2026-01-02 03:04:10,000 INFO ttsserve.server: memory: KV cache: 4 blocks",  # not the first: ignored
+            "2026-01-02 03:04:10,125 INFO ttsserve.server: ttsserve ready: KV cache: 4 blocks",
+        ]
+    )
+    assert parse_phases(log, t0) == {"imports": 2.5, "model_loaded": 4.0, "engine_built": 4.25, "app_started": 5.125}
 
 
 def test_cached_dummy_checkpoint_is_written_once_and_loads(tmp_path) -> None:

@@ -27,8 +27,21 @@ SPEECH = {"model": "chattts", "voice": "alloy", "response_format": "pcm", "max_n
 
 
 def test_child_argv_drops_what_each_replica_gets_its_own_value_for() -> None:
-    argv = ["serve", "--port", "9000", "--host=0.0.0.0", "--model", "/m", "--device", "cuda",
-            "--data-parallel-size", "2", "--data-parallel-base-port=9100", "--max-num-seqs", "64"]
+    argv = [
+        "serve",
+        "--port",
+        "9000",
+        "--host=0.0.0.0",
+        "--model",
+        "/m",
+        "--device",
+        "cuda",
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-base-port=9100",
+        "--max-num-seqs",
+        "64",
+    ]
     assert child_argv(argv) == ["--model", "/m", "--max-num-seqs", "64"]
 
 
@@ -47,12 +60,15 @@ def test_plan_cpu_replicas_split_cores() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in specs[0].env
 
 
-@pytest.mark.parametrize("n, device, gpus, match", [
-    (3, "cuda", ["0", "1"], "needs 3 GPUs, 2 visible"),
-    (2, "cuda:1", ["0", "1"], "pins one GPU"),
-    (2, "cuda", [], "needs 2 GPUs"),
-    (2, "cpu", [], None),
-])
+@pytest.mark.parametrize(
+    "n, device, gpus, match",
+    [
+        (3, "cuda", ["0", "1"], "needs 3 GPUs, 2 visible"),
+        (2, "cuda:1", ["0", "1"], "pins one GPU"),
+        (2, "cuda", [], "needs 2 GPUs"),
+        (2, "cpu", [], None),
+    ],
+)
 def test_plan_errors(n: int, device: str, gpus: list[str], match: str | None) -> None:
     if match is None:
         assert len(plan_replicas(n, 9001, device, gpus, [])) == n

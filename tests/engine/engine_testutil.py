@@ -40,9 +40,9 @@ class FrameRecorder:
         orig_append, orig_update = engine.audio.append_batch, engine.scheduler.update_from_output
 
         def append_batch(seq_ids, h):
-            for frames in (h if h.dim() == 3 else h[None]):  # [m, n, H]: a decode burst's m frames, step-major
+            for frames in h if h.dim() == 3 else h[None]:  # [m, n, H]: a decode burst's m frames, step-major
                 for i, seq_id in enumerate(seq_ids):
-                    self.hiddens.setdefault(seq_id, []).append(frames[i:i + 1].detach().cpu().numpy().copy())
+                    self.hiddens.setdefault(seq_id, []).append(frames[i : i + 1].detach().cpu().numpy().copy())
             return orig_append(seq_ids, h)
 
         def update(sched, sampled, stopped):
@@ -51,7 +51,7 @@ class FrameRecorder:
             for u in updates:  # the accepted samples only: a pipelined step's dropped rows are not frames
                 got, stop = sampled.get(u.request_id), stopped.get(u.request_id, False)
                 if u.request_id in bursts:  # (frame, False) per appended frame; a burst's EOS row is not returned
-                    items = [(t, False) for t in got[:u.num_new_tokens]] + [(None, True)] * (u.finish_reason == "stop")
+                    items = [(t, False) for t in got[: u.num_new_tokens]] + [(None, True)] * (u.finish_reason == "stop")
                 else:
                     items = [(got, stop)]
                 self.frames.setdefault(u.request_id, []).extend(items)

@@ -46,12 +46,15 @@ def create_scheduler(
     return Scheduler(cfg, KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks))
 
 
-def create_requests(
-    num: int, prompt_len: int = 10, max_new_tokens: int = 8, prefix: str = "r", **kw
-) -> list[Request]:
+def create_requests(num: int, prompt_len: int = 10, max_new_tokens: int = 8, prefix: str = "r", **kw) -> list[Request]:
     return [
-        Request(f"{prefix}{i}", [(i, p, 0, 0) for p in range(prompt_len)], max_new_tokens=max_new_tokens,
-                arrival_time=float(i), **kw)
+        Request(
+            f"{prefix}{i}",
+            [(i, p, 0, 0) for p in range(prompt_len)],
+            max_new_tokens=max_new_tokens,
+            arrival_time=float(i),
+            **kw,
+        )
         for i in range(num)
     ]
 
@@ -110,8 +113,12 @@ class FakeRunner:
                 assert start >= s.num_prompt_tokens and s.new_token_ids in ([], expected[:1]), (s.request_id, start)
                 assert s.num_output_tokens == start + 1 - s.num_prompt_tokens
             elif s.new_token_ids != expected:  # only an in-flight sample may be missing: a code decode's input
-                assert (s.mode == "code" and s.num_new_tokens == 1 and not s.new_token_ids  # (after a burst: later)
-                        and start >= s.num_prompt_tokens + len(req.output_token_ids)), (s.request_id, start)
+                assert (
+                    s.mode == "code"
+                    and s.num_new_tokens == 1
+                    and not s.new_token_ids  # (after a burst: later)
+                    and start >= s.num_prompt_tokens + len(req.output_token_ids)
+                ), (s.request_id, start)
             for pos in range(start, end):
                 slot = (s.block_table[pos // self.bs], pos % self.bs)
                 assert slot not in writes and slot not in reads, f"{s.request_id} overwrites a live slot"
@@ -145,8 +152,11 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput, pipelined: bool = F
         for b in r.block_table:
             refs[b] += 1
     for r in list(sched.waiting) + list(sched.swapped):
-        assert r.block_table == [] and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
-                                                    RequestStatus.SWAPPED)
+        assert r.block_table == [] and r.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
+        )
     assert refs == bm.ref_cnt
     assert set(bm.free_queue) == {b for b in range(bm.num_gpu_blocks) if refs[b] == 0}
     assert bm.num_free_blocks + sum(1 for x in refs if x) == bm.num_gpu_blocks
@@ -167,11 +177,13 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput, pipelined: bool = F
         r = sched.requests[rid]
         assert pipelined and r.num_inflight_outputs, rid
         assert r.mode == "text" or r.num_output_tokens + r.num_inflight_outputs >= min(
-            r.max_new_tokens, sched.token_limit - r.num_prompt_tokens), rid
+            r.max_new_tokens, sched.token_limit - r.num_prompt_tokens
+        ), rid
 
 
-def run_to_completion(sched, reqs, arrivals=None, aborts=None, stop_at=None, limits=None, max_steps=5000,
-                      pipelined: bool = False):
+def run_to_completion(
+    sched, reqs, arrivals=None, aborts=None, stop_at=None, limits=None, max_steps=5000, pipelined: bool = False
+):
     """Drive schedule -> fake execute -> update_from_output. Returns (streams, steps). pipelined: the
     engine's asynchronous scheduling, step n + 1 scheduled (and executed, in order, as a device stream
     runs it) before step n's results reach update_from_output."""
@@ -195,8 +207,10 @@ def run_to_completion(sched, reqs, arrivals=None, aborts=None, stop_at=None, lim
         out = sched.schedule()
         check_invariants(sched, out, pipelined)
         for rid in out.finished_ids:
-            assert rid not in closed and by_id[rid].status in (RequestStatus.FINISHED_ABORTED,
-                                                               RequestStatus.FINISHED_ERROR)
+            assert rid not in closed and by_id[rid].status in (
+                RequestStatus.FINISHED_ABORTED,
+                RequestStatus.FINISHED_ERROR,
+            )
             closed.add(rid)
         ran = (out, *runner.execute(out))  # in order, as the device runs the queued steps
         if pipelined:  # the results come back one step later; an empty step has none
@@ -206,7 +220,7 @@ def run_to_completion(sched, reqs, arrivals=None, aborts=None, stop_at=None, lim
         for u in sched.update_from_output(*done) if done else ():
             assert u.request_id not in closed
             outputs = by_id[u.request_id].output_token_ids  # an update appends num_new_tokens, ending in new_token
-            assert outputs[:len(streams[u.request_id])] == streams[u.request_id]
+            assert outputs[: len(streams[u.request_id])] == streams[u.request_id]
             assert len(outputs) == len(streams[u.request_id]) + u.num_new_tokens
             assert u.new_token == (outputs[-1] if u.num_new_tokens else None)
             streams[u.request_id] = list(outputs)
@@ -269,10 +283,17 @@ def scenarios(draw):
         prompt = tpl[: draw(st.integers(1, len(tpl)))]  # shared prefixes exercise the prefix cache
         prompt = [(t, 0, 0, 0) for t in prompt] if mode == "code" else prompt
         rid = f"q{i}"
-        reqs.append(Request(
-            rid, prompt, mode=mode, max_new_tokens=draw(st.integers(1, 30)), arrival_time=float(i),
-            prefix_key=draw(st.sampled_from([None, "spk_a", "spk_b"])), first_audio_frames=draw(st.integers(0, 6)),
-        ))
+        reqs.append(
+            Request(
+                rid,
+                prompt,
+                mode=mode,
+                max_new_tokens=draw(st.integers(1, 30)),
+                arrival_time=float(i),
+                prefix_key=draw(st.sampled_from([None, "spk_a", "spk_b"])),
+                first_audio_frames=draw(st.integers(0, 6)),
+            )
+        )
         arrivals[rid] = draw(st.integers(0, 20))
         if draw(st.integers(0, 3)) == 0:
             aborts[rid] = draw(st.integers(0, 40))

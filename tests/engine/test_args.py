@@ -28,11 +28,27 @@ def test_flags_are_typed_and_checked() -> None:
     p = argparse.ArgumentParser()
     add_model_args(p)
     add_engine_args(p)
-    a = p.parse_args(["--block-size", "32", "--kv-cache-memory", "1.5G", "--no-enable-prefix-caching",
-                      "--lookahead-frames", "8", "--dtype", "bfloat16"])
+    a = p.parse_args(
+        [
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "1.5G",
+            "--no-enable-prefix-caching",
+            "--lookahead-frames",
+            "8",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     cfg = EngineConfig(**engine_kwargs(a))
     assert (cfg.block_size, cfg.kv_cache_memory, cfg.enable_prefix_caching, cfg.lookahead_frames, cfg.dtype) == (
-        32, int(1.5 * 2**30), False, 8, "bfloat16")
+        32,
+        int(1.5 * 2**30),
+        False,
+        8,
+        "bfloat16",
+    )
     for bad in (["--block-size", "x"], ["--dtype", "int3"], ["--kv-cache-memory", "lots"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
@@ -46,9 +62,15 @@ def test_only_generated_flags_reach_the_engine_config() -> None:
     assert set(kw) <= set(MODEL_FIELDS)
 
 
-@pytest.mark.parametrize("argv", [
-    ["say", "hi"], ["bench", "offline"], ["quantize", "--method", "int8", "--out", "x"], ["bench", "quality"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["say", "hi"],
+        ["bench", "offline"],
+        ["quantize", "--method", "int8", "--out", "x"],
+        ["bench", "quality"],
+    ],
+)
 def test_every_command_reads_the_model_flags(argv: list[str]) -> None:
     a = build_parser().parse_args([*argv, "--model", "/m", "--load-format", "dummy", "--dummy-size", "tiny"])
     assert engine_kwargs(a) | {"model": "/m"} == engine_kwargs(a)

@@ -13,14 +13,18 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
-                                               kv_cache_memory=8 << 20, swap_space=0.01))
+    eng = AsyncEngine.from_config(
+        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01)
+    )
     return eng
 
 
 def _req(i: int, frames: int = 12) -> SynthesisRequest:
-    return SynthesisRequest(f"hello world number {i}", code_params=SamplingParams(
-        seed=i, min_new_tokens=frames, max_new_tokens=frames), request_id=f"a{i}")
+    return SynthesisRequest(
+        f"hello world number {i}",
+        code_params=SamplingParams(seed=i, min_new_tokens=frames, max_new_tokens=frames),
+        request_id=f"a{i}",
+    )
 
 
 async def _collect(eng: AsyncEngine, req: SynthesisRequest):
@@ -107,8 +111,16 @@ def test_internal_failure_fails_requests_and_loop_survives(engine, monkeypatch):
 def test_pipelined_engine_streams_equal_the_synchronous_engine(engine):
     """AsyncEngine over an engine with asynchronous scheduling: concurrent streams, one cancelled midway,
     and the rest equal the synchronous engine's audio; every block is back at the end."""
-    piped = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
-                                                 kv_cache_memory=8 << 20, swap_space=0.01, async_scheduling=True))
+    piped = AsyncEngine.from_config(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            kv_cache_memory=8 << 20,
+            swap_space=0.01,
+            async_scheduling=True,
+        )
+    )
     assert piped.engine.pipelined
 
     async def cancelled(eng: AsyncEngine) -> None:
@@ -139,8 +151,9 @@ def test_a_dead_engine_thread_ends_streams_and_refuses_requests():
     ends with an error output, later requests get EngineDeadError, `dead` says why."""
     from ttsserve.engine.errors import EngineDeadError
 
-    eng = AsyncEngine.from_config(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu",
-                                               kv_cache_memory=8 << 20, swap_space=0.01))
+    eng = AsyncEngine.from_config(
+        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01)
+    )
 
     def broken() -> bool:
         raise RuntimeError("simulated loop bug")

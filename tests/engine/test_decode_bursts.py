@@ -22,14 +22,21 @@ def _requests(speaker=None) -> list[SynthesisRequest]:
     rng = random.Random(5)
     reqs = []
     for i, n in enumerate([31, 32, 45, 0, 0, 0, 0]):
-        params = SamplingParams(seed=70 + i, temperature=0.7, top_k=20, repetition_penalty=1.05,
-                                max_new_tokens=n or 300, min_new_tokens=n)
+        params = SamplingParams(
+            seed=70 + i, temperature=0.7, top_k=20, repetition_penalty=1.05, max_new_tokens=n or 300, min_new_tokens=n
+        )
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))
         reqs.append(SynthesisRequest(text, code_params=params, raw_text=True, request_id=f"b{i}"))
-    reqs.append(SynthesisRequest("hello world this is a test", voice=Voice(spk_emb=speaker), refine_text=True,
-                                 refine_params=SamplingParams(seed=3, max_new_tokens=12),
-                                 code_params=SamplingParams(seed=77, max_new_tokens=37, min_new_tokens=37),
-                                 request_id="refined"))
+    reqs.append(
+        SynthesisRequest(
+            "hello world this is a test",
+            voice=Voice(spk_emb=speaker),
+            refine_text=True,
+            refine_params=SamplingParams(seed=3, max_new_tokens=12),
+            code_params=SamplingParams(seed=77, max_new_tokens=37, min_new_tokens=37),
+            request_id="refined",
+        )
+    )
     return reqs
 
 
@@ -105,8 +112,7 @@ def test_pipelined_first_audio_step(tiny_model, deferred, poll):
     the device has it. The vocoder call is queued in the step that reads the frames (not the next one), and the
     cadence does not hold a first chunk back."""
     k = 4
-    e = make_engine(tiny_model, num_scheduler_steps=k, async_scheduling=True, vocoder_cadence=2,
-                    admission_interval=2)
+    e = make_engine(tiny_model, num_scheduler_steps=k, async_scheduling=True, vocoder_cadence=2, admission_interval=2)
     e.audio.deferred = deferred  # the CUDA engine's mode (off CUDA a call has no event: polled, it is done)
     p = SamplingParams(seed=1, min_new_tokens=200, max_new_tokens=200)
     e.add_synthesis(SynthesisRequest("hello world", code_params=p, raw_text=True, request_id="a"))
@@ -133,8 +139,14 @@ def test_a_batch_with_rows_ending_inside_it_is_appended_once_per_accepted_count(
 
     e = make_engine(tiny_model, max_model_len=512)
     for i in range(5):
-        e.add_synthesis(SynthesisRequest("hello world", raw_text=True, request_id=f"g{i}",
-                                         code_params=SamplingParams(seed=i, min_new_tokens=200, max_new_tokens=200)))
+        e.add_synthesis(
+            SynthesisRequest(
+                "hello world",
+                raw_text=True,
+                request_id=f"g{i}",
+                code_params=SamplingParams(seed=i, min_new_tokens=200, max_new_tokens=200),
+            )
+        )
     for _ in range(6):
         e.step()
     ids = sorted(s for s, seq in e.sequences.items() if seq.mode == "code")

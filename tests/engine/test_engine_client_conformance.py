@@ -26,8 +26,16 @@ QUEUE = 2  # max_queue_len of every implementation here
 ENGINE = {**REAL_ENGINE, "max_queue_len": QUEUE}
 LONG = SamplingParams(seed=1, min_new_tokens=3000, max_new_tokens=3000)  # runs until aborted
 # what the server's metrics and the ops endpoints read
-STATS_KEYS = {"num_running", "num_waiting", "num_swapped", "kv_cache_usage", "num_preemptions_total",
-              "num_swaps_total", "step_time_ms_ema", "num_streams"}
+STATS_KEYS = {
+    "num_running",
+    "num_waiting",
+    "num_swapped",
+    "kv_cache_usage",
+    "num_preemptions_total",
+    "num_swaps_total",
+    "step_time_ms_ema",
+    "num_streams",
+}
 _indices = itertools.count(20)
 
 
@@ -90,8 +98,9 @@ async def _idle(client: EngineClient, timeout_s: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         s = client.stats()
-        if (s["num_streams"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
-                and s["kv_cache_usage"] == 0) or time.monotonic() > deadline:
+        if (
+            s["num_streams"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_cache_usage"] == 0
+        ) or time.monotonic() > deadline:
             return s
         await asyncio.sleep(0.02)
 
@@ -123,10 +132,14 @@ def test_a_request_streams_audio_to_one_finished_output(make_client):
     assert stats["num_streams"] == 0 and stats["num_running"] == 0
 
 
-@pytest.mark.parametrize(("req", "param"), [
-    (SynthesisRequest("???"), "text"),
-    (SynthesisRequest("[laugh_0] !!"), "text"),
-], ids=["punctuation", "only-tags"])
+@pytest.mark.parametrize(
+    ("req", "param"),
+    [
+        (SynthesisRequest("???"), "text"),
+        (SynthesisRequest("[laugh_0] !!"), "text"),
+    ],
+    ids=["punctuation", "only-tags"],
+)
 def test_bad_input_raises_invalid_request_before_any_output(make_client, req, param):
     async def body(c: EngineClient):
         gen = c.generate(req)
@@ -190,8 +203,11 @@ def test_in_process_and_multiprocess_serve_the_same(local_engine, core_address):
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.engine.core.client import CoreClient
 
-    bad = [SynthesisRequest("???"), SynthesisRequest("hi", code_prompt="[speed_12]"),
-           SynthesisRequest("hi", refine_text=True, refine_prompt="[oral_2]x")]
+    bad = [
+        SynthesisRequest("???"),
+        SynthesisRequest("hi", code_prompt="[speed_12]"),
+        SynthesisRequest("hi", refine_text=True, refine_prompt="[oral_2]x"),
+    ]
 
     async def body(c: EngineClient):
         errors = []

@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
+from engine_testutil import GOLDEN, FrameRecorder, golden_json, make_engine, run_all
 
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
-
-from engine_testutil import GOLDEN, FrameRecorder, golden_json, make_engine, run_all
 
 GREEDY_CODE = SamplingParams(temperature=1e-30, greedy=True, repetition_penalty=1.05)
 GREEDY_TEXT = SamplingParams(temperature=1e-30, greedy=True, repetition_penalty=1.0)
@@ -32,8 +31,9 @@ def test_greedy_code_stage_matches_golden(tiny_model, tiny_speaker, batched):
     recs = [FrameRecorder(e) for e in engines]
     for i, key in enumerate(keys):
         e = engines[0 if batched else i]
-        e.add_synthesis(SynthesisRequest(texts[key]["normalized"], voice=voice, code_params=params,
-                                         raw_text=True, request_id=key))
+        e.add_synthesis(
+            SynthesisRequest(texts[key]["normalized"], voice=voice, code_params=params, raw_text=True, request_id=key)
+        )
     for e in engines:
         run_all(e)
     for i, key in enumerate(keys):
@@ -52,13 +52,18 @@ def test_e2e_refine_code_decode_matches_golden(tiny_model, tiny_speaker, pipelin
     e = make_engine(tiny_model, async_scheduling=pipelined)
     rec = FrameRecorder(e)
     req = SynthesisRequest(
-        f["text"], voice=Voice(spk_emb=tiny_speaker),
+        f["text"],
+        voice=Voice(spk_emb=tiny_speaker),
         code_params=GREEDY_CODE.replace(min_new_tokens=40, max_new_tokens=40),
-        refine_text=True, refine_prompt="[oral_2][laugh_0][break_6]",
+        refine_text=True,
+        refine_prompt="[oral_2][laugh_0][break_6]",
         refine_params=GREEDY_TEXT.replace(min_new_tokens=12, max_new_tokens=12),
-        normalize=False, split=False, request_id="e2e")
+        normalize=False,
+        split=False,
+        request_id="e2e",
+    )
     e.add_synthesis(req)
-    (audio, final), = run_all(e).values()
+    ((audio, final),) = run_all(e).values()
     refine = [t for t, _ in rec.frames["e2e/0/text"]]
     assert refine == f["refine_ids"][0][0]
     np.testing.assert_array_equal(rec.codes("e2e/0/code"), np.array(f["code_calls"][0]["code_ids"][0]))
@@ -83,8 +88,10 @@ def test_audio_prompt_voice_matches_golden(tiny_model, tiny_speaker, prepared, m
     rec = FrameRecorder(e)
     params = GREEDY_CODE.replace(min_new_tokens=40, max_new_tokens=40)
     api_tok = TextTokenizer.from_json(e.frontend.tokenizer.to_json())
-    reqs = [SynthesisRequest(text, voice=voice, code_params=params, raw_text=True, request_id=f"s{i}")
-            for i, text in enumerate(call["text"])]
+    reqs = [
+        SynthesisRequest(text, voice=voice, code_params=params, raw_text=True, request_id=f"s{i}")
+        for i, text in enumerate(call["text"])
+    ]
     segments = [tokenize_segments(r, prepare_segments(r), api_tok) if prepared else None for r in reqs]
     if prepared:
         monkeypatch.setattr(e.frontend.tokenizer, "encode", lambda s: pytest.fail("the engine tokenized again"))

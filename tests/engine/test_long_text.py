@@ -20,8 +20,9 @@ FRAMES = 6
 
 
 def _engine() -> Engine:
-    return Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=16 << 20,
-                               swap_space=0.01))
+    return Engine(
+        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=16 << 20, swap_space=0.01)
+    )
 
 
 def _run(engine: Engine) -> tuple[dict[str, np.ndarray], dict, int]:
@@ -59,8 +60,11 @@ def test_long_text_segments_concurrent_and_in_order():
 
     solo = _engine()
     for seg in segments:  # each segment alone, with the seed schedule seed + index
-        solo.add_synthesis(SynthesisRequest(seg.text, code_params=params.replace(seed=11 + seg.index),
-                                            raw_text=True, request_id=f"s{seg.index}"))
+        solo.add_synthesis(
+            SynthesisRequest(
+                seg.text, code_params=params.replace(seed=11 + seg.index), raw_text=True, request_id=f"s{seg.index}"
+            )
+        )
     solo_audio, _, _ = _run(solo)
     want = _crossfade_join([solo_audio[f"s{i}"] for i in range(len(segments))])
     assert audio[rid].shape == want.shape

@@ -10,9 +10,9 @@ from engine_testutil import FrameRecorder, make_engine, run_all
 
 from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.cuda_graphs import DecodeGraphs, DecodeOps, default_capture_sizes
+from ttsserve.runner.input_batch import InputBatch
 from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
 from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
-from ttsserve.runner.input_batch import InputBatch
 from ttsserve.sample.sampler import make_sampling_batch, sample
 from ttsserve.sample.state import SamplingState
 
@@ -39,7 +39,7 @@ def test_step_arrays_match_per_token_loop():
     assert arr.positions.tolist() == want_pos and arr.slot_mapping.tolist() == want_slots
     assert arr.cu_seqlens_q.tolist() == np.concatenate([[0], np.cumsum(num_new)]).tolist()
     assert arr.seq_lens.tolist() == [s + n for s, n in zip(starts, num_new)]
-    assert ib.block_table[rows[2], :len(tables[rows[2]])].tolist() == tables[rows[2]]
+    assert ib.block_table[rows[2], : len(tables[rows[2]])].tolist() == tables[rows[2]]
 
 
 def test_input_batch_rows_are_reused_and_grow():
@@ -57,10 +57,15 @@ def test_input_batch_rows_are_reused_and_grow():
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
-    return SamplingParams(temperature=rng.choice([0.3, (0.5, 0.7, 1.0, 1.3)]), top_p=rng.choice([0.5, 0.7, 1.0]),
-                          top_k=rng.choice([1, 5, 20]), repetition_penalty=rng.choice([1.0, 1.05, 1.4]),
-                          repetition_window=rng.choice([3, 16]), min_new_tokens=rng.choice([0, 30]),
-                          greedy=rng.random() < 0.3)
+    return SamplingParams(
+        temperature=rng.choice([0.3, (0.5, 0.7, 1.0, 1.3)]),
+        top_p=rng.choice([0.5, 0.7, 1.0]),
+        top_k=rng.choice([1, 5, 20]),
+        repetition_penalty=rng.choice([1.0, 1.05, 1.4]),
+        repetition_window=rng.choice([3, 16]),
+        min_new_tokens=rng.choice([0, 30]),
+        greedy=rng.random() < 0.3,
+    )
 
 
 @pytest.mark.parametrize("mode", ["code", "text"])
@@ -72,8 +77,13 @@ def test_sampling_state_equals_host_built_batch(mode):
     state = SamplingState(16, 4, 16, torch.device("cpu"))
     params = [_random_params(rng) for _ in range(n)]
     seeds = [rng.getrandbits(62) for _ in range(n)]
-    hist = [[tuple(rng.randrange(vocab) for _ in range(width)) if mode == "code" else rng.randrange(vocab)
-             for _ in range(rng.randint(0, 25))] for _ in range(n)]
+    hist = [
+        [
+            tuple(rng.randrange(vocab) for _ in range(width)) if mode == "code" else rng.randrange(vocab)
+            for _ in range(rng.randint(0, 25))
+        ]
+        for _ in range(n)
+    ]
     rows = rng.sample(range(16), n)
     state.set_rows(rows, params, seeds, [mode] * n, hist)
     rows_t = torch.tensor(rows)
@@ -82,23 +92,28 @@ def test_sampling_state_equals_host_built_batch(mode):
         steps = [len(h) for h in hist]
         logits = torch.randn(n, width, vocab, generator=gen) * 3
         got = sample(logits, state.batch(rows_t, torch.tensor(steps), width, vocab - 1))
-        ref = make_sampling_batch(params, seeds, steps, [torch.tensor(h).reshape(-1, width) for h in hist],
-                                  width, vocab - 1)
+        ref = make_sampling_batch(
+            params, seeds, steps, [torch.tensor(h).reshape(-1, width) for h in hist], width, vocab - 1
+        )
         assert torch.equal(got, sample(logits, ref))
         state.record(rows_t, torch.tensor(steps), got)
         for i, t in enumerate(got.tolist()):
             hist[i].append(tuple(t) if mode == "code" else t[0])
-        assert state.last_tokens[rows_t, :width].tolist() == [list(h[-1]) if mode == "code" else [h[-1]]
-                                                              for h in hist]
+        assert state.last_tokens[rows_t, :width].tolist() == [list(h[-1]) if mode == "code" else [h[-1]] for h in hist]
 
 
 def _requests(n: int, frames: int = 20) -> list[SynthesisRequest]:
     rng = random.Random(3)
     words = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "model"]
-    return [SynthesisRequest(" ".join(rng.choice(words) for _ in range(rng.randint(2, 12))),
-                             code_params=_random_params(rng).replace(seed=50 + i, max_new_tokens=frames,
-                                                                     min_new_tokens=frames),
-                             raw_text=True, request_id=f"g{i}") for i in range(n)]
+    return [
+        SynthesisRequest(
+            " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))),
+            code_params=_random_params(rng).replace(seed=50 + i, max_new_tokens=frames, min_new_tokens=frames),
+            raw_text=True,
+            request_id=f"g{i}",
+        )
+        for i in range(n)
+    ]
 
 
 def _run(model, reqs, graphs: list[int] | None = None, **kw):
@@ -161,8 +176,13 @@ def test_default_capture_sizes():
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-def _run_staggered(model, reqs, graphs: list[int] | None, prefill_sizes: list[int] | None = None,
-                   sampler_sizes: list[int] | None = None):
+def _run_staggered(
+    model,
+    reqs,
+    graphs: list[int] | None,
+    prefill_sizes: list[int] | None = None,
+    sampler_sizes: list[int] | None = None,
+):
     """Request i arrives at step 4 * i, with a small token budget: its prefill chunks share steps with the
     decode rows of the earlier requests."""
     e = make_engine(model, max_model_len=512, max_num_batched_tokens=24)
@@ -230,8 +250,7 @@ def test_default_sampler_sizes():
 
 
 def test_default_prefill_sizes():
-    assert default_prefill_sizes(4096) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-                                           3072, 4096]
+    assert default_prefill_sizes(4096) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
     assert default_prefill_sizes(100) == [16, 32, 64, 96, 100] and default_prefill_sizes(8) == [8]
 
 
@@ -254,5 +273,8 @@ def test_or_uncompiled_retries_once_with_uncompiled_ops():
     with pytest.raises(RuntimeError, match="injected"):
         or_uncompiled(SimpleNamespace(ops=None), lambda: (_ for _ in ()).throw(RuntimeError("injected")), "test")
     with pytest.raises(RuntimeError, match="always"):
-        or_uncompiled(SimpleNamespace(ops=SimpleNamespace(compiled=True)),
-                      lambda: (_ for _ in ()).throw(RuntimeError("always")), "test")
+        or_uncompiled(
+            SimpleNamespace(ops=SimpleNamespace(compiled=True)),
+            lambda: (_ for _ in ()).throw(RuntimeError("always")),
+            "test",
+        )

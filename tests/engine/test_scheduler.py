@@ -52,8 +52,10 @@ def test_continuous_batching_mixed_modes_until_length():
 
 def test_prefix_sharing_only_with_equal_prefix_key():
     sched = create_scheduler(block_size=4)
-    a, b, c = (Request(rid, list(range(12)), prefix_key=k, max_new_tokens=4, arrival_time=i)
-               for i, (rid, k) in enumerate([("a", "spk1"), ("b", "spk1"), ("c", "spk2")]))
+    a, b, c = (
+        Request(rid, list(range(12)), prefix_key=k, max_new_tokens=4, arrival_time=i)
+        for i, (rid, k) in enumerate([("a", "spk1"), ("b", "spk1"), ("c", "spk2")])
+    )
     runner = FakeRunner(sched, {"a": a, "b": b, "c": c})
     sched.add_request(a)
     step(sched, runner)  # a's prompt KV is written by this step

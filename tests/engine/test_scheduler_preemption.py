@@ -22,10 +22,12 @@ from ttsserve.engine.scheduler import SchedulerConfig
 def _pressure_pair(first_audio_a: int, first_audio_b: int):
     # 10 blocks of 2: two prompts of 8 take 8 blocks; decoding soon needs more than the pool.
     sched = create_scheduler(num_gpu_blocks=10, block_size=2, max_model_len=64)
-    a = Request("a", [(1, p, 0, 0) for p in range(8)], max_new_tokens=12, arrival_time=0.0,
-                first_audio_frames=first_audio_a)
-    b = Request("b", [(2, p, 0, 0) for p in range(8)], max_new_tokens=12, arrival_time=1.0,
-                first_audio_frames=first_audio_b)
+    a = Request(
+        "a", [(1, p, 0, 0) for p in range(8)], max_new_tokens=12, arrival_time=0.0, first_audio_frames=first_audio_a
+    )
+    b = Request(
+        "b", [(2, p, 0, 0) for p in range(8)], max_new_tokens=12, arrival_time=1.0, first_audio_frames=first_audio_b
+    )
     runner = FakeRunner(sched, {"a": a, "b": b})
     sched.add_request(a)
     sched.add_request(b)
@@ -218,6 +220,8 @@ def test_engine_core_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, ttsserve.engine.scheduler, ttsserve.engine.block_manager, ttsserve.engine.outputs; "
-            "assert 'torch' not in sys.modules")
+    code = (
+        "import sys, ttsserve.engine.scheduler, ttsserve.engine.block_manager, ttsserve.engine.outputs; "
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,8 +15,16 @@ LENGTHS = [37, 90, 61, 120, 45, 77, 103, 58]  # frames per stream: natural-looki
 def _run(cadence: int) -> tuple[dict[str, np.ndarray], list[int], dict[str, int]]:
     """Stream i arrives at step 3 * i. Returns each stream's audio, the vocoder calls made in each step and
     the step (from 1) of each stream's first audio."""
-    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=16 << 20,
-                              swap_space=0.01, vocoder_cadence=cadence))
+    eng = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            swap_space=0.01,
+            vocoder_cadence=cadence,
+        )
+    )
     audio: dict[str, list] = {}
     calls_per_step, done, first = [], set(), {}
     for step in range(2000):

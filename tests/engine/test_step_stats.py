@@ -19,8 +19,7 @@ def test_a_slow_step_is_counted_and_logged_once_a_while(caplog):
         c.observe_step(10.0, PHASES, rows=8, tokens=8, gc_ms=0.0)
     c.observe_step(30.0, PHASES, rows=8, tokens=8, gc_ms=0.0)  # 3x the average: not slow
     assert c.slow_steps == 0 and not caplog.records
-    c.observe_step(95.0, {"schedule_ms": 0.09, "runner_ms": 0.005}, rows=12, tokens=400, gc_ms=61.5,
-                   vocoder=(2, 348))
+    c.observe_step(95.0, {"schedule_ms": 0.09, "runner_ms": 0.005}, rows=12, tokens=400, gc_ms=61.5, vocoder=(2, 348))
     assert c.slow_steps == 1
     (rec,) = caplog.records
     msg = rec.getMessage()

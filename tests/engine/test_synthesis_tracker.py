@@ -33,8 +33,8 @@ def test_segments_released_in_order_with_crossfade():
     got, fin = _collect(t.drain())
     n = CROSSFADE_SAMPLES
     assert got.size == s0.size + s1.size - n
-    assert np.all(got[: s0.size - n] == 1.0) and np.all(got[s0.size:] == 2.0)
-    mid = got[s0.size - n: s0.size]
+    assert np.all(got[: s0.size - n] == 1.0) and np.all(got[s0.size :] == 2.0)
+    mid = got[s0.size - n : s0.size]
     assert np.all(np.diff(mid) >= 0) and 1.0 <= mid.min() and mid.max() <= 2.0  # a monotone fade 1 -> 2
     assert fin[0].finish_reason == "length" and fin[0].truncated_segments == [1]
 

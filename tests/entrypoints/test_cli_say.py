@@ -6,14 +6,33 @@ import sys
 import numpy as np
 import soundfile as sf
 
-BASE = [sys.executable, "-m", "ttsserve.entrypoints.cli", "say", "--load-format", "dummy", "--dummy-size", "tiny",
-        "--device", "cpu", "--skip-refine", "--min-new-tokens", "20", "--max-new-tokens", "20"]
+BASE = [
+    sys.executable,
+    "-m",
+    "ttsserve.entrypoints.cli",
+    "say",
+    "--load-format",
+    "dummy",
+    "--dummy-size",
+    "tiny",
+    "--device",
+    "cpu",
+    "--skip-refine",
+    "--min-new-tokens",
+    "20",
+    "--max-new-tokens",
+    "20",
+]
 
 
 def _say(tmp_path, name, *extra):
     out = tmp_path / name
-    proc = subprocess.run(BASE + ["Hello world. 今天是2024年5月1日。", "-o", str(out), *extra],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        BASE + ["Hello world. 今天是2024年5月1日。", "-o", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return out, proc
 
@@ -33,8 +52,9 @@ def test_say_other_format_and_bad_input(tmp_path):
     out, _ = _say(tmp_path, "c.flac", "--seed", "1")
     wav, sr = sf.read(out, dtype="float32")
     assert sr == 24000 and wav.size > 0
-    bad = subprocess.run(BASE + ["hi", "-o", str(tmp_path / "d.wav"), "--top-p", "2"], capture_output=True,
-                         text=True, timeout=300)
+    bad = subprocess.run(
+        BASE + ["hi", "-o", str(tmp_path / "d.wav"), "--top-p", "2"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2 and "top_p" in bad.stderr
 
 
@@ -43,8 +63,22 @@ def test_say_refuses_to_write_an_empty_file(tmp_path):
 
     model = eos_at_once_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "empty.wav"
-    cmd = [sys.executable, "-m", "ttsserve.entrypoints.cli", "say", "Hello.", "-o", str(out), "--model", str(model),
-           "--device", "cpu", "--skip-refine", "--seed", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ttsserve.entrypoints.cli",
+        "say",
+        "Hello.",
+        "-o",
+        str(out),
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--skip-refine",
+        "--seed",
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
     assert "error: the model produced no audio (EOS at the first step)" in proc.stderr and not out.exists()

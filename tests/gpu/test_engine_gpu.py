@@ -30,7 +30,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_testutil import GOLDEN, TINY, FrameRecorder, golden_json, run_all
 
 SEED = int(os.environ.get("TTSSERVE_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
-WORDS = ["hello", "world", "this", "is", "a", "test", "of", "the", "speech", "model", "today", "weather", "good", "very", "nice", "thank", "you"]
+WORDS = [
+    "hello",
+    "world",
+    "this",
+    "is",
+    "a",
+    "test",
+    "of",
+    "the",
+    "speech",
+    "model",
+    "today",
+    "weather",
+    "good",
+    "very",
+    "nice",
+    "thank",
+    "you",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -62,8 +80,14 @@ def tiny_cpu():
 
 
 def _engine(model, **kw) -> Engine:
-    cfg = {"model": str(TINY), "device": model.device.type, "kv_cache_memory": 64 << 20, "swap_space": 0.01,
-           "max_model_len": 1024, "max_num_seqs": 32}
+    cfg = {
+        "model": str(TINY),
+        "device": model.device.type,
+        "kv_cache_memory": 64 << 20,
+        "swap_space": 0.01,
+        "max_model_len": 1024,
+        "max_num_seqs": 32,
+    }
     cfg.update(kw)
     return Engine(EngineConfig(**cfg), model=model)
 
@@ -72,9 +96,16 @@ def _requests(n: int, frames: int, greedy: bool, seed: int = SEED) -> list[Synth
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        p = SamplingParams(temperature=rng.choice([0.3, 0.7]), top_p=rng.choice([0.7, 1.0]), top_k=rng.choice([5, 20]),
-                           repetition_penalty=rng.choice([1.0, 1.05, 1.3]), seed=rng.getrandbits(40), greedy=greedy,
-                           max_new_tokens=frames, min_new_tokens=frames)
+        p = SamplingParams(
+            temperature=rng.choice([0.3, 0.7]),
+            top_p=rng.choice([0.7, 1.0]),
+            top_k=rng.choice([5, 20]),
+            repetition_penalty=rng.choice([1.0, 1.05, 1.3]),
+            seed=rng.getrandbits(40),
+            greedy=greedy,
+            max_new_tokens=frames,
+            min_new_tokens=frames,
+        )
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 25)))
         out.append(SynthesisRequest(text, code_params=p, raw_text=True, request_id=f"q{i}"))
     return out
@@ -139,9 +170,12 @@ def test_pipelined_engine_equals_synchronous_engine(real_fp32):
     arrivals (mixed steps), length ends, aborts while a step is in flight; fp32, greedy: the same codes."""
     print(f"seed {SEED}")
     # different lengths: rows end (and leave a wasted pipelined row) on many steps
-    reqs = [dataclasses.replace(r, code_params=dataclasses.replace(r.code_params, max_new_tokens=20 + 3 * i,
-                                                                  min_new_tokens=20 + 3 * i))
-            for i, r in enumerate(_requests(12, 40, greedy=True))]
+    reqs = [
+        dataclasses.replace(
+            r, code_params=dataclasses.replace(r.code_params, max_new_tokens=20 + 3 * i, min_new_tokens=20 + 3 * i)
+        )
+        for i, r in enumerate(_requests(12, 40, greedy=True))
+    ]
     abort = {"q3", "q8"}
     e = _engine(real_fp32, kv_cache_memory=1 << 30)
     assert e.pipelined and e.runner.graphs is not None
@@ -164,9 +198,12 @@ def test_decode_bursts_on_cuda_equal_single_steps(real_fp32):
     """num_scheduler_steps=3 on CUDA (pipelined, decode graphs replayed 3 times per step, mixed steps, aborts in
     flight, lengths ending inside a burst) against single steps: fp32, greedy: the same codes and hiddens."""
     print(f"seed {SEED}")
-    reqs = [dataclasses.replace(r, code_params=dataclasses.replace(r.code_params, max_new_tokens=20 + 5 * i,
-                                                                  min_new_tokens=20 + 5 * i))
-            for i, r in enumerate(_requests(10, 40, greedy=True))]
+    reqs = [
+        dataclasses.replace(
+            r, code_params=dataclasses.replace(r.code_params, max_new_tokens=20 + 5 * i, min_new_tokens=20 + 5 * i)
+        )
+        for i, r in enumerate(_requests(10, 40, greedy=True))
+    ]
     abort = {"q2", "q7"}
     e = _engine(real_fp32, kv_cache_memory=1 << 30, num_scheduler_steps=3)
     assert e.pipelined and e.runner.graphs is not None and e.runner.graphs.max_steps == 3
@@ -189,15 +226,23 @@ def test_golden_greedy_codes_on_cuda(tiny_cuda, tiny_speaker_np):
     a = golden_json("a_prompts.json")
     texts = {t["key"]: t for t in a["texts"]} if isinstance(a["texts"], list) else a["texts"]
     npz = np.load(GOLDEN / "d_greedy.npz")
-    params = SamplingParams(temperature=1e-30, greedy=True, repetition_penalty=1.05, min_new_tokens=32,
-                            max_new_tokens=32)
+    params = SamplingParams(
+        temperature=1e-30, greedy=True, repetition_penalty=1.05, min_new_tokens=32, max_new_tokens=32
+    )
     e = _engine(tiny_cuda, max_num_batched_tokens=256)
     assert e.runner.graphs is None
     rec = FrameRecorder(e)
     keys = ["en_simple", "zh_ctrl", "mixed"]
     for key in keys:
-        e.add_synthesis(SynthesisRequest(texts[key]["normalized"], voice=Voice(spk_emb=tiny_speaker_np),
-                                         code_params=params, raw_text=True, request_id=key))
+        e.add_synthesis(
+            SynthesisRequest(
+                texts[key]["normalized"],
+                voice=Voice(spk_emb=tiny_speaker_np),
+                code_params=params,
+                raw_text=True,
+                request_id=key,
+            )
+        )
     run_all(e)
     for key in keys:
         np.testing.assert_array_equal(rec.codes(f"{key}/0/code"), npz[f"{key}_code_ids"])
@@ -234,8 +279,9 @@ def _graph_vs_eager(engine: Engine, reqs, steps: int = 30) -> list[tuple]:
 
 
 def test_graph_step_equals_eager_step_fp32(real_fp32):
-    pairs = _graph_vs_eager(_engine(real_fp32, kv_cache_memory=1 << 30, num_scheduler_steps=1),
-                            _requests(7, 40, greedy=False))
+    pairs = _graph_vs_eager(
+        _engine(real_fp32, kv_cache_memory=1 << 30, num_scheduler_steps=1), _requests(7, 40, greedy=False)
+    )
     assert len(pairs) > 10
     for t_e, h_e, t_g, h_g in pairs:
         assert (t_e == t_g).float().mean() > 0.99  # seeded draws: only fp32 near-ties may differ
@@ -294,6 +340,7 @@ def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16, monkeypatch):
                 return fn(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
         return checked
 
     orig_append = e._append_frames
@@ -308,8 +355,14 @@ def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16, monkeypatch):
     monkeypatch.setattr(model_runner, "runner_output", no_sync(model_runner.runner_output))
     e._append_frames = no_sync(append)
     rng = random.Random(SEED)
-    reqs = [SynthesisRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))), request_id=f"eos{i}",
-                             code_params=SamplingParams(seed=i, max_new_tokens=400)) for i in range(16)]
+    reqs = [
+        SynthesisRequest(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))),
+            request_id=f"eos{i}",
+            code_params=SamplingParams(seed=i, max_new_tokens=400),
+        )
+        for i in range(16)
+    ]
     for r in reqs:  # no FrameRecorder: its copies of the hiddens to the host are syncs of the test's own
         e.add_synthesis(r)
     run_all(e)
@@ -392,7 +445,7 @@ def test_mid_step_audio_on_cuda_equals_end_of_step_audio(tiny_cuda):
             for out in outputs:
                 got.setdefault(out.request_id, []).append(out.samples)
 
-        for i, r in enumerate(reqs):
+        for r in reqs:
             e.add_synthesis(r)
             for _ in range(3):  # staggered: chunk boundaries of different requests on different steps
                 keep(e.step(emit=keep) if use_emit else e.step())

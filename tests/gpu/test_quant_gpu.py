@@ -87,6 +87,7 @@ def test_choose_config_regimes() -> None:
 
 # ---------------------------------------------------------------------------------------------- fp8 KV
 
+
 def paged_case(ctx_lens: list[int], q_lens: list[int], block_size: int, heads: int, g: torch.Generator):
     """Random contexts written into an FP8KVCache (torch rule) over shuffled blocks, plus new q / k / v."""
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
@@ -95,7 +96,7 @@ def paged_case(ctx_lens: list[int], q_lens: list[int], block_size: int, heads: i
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(ctx_lens))).tolist()
     tables, taken = [], 0
     for nb in nbs:
-        tables.append(perm[taken:taken + nb])
+        tables.append(perm[taken : taken + nb])
         taken += nb
     width = max(nbs)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
@@ -105,7 +106,9 @@ def paged_case(ctx_lens: list[int], q_lens: list[int], block_size: int, heads: i
 
     cache = FP8KVCache.zeros(kv_cache_shape(num_blocks, block_size, heads, 64), DEVICE)
     cache.data.view(torch.uint8).fill_(0x7F)  # NaN in e4m3: any read outside a context shows up
-    ctx_slots = torch.tensor([x for b, c in enumerate(ctx_lens) for x in slots(b, 0, c)], device=DEVICE, dtype=torch.int64)
+    ctx_slots = torch.tensor(
+        [x for b, c in enumerate(ctx_lens) for x in slots(b, 0, c)], device=DEVICE, dtype=torch.int64
+    )
     total = sum(ctx_lens)
     ck = torch.randn(total, heads, 64, generator=g, device=DEVICE) * 3
     cv = torch.randn(total, heads, 64, generator=g, device=DEVICE)
@@ -118,9 +121,15 @@ def paged_case(ctx_lens: list[int], q_lens: list[int], block_size: int, heads: i
     new_slots = [x for b, (c, s) in enumerate(zip(ctx_lens, seq_lens)) for x in slots(b, c, s)]
     md = AttentionMetadata(
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=table,
-        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=DEVICE), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), block_size=block_size, cu_seqlens_q_cpu=cu, seq_lens_cpu=seq_lens)
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=table,
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=seq_lens,
+    )
     return q, k, v, cache, md
 
 
@@ -140,12 +149,15 @@ def dequantized_reference(q: torch.Tensor, cache: FP8KVCache, md: AttentionMetad
 
 
 @needs_gpu
-@pytest.mark.parametrize("ctx_lens,q_lens,splits", [
-    ([0, 5, 300, 1500, 33], [1] * 5, None),  # decode, split count chosen per call
-    ([7, 2000, 64], [1] * 3, 1),
-    ([7, 2000, 64], [1] * 3, 8),
-    ([0, 0, 100, 900], [40, 1, 17, 130], None),  # prefill / chunked prefill / decode mixed
-])
+@pytest.mark.parametrize(
+    "ctx_lens,q_lens,splits",
+    [
+        ([0, 5, 300, 1500, 33], [1] * 5, None),  # decode, split count chosen per call
+        ([7, 2000, 64], [1] * 3, 1),
+        ([7, 2000, 64], [1] * 3, 8),
+        ([0, 0, 100, 900], [40, 1, 17, 130], None),  # prefill / chunked prefill / decode mixed
+    ],
+)
 def test_fp8_attention_matches_dequantized_reference(ctx_lens, q_lens, splits) -> None:
     g = gen(sum(ctx_lens) + len(q_lens))
     q, k, v, cache, md = paged_case(ctx_lens, q_lens, 16, 12, g)
@@ -195,13 +207,14 @@ def test_quantized_gpt_step_close_to_dense(method: str | None, kv_fp8: bool) -> 
     """Prefill 3 sequences then decode one step each, quantized vs dense bf16 (real-size layers, 2 of them)."""
     from ttsserve.attention.torch_ref import make_metadata
     from ttsserve.config import GPTConfig
+    from ttsserve.layers.quant.linear import quantize_gpt_
     from ttsserve.model.dummy import SIZES, _gpt
     from ttsserve.model.gpt import GPT
-    from ttsserve.layers.quant.linear import quantize_gpt_
 
     s = SIZES["real"]
-    cfg = GPTConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_layers=2, num_heads=s.heads,
-                    num_kv_heads=s.heads)
+    cfg = GPTConfig(
+        hidden_size=s.hidden, intermediate_size=s.intermediate, num_layers=2, num_heads=s.heads, num_kv_heads=s.heads
+    )
     sd = _gpt(torch.Generator().manual_seed(3), type(s)(**{**s.__dict__, "layers": 2}))
     dense = GPT.from_state_dict(sd, cfg, dtype=torch.bfloat16, device=DEVICE)
     cand = GPT.from_state_dict(sd, cfg, dtype=torch.float32, device=DEVICE)
@@ -212,9 +225,13 @@ def test_quantized_gpt_step_close_to_dense(method: str | None, kv_fp8: bool) -> 
     cand = cast_except_quant(cand, DEVICE, torch.bfloat16)
     backend = TritonPagedAttention()
     shape = kv_cache_shape(16, 16, cfg.num_kv_heads, cfg.head_dim)
-    caches = {"dense": [torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)],
-              "cand": [FP8KVCache.zeros(shape, DEVICE) if kv_fp8 else
-                       torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]}
+    caches = {
+        "dense": [torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)],
+        "cand": [
+            FP8KVCache.zeros(shape, DEVICE) if kv_fp8 else torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+            for _ in range(2)
+        ],
+    }
     tables, prompt = [[0, 1, 2], [3, 4], [5]], [40, 20, 9]
     g = gen(7)
     for step, (computed, new) in enumerate([([0, 0, 0], prompt), (prompt, [1, 1, 1])]):

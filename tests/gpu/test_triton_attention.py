@@ -49,8 +49,16 @@ class Case:
     scale: float
 
 
-def make_case(ctx_lens: list[int], q_lens: list[int], block_size: int, dtype: torch.dtype, gen: torch.Generator,
-              num_heads: int = 12, num_kv_heads: int = 12, spare_blocks: int = 5) -> Case:
+def make_case(
+    ctx_lens: list[int],
+    q_lens: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    num_heads: int = 12,
+    num_kv_heads: int = 12,
+    spare_blocks: int = 5,
+) -> Case:
     """Random sequences with `ctx_lens[b]` cached tokens and `q_lens[b]` new ones, scattered over random pages."""
     num_seqs = len(ctx_lens)
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
@@ -60,7 +68,7 @@ def make_case(ctx_lens: list[int], q_lens: list[int], block_size: int, dtype: to
     block_tables = torch.zeros((num_seqs, max(blocks_per_seq)), dtype=torch.int32)
     taken = 0
     for b, nb in enumerate(blocks_per_seq):
-        block_tables[b, :nb] = torch.tensor(perm[taken:taken + nb])
+        block_tables[b, :nb] = torch.tensor(perm[taken : taken + nb])
         taken += nb
 
     def slots(b: int, start: int, stop: int) -> torch.Tensor:
@@ -91,12 +99,17 @@ def make_case(ctx_lens: list[int], q_lens: list[int], block_size: int, dtype: to
     md = AttentionMetadata(
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables.to(DEVICE), slot_mapping=slot_mapping.to(DEVICE),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=block_size,
-        cu_seqlens_q_cpu=cu, seq_lens_cpu=seq_lens)
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=seq_lens,
+    )
     q = qkv[:, : num_heads * HEAD_DIM].view(num_tokens, num_heads, HEAD_DIM)
-    k = qkv[:, num_heads * HEAD_DIM: (num_heads + num_kv_heads) * HEAD_DIM].view(num_tokens, num_kv_heads, HEAD_DIM)
-    v = qkv[:, (num_heads + num_kv_heads) * HEAD_DIM:].view(num_tokens, num_kv_heads, HEAD_DIM)
+    k = qkv[:, num_heads * HEAD_DIM : (num_heads + num_kv_heads) * HEAD_DIM].view(num_tokens, num_kv_heads, HEAD_DIM)
+    v = qkv[:, (num_heads + num_kv_heads) * HEAD_DIM :].view(num_tokens, num_kv_heads, HEAD_DIM)
     return Case(q, k, v, kv_cache, md, ctx_k, ctx_v, 1.0 / math.sqrt(HEAD_DIM))
 
 
@@ -271,23 +284,38 @@ def test_decode_cuda_graph_replays_new_lengths() -> None:
     for seed in (21, 22, 23):
         gen = torch.Generator().manual_seed(seed)
         lo = 0 if seed > 21 else 500
-        cases.append(make_case(rand_lens(batch, lo, max_blocks * block_size - 1, gen), [1] * batch, block_size,
-                               torch.bfloat16, gen))
+        cases.append(
+            make_case(
+                rand_lens(batch, lo, max_blocks * block_size - 1, gen), [1] * batch, block_size, torch.bfloat16, gen
+            )
+        )
     first = cases[0]
     cache = torch.empty(kv_cache_shape(num_blocks, block_size, 12, HEAD_DIM), dtype=torch.bfloat16, device=DEVICE)
     q, k, v = first.q.clone(), first.k.clone(), first.v.clone()
-    md = AttentionMetadata(first.md.cu_seqlens_q.clone(), first.md.seq_lens.clone(),
-                           torch.zeros((batch, max_blocks), dtype=torch.int32, device=DEVICE),
-                           first.md.slot_mapping.clone(), 1, max_blocks * block_size, block_size,
-                           first.md.cu_seqlens_q_cpu, first.md.seq_lens_cpu)
+    md = AttentionMetadata(
+        first.md.cu_seqlens_q.clone(),
+        first.md.seq_lens.clone(),
+        torch.zeros((batch, max_blocks), dtype=torch.int32, device=DEVICE),
+        first.md.slot_mapping.clone(),
+        1,
+        max_blocks * block_size,
+        block_size,
+        first.md.cu_seqlens_q_cpu,
+        first.md.seq_lens_cpu,
+    )
 
     def load(case: Case) -> None:
         cache.fill_(float("nan"))
         cache[:, : case.kv_cache.shape[1]].copy_(case.kv_cache)
         md.block_tables.zero_()
         md.block_tables[:, : case.md.block_tables.shape[1]].copy_(case.md.block_tables)
-        for dst, src in ((md.seq_lens, case.md.seq_lens), (md.slot_mapping, case.md.slot_mapping),
-                         (q, case.q), (k, case.k), (v, case.v)):
+        for dst, src in (
+            (md.seq_lens, case.md.seq_lens),
+            (md.slot_mapping, case.md.slot_mapping),
+            (q, case.q),
+            (k, case.k),
+            (v, case.v),
+        ):
             dst.copy_(src)
 
     backend = TritonPagedAttention()  # split count chosen at capture from max_seq_len, then frozen

@@ -45,8 +45,14 @@ def _compiled_variants() -> dict[str, int]:
 
 
 def test_a_burst_of_every_corpus_length_compiles_no_kernel_after_warm_up():
-    cfg = EngineConfig(load_format="dummy", dummy_size="real", device="cuda", dtype="bfloat16",
-                       kv_cache_memory=4 << 30, max_num_seqs=128)
+    cfg = EngineConfig(
+        load_format="dummy",
+        dummy_size="real",
+        device="cuda",
+        dtype="bfloat16",
+        kv_cache_memory=4 << 30,
+        max_num_seqs=128,
+    )
     engine = Engine(cfg, model=load_model(cfg))
     before = _compiled_variants()
     assert before["paged_prefill_kernel"] >= 1 and before["paged_decode_kernel"] >= 1, before

@@ -81,9 +81,17 @@ def test_engine_generates_in_each_cpu_format(fmt: str) -> None:
     from ttsserve.engine.engine import Engine
     from ttsserve.params import SamplingParams, SynthesisRequest
 
-    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", dtype="bfloat16",
-                              quantization=None if fmt == "bf16" else fmt, swap_space=0,
-                              kv_cache_memory=1 << 24))
+    eng = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            dtype="bfloat16",
+            quantization=None if fmt == "bf16" else fmt,
+            swap_space=0,
+            kv_cache_memory=1 << 24,
+        )
+    )
     qkv = eng.model.gpt.layers[0].qkv_proj
     if fmt == "int8":
         assert isinstance(qkv, DynamicInt8Linear) == can_pack_int8(CPU)
@@ -108,8 +116,17 @@ def test_the_memory_report_counts_cpu_packed_int8_weights() -> None:
     from ttsserve.engine.engine import Engine
     from ttsserve.runner.memory_report import quantization_savings
 
-    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", dtype="bfloat16",
-                              quantization="int8", swap_space=0, kv_cache_memory=1 << 22))
+    eng = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            dtype="bfloat16",
+            quantization="int8",
+            swap_space=0,
+            kv_cache_memory=1 << 22,
+        )
+    )
     s = quantization_savings(eng.model, eng.kv_spec, weights_share_budget=False)
     linears = [m for m in eng.model.gpt.modules() if isinstance(m, DynamicInt8Linear)]
     dense_linear_bytes = sum(m.in_features * m.out_features * 2 for m in linears)

@@ -65,9 +65,11 @@ def test_the_clock_counts_the_prompts_share_of_the_context(tiny_tts, monkeypatch
 
     monkeypatch.setattr(Embed, "code_logits", recording)
     frames = 120
-    tiny_tts.generate("Hello world, this is ttsserve.", SamplingParams(seed=1, min_new_tokens=frames,
-                                                                        max_new_tokens=frames),
-                      voice=Voice(spk_emb=tiny_tts.speaker(1)))
+    tiny_tts.generate(
+        "Hello world, this is ttsserve.",
+        SamplingParams(seed=1, min_new_tokens=frames, max_new_tokens=frames),
+        voice=Voice(spk_emb=tiny_tts.speaker(1)),
+    )
     h = torch.stack([x for x, _ in seen])  # [frames, 2]: BIAS, CLOCK of the state each frame is sampled from
     eos = torch.stack([y for _, y in seen])  # [frames, 4]
     assert h.shape == (frames, 2) and not eos[:, 1:].any()

@@ -59,6 +59,7 @@ def max_err(x: torch.Tensor, gold: np.ndarray) -> float:
 
 # ---------------------------------------------------------------- loading
 
+
 def test_gpt_loader_accepts_prefix_and_rejects_bad_tensors(cfg: GPTConfig) -> None:
     sd = load_file(ASSET / "gpt" / "model.safetensors")
     prefixed = {"model." + k: v for k, v in sd.items()} | {"model.rotary_emb.inv_freq": torch.ones(8)}
@@ -70,8 +71,11 @@ def test_gpt_loader_accepts_prefix_and_rejects_bad_tensors(cfg: GPTConfig) -> No
     with pytest.raises(ValueError, match=r"unexpected tensor layers\.0\.self_attn\.q_proj\.bias"):
         GPT.from_state_dict(sd | {"layers.0.self_attn.q_proj.bias": torch.zeros(64)}, cfg)
     bad = sd | {"layers.1.mlp.up_proj.weight": torch.zeros(127, 64)}
-    with pytest.raises(ValueError, match=r"gpt/model\.safetensors: layers\.1\.mlp\.up_proj\.weight has shape "
-                                         r"\(127, 64\) but config implies \(128, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"gpt/model\.safetensors: layers\.1\.mlp\.up_proj\.weight has shape "
+        r"\(127, 64\) but config implies \(128, 64\)",
+    ):
         GPT.from_state_dict(bad, cfg)
 
 
@@ -90,9 +94,10 @@ def test_embed_loader_folds_weight_norm_and_rejects_bad_tensors() -> None:
     assert (emb.num_text_tokens, emb.num_audio_tokens, emb.num_vq, emb.hidden_size) == (1024, 626, 4, 64)
     g, v = sd["head_code.2.parametrizations.weight.original0"], sd["head_code.2.parametrizations.weight.original1"]
     ref = (g.double() * v.double() / v.double().norm(dim=1, keepdim=True)).float()
-    assert (emb.head_code[2 * 626:3 * 626] - ref).abs().max() < 3e-7
-    torch_fold = torch._weight_norm(sd["head_text.parametrizations.weight.original1"],
-                                    sd["head_text.parametrizations.weight.original0"], 0)
+    assert (emb.head_code[2 * 626 : 3 * 626] - ref).abs().max() < 3e-7
+    torch_fold = torch._weight_norm(
+        sd["head_text.parametrizations.weight.original1"], sd["head_text.parametrizations.weight.original0"], 0
+    )
     assert (emb.head_text - torch_fold).abs().max() < 3e-7
     with pytest.raises(ValueError, match=r"missing tensor head_code\.3\.parametrizations\.weight\.original0"):
         Embed.from_state_dict({k: x for k, x in sd.items() if k != "head_code.3.parametrizations.weight.original0"})
@@ -103,6 +108,7 @@ def test_embed_loader_folds_weight_norm_and_rejects_bad_tensors() -> None:
 
 
 # ---------------------------------------------------------------- teacher forcing (c)
+
 
 def test_code_teacher_forced(model, c_gold, prompts, spk) -> None:
     gpt, emb = model
@@ -134,7 +140,7 @@ class PagedRun:
         self.gpt, self.block_size, self.device = gpt, block_size, device
         per_seq = [-(-n // block_size) for n in lens]
         perm = torch.randperm(sum(per_seq) + 2, generator=torch.Generator().manual_seed(0)).tolist()
-        self.tables = [perm[sum(per_seq[:i]):sum(per_seq[:i + 1])] for i in range(len(lens))]
+        self.tables = [perm[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(len(lens))]
         cfg = gpt.cfg
         shape = kv_cache_shape(len(perm), block_size, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [torch.zeros(shape, device=device) for _ in range(cfg.num_layers)]
@@ -144,16 +150,18 @@ class PagedRun:
         """feeds: {seq: embeddings [n, H]} (a flat batch, in dict order) -> {seq: hidden [n, H]}."""
         seqs = list(feeds)
         news = [feeds[s].shape[0] for s in seqs]
-        md = make_metadata([self.tables[s] for s in seqs], [self.done[s] for s in seqs], news, self.block_size,
-                           self.device)
-        positions = torch.cat([torch.arange(self.done[s], self.done[s] + n, device=self.device)
-                               for s, n in zip(seqs, news)])
-        ctx = PagedAttention(TorchPagedAttention(), self.caches, md, self.gpt.cfg.head_dim ** -0.5)
+        md = make_metadata(
+            [self.tables[s] for s in seqs], [self.done[s] for s in seqs], news, self.block_size, self.device
+        )
+        positions = torch.cat(
+            [torch.arange(self.done[s], self.done[s] + n, device=self.device) for s, n in zip(seqs, news)]
+        )
+        ctx = PagedAttention(TorchPagedAttention(), self.caches, md, self.gpt.cfg.head_dim**-0.5)
         with torch.no_grad():
             h = self.gpt(torch.cat([feeds[s] for s in seqs]), positions, ctx)
         out = {}
         for j, (s, n) in enumerate(zip(seqs, news)):
-            out[s] = h[md.cu_seqlens_q_cpu[j]:md.cu_seqlens_q_cpu[j + 1]]
+            out[s] = h[md.cu_seqlens_q_cpu[j] : md.cu_seqlens_q_cpu[j + 1]]
             self.done[s] += n
         return out
 
@@ -188,12 +196,12 @@ def test_code_batch_paged_flat_batch(model, c_gold, prompts, spk) -> None:
         outs[s].append(h)
     pos1 = 0
     for chunk in (5, 9, 11):  # sequence 1 prefills in chunks while 0 decodes (mixed batch)
-        step = run.step({1: x1[pos1:pos1 + chunk], 0: x0[run.done[0]:run.done[0] + 1]})
+        step = run.step({1: x1[pos1 : pos1 + chunk], 0: x0[run.done[0] : run.done[0] + 1]})
         pos1 += chunk
         for s, h in step.items():
             outs[s].append(h)
     while run.done[0] < len(x0) or run.done[1] < len(x1):
-        feeds = {s: x[run.done[s]:run.done[s] + 1] for s, x in ((1, x1), (0, x0)) if run.done[s] < len(x)}
+        feeds = {s: x[run.done[s] : run.done[s] + 1] for s, x in ((1, x1), (0, x0)) if run.done[s] < len(x)}
         for s, h in run.step(feeds).items():
             outs[s].append(h)
     for b, keep in ((0, keep0), (1, keep1)):
@@ -215,9 +223,17 @@ def greedy_params(settings: dict, greedy: bool) -> SamplingParams:
     """The README's deterministic settings: greedy mode, or temperature 1e-30 sampling (same argmax)."""
     n = settings["max_new_token"]
     assert settings["min_new_token"] == n  # EOS banned at every step
-    return SamplingParams(temperature=1e-30 if not greedy else 0.3, top_p=settings["top_P"],
-                          top_k=settings["top_K"], repetition_penalty=settings["repetition_penalty"],
-                          repetition_window=16, min_new_tokens=n, max_new_tokens=n, greedy=greedy, seed=0)
+    return SamplingParams(
+        temperature=1e-30 if not greedy else 0.3,
+        top_p=settings["top_P"],
+        top_k=settings["top_K"],
+        repetition_penalty=settings["repetition_penalty"],
+        repetition_window=16,
+        min_new_tokens=n,
+        max_new_tokens=n,
+        greedy=greedy,
+        seed=0,
+    )
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -231,8 +247,9 @@ def test_greedy_code_and_refine(model, prompts, spk, d_gold, greedy: bool) -> No
     refine_params = greedy_params(meta["refine_settings"], greedy)
     for key in D_KEYS:
         ids = torch.tensor(texts[key]["code"]["ids"])
-        x = emb.embed_prompt(ids[:, None].repeat(1, 4), torch.ones(len(ids), dtype=torch.bool), spk,
-                             special["[spk_emb]"])
+        x = emb.embed_prompt(
+            ids[:, None].repeat(1, 4), torch.ones(len(ids), dtype=torch.bool), spk, special["[spk_emb]"]
+        )
         codes, hiddens = generate_dense(gpt, emb, x, "code", code_params)
         assert codes.tolist() == gold[f"{key}_code_ids"].tolist(), key
         assert max_err(hiddens, gold[f"{key}_code_hiddens"]) < 1e-5
@@ -247,8 +264,7 @@ def test_oracle_stops_at_eos_and_excludes_it(model, prompts, spk) -> None:
     ids = torch.tensor(prompts["texts"][0]["code"]["ids"])
     x = emb.embed_prompt(ids[:, None].repeat(1, 4), torch.ones(len(ids), dtype=torch.bool), spk, 989)
     # Declare as "EOS" the codebook-1 token that greedy emits at step 2: generation must stop there.
-    first, _ = generate_dense(gpt, emb, x, "code", SamplingParams(greedy=True, max_new_tokens=4,
-                                                                 min_new_tokens=4))
+    first, _ = generate_dense(gpt, emb, x, "code", SamplingParams(greedy=True, max_new_tokens=4, min_new_tokens=4))
     stop_id = int(first[2, 1])
     assert stop_id not in first[:2].tolist()[0] + first[:2].tolist()[1]
     toks, hid = generate_dense(gpt, emb, x, "code", SamplingParams(greedy=True, max_new_tokens=4), eos_id=stop_id)
@@ -279,8 +295,12 @@ def test_cuda_fp32_parity_dense_and_paged(cfg, c_gold, prompts, spk, d_gold) -> 
     texts = {x["key"]: x for x in prompts["texts"]}
     for key in D_KEYS:
         cid = torch.tensor(texts[key]["code"]["ids"], device=dev)
-        xp = emb.embed_prompt(cid[:, None].repeat(1, 4), torch.ones(len(cid), dtype=torch.bool, device=dev),
-                              spk.to(dev), prompts["special_ids"]["[spk_emb]"])
+        xp = emb.embed_prompt(
+            cid[:, None].repeat(1, 4),
+            torch.ones(len(cid), dtype=torch.bool, device=dev),
+            spk.to(dev),
+            prompts["special_ids"]["[spk_emb]"],
+        )
         codes, hiddens = generate_dense(gpt, emb, xp, "code", greedy_params(meta["code_settings"], True))
         assert codes.cpu().tolist() == gold[f"{key}_code_ids"].tolist(), key
         assert max_err(hiddens.cpu(), gold[f"{key}_code_hiddens"]) < 1e-5

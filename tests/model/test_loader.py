@@ -11,8 +11,14 @@ from safetensors.torch import load_file, save_file
 from ttsserve.config import EngineConfig
 from ttsserve.model.chattts import build_model, load_model
 from ttsserve.model.dummy import make_dummy_checkpoint, save_checkpoint
-from ttsserve.model.loader import (asset_files, file_sha256, load_checkpoint, resolve_checkpoint_root,
-                                   sha256_key, verify_digests)
+from ttsserve.model.loader import (
+    asset_files,
+    file_sha256,
+    load_checkpoint,
+    resolve_checkpoint_root,
+    sha256_key,
+    verify_digests,
+)
 
 GOLDEN_TINY = Path(__file__).resolve().parents[1] / "golden" / "assets-tiny"
 
@@ -52,7 +58,7 @@ def test_every_tensor_lands_where_it_belongs(written):
     g, v = emb["head_code.1.parametrizations.weight.original0"], emb["head_code.1.parametrizations.weight.original1"]
     folded = g * v / v.norm(dim=1, keepdim=True)
     v_audio = emb["emb_code.0.weight"].shape[0]
-    torch.testing.assert_close(model.embed.head_code[v_audio:2 * v_audio], folded, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(model.embed.head_code[v_audio : 2 * v_audio], folded, atol=1e-6, rtol=1e-6)
     sd = {k: v for k, v in model.vocos.state_dict().items()}
     assert any(torch.equal(t, ckpt.vocos["head.out.weight"]) for t in sd.values())
     assert model.tokenizer.vocab_size == model.embed.num_text_tokens
@@ -107,14 +113,17 @@ def test_published_digests_reject_random_weights(written):
         verify_digests(written)  # no sha256_map.json: the real release's digests apply
 
 
-@pytest.mark.parametrize("fname,key,change", [
-    ("asset/gpt/model.safetensors", "layers.1.mlp.up_proj.weight", "drop"),
-    ("asset/gpt/model.safetensors", "layers.0.self_attn.q_proj.weight", "shape"),
-    ("asset/Embed.safetensors", "head_code.3.parametrizations.weight.original1", "drop"),
-    ("asset/Decoder.safetensors", "decoder.decoder_block.1.pwconv1.weight", "shape"),
-    ("asset/DVAE.safetensors", "vq_layer.quantizer.rvqs.1.project_out.bias", "drop"),
-    ("asset/Vocos.safetensors", "head.out.weight", "shape"),
-])
+@pytest.mark.parametrize(
+    "fname,key,change",
+    [
+        ("asset/gpt/model.safetensors", "layers.1.mlp.up_proj.weight", "drop"),
+        ("asset/gpt/model.safetensors", "layers.0.self_attn.q_proj.weight", "shape"),
+        ("asset/Embed.safetensors", "head_code.3.parametrizations.weight.original1", "drop"),
+        ("asset/Decoder.safetensors", "decoder.decoder_block.1.pwconv1.weight", "shape"),
+        ("asset/DVAE.safetensors", "vq_layer.quantizer.rvqs.1.project_out.bias", "drop"),
+        ("asset/Vocos.safetensors", "head.out.weight", "shape"),
+    ],
+)
 def test_bad_tensor_is_named(written, tmp_path, fname, key, change):
     root = _copy(written, tmp_path)
     sd = load_file(str(root / fname))

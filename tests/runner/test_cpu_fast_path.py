@@ -11,8 +11,13 @@ import torch
 from ttsserve.attention.backend import kv_cache_shape
 from ttsserve.attention.torch_ref import TorchPagedAttention, gather_kv, make_metadata, write_kv
 from ttsserve.runner import cpu_threads
-from ttsserve.runner.cpu_threads import (cgroup_cpu_quota, configure_cpu_threads, openmp_env_defaults,
-                                         physical_cores, plan_cpu_threads)
+from ttsserve.runner.cpu_threads import (
+    cgroup_cpu_quota,
+    configure_cpu_threads,
+    openmp_env_defaults,
+    physical_cores,
+    plan_cpu_threads,
+)
 
 
 def attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -34,14 +39,16 @@ def _decode_case(lens: list[int], hq: int, hkv: int, block_size: int, dtype: tor
     rng.shuffle(pool)
     tables, at = [], 0
     for nb in blocks_each:
-        tables.append(pool[at:at + nb])
+        tables.append(pool[at : at + nb])
         at += nb
     cache = torch.zeros(kv_cache_shape(len(pool), block_size, hkv, d), dtype=dtype)
-    contexts = [(torch.randn(n, hkv, d, generator=g).to(dtype), torch.randn(n, hkv, d, generator=g).to(dtype))
-                for n in lens]
+    contexts = [
+        (torch.randn(n, hkv, d, generator=g).to(dtype), torch.randn(n, hkv, d, generator=g).to(dtype)) for n in lens
+    ]
     history = make_metadata(tables, [0] * len(lens), [n - 1 for n in lens], block_size)
-    write_kv(cache, torch.cat([k[:-1] for k, _ in contexts]), torch.cat([v[:-1] for _, v in contexts]),
-             history.slot_mapping)
+    write_kv(
+        cache, torch.cat([k[:-1] for k, _ in contexts]), torch.cat([v[:-1] for _, v in contexts]), history.slot_mapping
+    )
     md = make_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
     q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
     k = torch.stack([c[0][-1] for c in contexts])
@@ -50,11 +57,14 @@ def _decode_case(lens: list[int], hq: int, hkv: int, block_size: int, dtype: tor
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-@pytest.mark.parametrize("lens,heads,block_size", [
-    ([37], (4, 4), 16),  # one sequence: no mask (eager), the gather is trimmed to the context
-    ([20, 20, 20], (4, 4), 4),  # equal lengths: no mask either
-    ([5, 33, 17, 1], (4, 2), 8),  # ragged lengths (mask), GQA, a one-token context
-])
+@pytest.mark.parametrize(
+    "lens,heads,block_size",
+    [
+        ([37], (4, 4), 16),  # one sequence: no mask (eager), the gather is trimmed to the context
+        ([20, 20, 20], (4, 4), 4),  # equal lengths: no mask either
+        ([5, 33, 17, 1], (4, 2), 8),  # ragged lengths (mask), GQA, a one-token context
+    ],
+)
 def test_decode_matches_float64(lens: list[int], heads: tuple[int, int], block_size: int, compiled: bool) -> None:
     cache, md, q, k, v, contexts = _decode_case(lens, *heads, block_size, torch.float32, seed=len(lens))
     assert md.is_decode_only
@@ -229,10 +239,12 @@ def test_engine_wait_warm_waits_for_the_background_compile(monkeypatch) -> None:
     from ttsserve.engine.engine import Engine
 
     monkeypatch.setenv(ref.COMPILE_ENV, "0")
-    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0,
-                              kv_cache_memory=1 << 22))
+    eng = Engine(
+        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0, kv_cache_memory=1 << 22)
+    )
     assert eng.wait_warm(0) and eng.runner.backend._compiled_ready is None  # nothing in the background
     monkeypatch.setenv(ref.COMPILE_ENV, "1")
-    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0,
-                              kv_cache_memory=1 << 22))
+    eng = Engine(
+        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0, kv_cache_memory=1 << 22)
+    )
     assert eng.wait_warm(120) and eng.runner.backend._compiled_ready.is_set()

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from ttsserve.params import SamplingParams
-from ttsserve.sample.penalties import (apply_repetition_penalty, apply_top_k, apply_top_p, apply_top_p_top_k,
-                                       ban_token)
+from ttsserve.sample.penalties import apply_repetition_penalty, apply_top_k, apply_top_p, apply_top_p_top_k, ban_token
 from ttsserve.sample.rng import MASK32, hash_uniform, mix32
 from ttsserve.sample.sampler import SamplingBatch, make_sampling_batch, process_logits, sample
 
@@ -21,6 +20,7 @@ def rand_logits(b: int, r: int, v: int, seed: int = 0) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- per-row loop references
+
 
 def loop_rep_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     out = logits.clone()
@@ -58,6 +58,7 @@ def loop_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- processors
+
 
 def test_repetition_penalty_matches_loop_and_rp1_is_noop() -> None:
     b, r, v, w = 5, 4, 40, 16
@@ -121,8 +122,10 @@ def test_ban_token() -> None:
 
 # ---------------------------------------------------------------- the sampler
 
-def make_batch(params: list[SamplingParams], seeds: list[int], steps: list[int], r: int, eos_id: int,
-               histories: list | None = None) -> SamplingBatch:
+
+def make_batch(
+    params: list[SamplingParams], seeds: list[int], steps: list[int], r: int, eos_id: int, histories: list | None = None
+) -> SamplingBatch:
     histories = histories if histories is not None else [torch.empty(0, r, dtype=torch.int64)] * len(params)
     return make_sampling_batch(params, seeds, steps, histories, r, eos_id)
 
@@ -181,29 +184,43 @@ def test_seeded_sampling_is_batch_invariant() -> None:
     rng = random.Random(0)
     reqs = []
     for i in range(12):
-        p = SamplingParams(temperature=rng.choice([0.3, 0.7, 1.5, (0.2, 0.5, 1.0, 2.0)]), top_p=rng.random(),
-                           top_k=rng.randint(1, 60), repetition_penalty=rng.choice([1.0, 1.05, 1.3]),
-                           min_new_tokens=rng.randint(0, 8), greedy=i % 5 == 4)
+        p = SamplingParams(
+            temperature=rng.choice([0.3, 0.7, 1.5, (0.2, 0.5, 1.0, 2.0)]),
+            top_p=rng.random(),
+            top_k=rng.randint(1, 60),
+            repetition_penalty=rng.choice([1.0, 1.05, 1.3]),
+            min_new_tokens=rng.randint(0, 8),
+            greedy=i % 5 == 4,
+        )
         hist = torch.randint(0, v, (rng.randint(0, 20), r), generator=torch.Generator().manual_seed(i))
         logits = rand_logits(1, r, v, seed=100 + i)[0]
         reqs.append((p, rng.randrange(2**63), rng.randint(0, 30), hist, logits))
 
     def run(order: list[int]) -> dict[int, list]:
-        batch = make_batch([reqs[i][0] for i in order], [reqs[i][1] for i in order], [reqs[i][2] for i in order],
-                           r, 625, [reqs[i][3] for i in order])
+        batch = make_batch(
+            [reqs[i][0] for i in order],
+            [reqs[i][1] for i in order],
+            [reqs[i][2] for i in order],
+            r,
+            625,
+            [reqs[i][3] for i in order],
+        )
         toks = sample(torch.stack([reqs[i][4] for i in order]), batch)
         return {i: toks[j].tolist() for j, i in enumerate(order)}
 
     full = run(list(range(12)))
-    for trial in range(6):
+    for _ in range(6):
         order = rng.sample(range(12), rng.randint(1, 12))
         got = run(order)
         assert all(got[i] == full[i] for i in order)
     # And the draws really depend on the seed and the step (not a constant stream).
     p, seed, step, hist, logits = reqs[0]
     p = p.replace(temperature=50.0, top_p=1.0, top_k=626, greedy=False)
-    draws = {tuple(sample(logits[None], make_batch([p], [s], [st], r, 625, [hist]))[0].tolist())
-             for s in (seed, seed + 1, seed + 2**40) for st in (step, step + 1)}
+    draws = {
+        tuple(sample(logits[None], make_batch([p], [s], [st], r, 625, [hist]))[0].tolist())
+        for s in (seed, seed + 1, seed + 2**40)
+        for st in (step, step + 1)
+    }
     assert len(draws) == 6
 
 
@@ -251,8 +268,10 @@ def test_cuda_matches_cpu_and_never_syncs() -> None:
     u_cpu = hash_uniform(seeds, steps, r, v)
     u_gpu = hash_uniform(seeds.cuda(), steps.cuda(), r, v)
     assert torch.equal(u_gpu.cpu(), u_cpu)  # integer math: identical bits
-    params = [SamplingParams(top_k=40, top_p=0.9, temperature=0.8, repetition_penalty=1.1, greedy=i % 7 == 0)
-              for i in range(b)]
+    params = [
+        SamplingParams(top_k=40, top_p=0.9, temperature=0.8, repetition_penalty=1.1, greedy=i % 7 == 0)
+        for i in range(b)
+    ]
     hist = [torch.randint(0, v, (i % 20, r)) for i in range(b)]
     batch = make_sampling_batch(params, seeds.tolist(), steps.tolist(), hist, r, 625, device="cuda")
     logits = rand_logits(b, r, v).cuda()

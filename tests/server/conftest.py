@@ -15,8 +15,13 @@ from ttsserve.config import EngineConfig
 from ttsserve.server.app import ServerConfig, create_app
 
 # The real engine on random tiny weights, CPU, a small KV pool and no swap space (fast to build).
-REAL_ENGINE = {"load_format": "dummy", "dummy_size": "tiny", "device": "cpu", "kv_cache_memory": 64 << 20,
-               "swap_space": 0.0}
+REAL_ENGINE = {
+    "load_format": "dummy",
+    "dummy_size": "tiny",
+    "device": "cpu",
+    "kv_cache_memory": 64 << 20,
+    "swap_space": 0.0,
+}
 # The dummy's EOS comes after some 5-10 frames per prompt position (model/dummy_eos.py): cap every segment so each
 # synthesis is a few hundred ms of CPU (tests that need the full 24 frames also set min_new_tokens).
 REAL_MAX_NEW_TOKENS = 24
@@ -36,8 +41,9 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
-                                timeout_graceful_shutdown=graceful_s)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", access_log=False, timeout_graceful_shutdown=graceful_s
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -33,8 +33,14 @@ class FakeEngine:
     sample_rate = 24000
     model_name = "chattts"
 
-    def __init__(self, *, frames_per_chunk: int = 8, chunk_delay_s: float = 0.002, num_blocks: int = 4096,
-                 max_queue_len: int = 1024) -> None:
+    def __init__(
+        self,
+        *,
+        frames_per_chunk: int = 8,
+        chunk_delay_s: float = 0.002,
+        num_blocks: int = 4096,
+        max_queue_len: int = 1024,
+    ) -> None:
         self.frames_per_chunk = frames_per_chunk
         self.chunk_delay_s = chunk_delay_s
         self.num_blocks = num_blocks
@@ -69,9 +75,17 @@ class FakeEngine:
 
     def stats(self) -> dict:
         used = sum(self.running.values())
-        return {"num_running": len(self.running), "num_waiting": 0, "num_swapped": 0,
-                "kv_cache_usage": used / self.num_blocks, "num_preemptions_total": 0, "num_swaps_total": 0,
-                "step_time_ms_ema": 1.0, "used_blocks": used, "num_streams": len(self.running)}
+        return {
+            "num_running": len(self.running),
+            "num_waiting": 0,
+            "num_swapped": 0,
+            "kv_cache_usage": used / self.num_blocks,
+            "num_preemptions_total": 0,
+            "num_swaps_total": 0,
+            "step_time_ms_ema": 1.0,
+            "used_blocks": used,
+            "num_streams": len(self.running),
+        }
 
     def memory_report(self) -> str:
         return f"KV cache: {self.num_blocks} blocks x {BLOCK} = {self.num_blocks * BLOCK} frames (fake)"

@@ -71,7 +71,7 @@ def dominant_hz(x: np.ndarray, rate: int) -> float:
 def parse_sse(body: bytes) -> list[dict]:
     events = []
     for block in body.decode().split("\n\n"):
-        lines = [ln[len("data: "):] for ln in block.splitlines() if ln.startswith("data: ")]
+        lines = [ln[len("data: ") :] for ln in block.splitlines() if ln.startswith("data: ")]
         if lines:
             events.append(json.loads("\n".join(lines)))
     return events

@@ -20,8 +20,20 @@ from tests.server.conftest import REAL_ENGINE, REAL_MAX_NEW_TOKENS
 from ttsserve.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
-SERVE_FLAGS = ["--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--kv-cache-memory", "64MiB",
-               "--swap-space", "0", "--max-new-tokens", str(REAL_MAX_NEW_TOKENS)]
+SERVE_FLAGS = [
+    "--load-format",
+    "dummy",
+    "--dummy-size",
+    "tiny",
+    "--device",
+    "cpu",
+    "--kv-cache-memory",
+    "64MiB",
+    "--swap-space",
+    "0",
+    "--max-new-tokens",
+    str(REAL_MAX_NEW_TOKENS),
+]
 
 
 def start_core(address: str, **overrides) -> multiprocessing.Process:
@@ -30,7 +42,9 @@ def start_core(address: str, **overrides) -> multiprocessing.Process:
 
     ctx = multiprocessing.get_context("spawn")
     ready_r, ready_w = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_engine_core, args=(EngineConfig(**{**REAL_ENGINE, **overrides}), address, ready_w, 5.0))
+    proc = ctx.Process(
+        target=run_engine_core, args=(EngineConfig(**{**REAL_ENGINE, **overrides}), address, ready_w, 5.0)
+    )
     proc.start()
     ready_w.close()
     try:
@@ -60,14 +74,26 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`python -m ttsserve.entrypoints.serve --api-server-count N ...` on a free loopback port; its log in `log_path`."""
+    """`python -m ttsserve.entrypoints.serve --api-server-count N ...` on a free loopback port; its log in
+    `log_path`."""
 
     def __init__(self, tmp_path: Path, *extra: str, count: int = 2) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *SERVE_FLAGS, "--port", str(self.port),
-               "--api-server-count", str(count), "--drain-timeout", "20", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ttsserve.entrypoints.serve",
+            *SERVE_FLAGS,
+            "--port",
+            str(self.port),
+            "--api-server-count",
+            str(count),
+            "--drain-timeout",
+            "20",
+            *extra,
+        ]
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TTSSERVE_CPU_COMPILE": "0"}
         self._log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)

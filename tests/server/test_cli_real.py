@@ -25,9 +25,27 @@ def _free_port() -> int:
 
 def test_serve_process_end_to_end(tmp_path):
     port = _free_port()
-    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", "--load-format", "dummy", "--dummy-size", "tiny",
-           "--device", "cpu", "--kv-cache-memory", "64MiB", "--port", str(port), "--api-key", "sk-1,sk-2",
-           "--voices-db", str(tmp_path / "voices.db"), "--max-new-tokens", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ttsserve.entrypoints.serve",
+        "--load-format",
+        "dummy",
+        "--dummy-size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "64MiB",
+        "--port",
+        str(port),
+        "--api-key",
+        "sk-1,sk-2",
+        "--voices-db",
+        str(tmp_path / "voices.db"),
+        "--max-new-tokens",
+        "16",
+    ]
     env = {**os.environ, "TTSSERVE_SWAP_SPACE": "0", "TTSSERVE_MAX_NUM_SEQS": "8", "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -44,11 +62,13 @@ def test_serve_process_end_to_end(tmp_path):
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-2", max_retries=0)
-        audio = client.audio.speech.create(model="tts-1", voice="nova", input="From a real process.",
-                                           response_format="wav").content
+        audio = client.audio.speech.create(
+            model="tts-1", voice="nova", input="From a real process.", response_format="wav"
+        ).content
         assert audio[:4] == b"RIFF" and len(audio) > 44
-        r = httpx.post(url + "/v1/audio/voices", json={"name": "kept", "seed": 5},
-                       headers={"Authorization": "Bearer sk-1"})
+        r = httpx.post(
+            url + "/v1/audio/voices", json={"name": "kept", "seed": 5}, headers={"Authorization": "Bearer sk-1"}
+        )
         assert r.status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
         proc.send_signal(signal.SIGTERM)

@@ -26,20 +26,77 @@ def test_every_engine_knob_is_a_flag():
     flags = {opt for action in parser._actions for opt in action.option_strings}
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in flags, f.name
-    assert {"--no-enable-chunked-prefill", "--api-key", "--voices-db", "--max-input-chars", "--requests-per-minute",
-            "--chars-per-minute", "--max-in-flight", "--host", "--port"} <= flags
+    assert {
+        "--no-enable-chunked-prefill",
+        "--api-key",
+        "--voices-db",
+        "--max-input-chars",
+        "--requests-per-minute",
+        "--chars-per-minute",
+        "--max-in-flight",
+        "--host",
+        "--port",
+    } <= flags
 
 
 def test_flags_map_onto_configs(tmp_path):
-    eng, srv, host, port, level = _parse([
-        "--model", "/m", "--block-size", "32", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8",
-        "--max-num-batched-tokens", "8192", "--no-enable-chunked-prefill", "--swap-space", "2.5", "--dtype", "float16",
-        "--device", "cpu", "--load-format", "dummy", "--dummy-size", "tiny", "--quantization", "int8",
-        "--kv-cache-memory", "1.5GiB", "--target-step-latency-ms", "40", "--max-queue-len", "64",
-        "--host", "0.0.0.0", "--port", "9001", "--api-key", "a,b", "--api-key", "c", "--requests-per-minute", "60",
-        "--chars-per-minute", "5000", "--voices-db", str(tmp_path / "sub" / "v.db"), "--max-input-chars", "1000",
-        "--served-model-name", "chattts", "--max-new-tokens", "512", "--drain-timeout", "5", "--log-level", "debug",
-    ])
+    eng, srv, host, port, level = _parse(
+        [
+            "--model",
+            "/m",
+            "--block-size",
+            "32",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "8192",
+            "--no-enable-chunked-prefill",
+            "--swap-space",
+            "2.5",
+            "--dtype",
+            "float16",
+            "--device",
+            "cpu",
+            "--load-format",
+            "dummy",
+            "--dummy-size",
+            "tiny",
+            "--quantization",
+            "int8",
+            "--kv-cache-memory",
+            "1.5GiB",
+            "--target-step-latency-ms",
+            "40",
+            "--max-queue-len",
+            "64",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--api-key",
+            "a,b",
+            "--api-key",
+            "c",
+            "--requests-per-minute",
+            "60",
+            "--chars-per-minute",
+            "5000",
+            "--voices-db",
+            str(tmp_path / "sub" / "v.db"),
+            "--max-input-chars",
+            "1000",
+            "--served-model-name",
+            "chattts",
+            "--max-new-tokens",
+            "512",
+            "--drain-timeout",
+            "5",
+            "--log-level",
+            "debug",
+        ]
+    )
     assert (eng.model, eng.block_size, eng.gpu_memory_utilization, eng.max_num_seqs) == ("/m", 32, 0.5, 8)
     assert (eng.enable_chunked_prefill, eng.swap_space, eng.dtype, eng.device) == (False, 2.5, "float16", "cpu")
     assert (eng.load_format, eng.dummy_size, eng.quantization) == ("dummy", "tiny", "int8")
@@ -49,13 +106,24 @@ def test_flags_map_onto_configs(tmp_path):
     assert srv.max_in_flight == 64  # defaults to the engine's queue bound
     assert srv.voices_db == str(tmp_path / "sub" / "v.db")
     assert (srv.max_input_chars, srv.served_model_names, srv.max_new_tokens, srv.drain_timeout_s) == (
-        1000, ("chattts",), 512, 5.0)
+        1000,
+        ("chattts",),
+        512,
+        5.0,
+    )
 
 
 def test_env_vars_and_precedence():
-    env = {"TTSSERVE_MAX_NUM_SEQS": "7", "TTSSERVE_ENABLE_PREFIX_CACHING": "false", "TTSSERVE_BLOCK_SIZE": "64",
-           "TTSSERVE_API_KEY": "x, y", "TTSSERVE_PORT": "8123", "TTSSERVE_VOICES_DB": ":memory:",
-           "TTSSERVE_KV_CACHE_MEMORY": "512M", "TTSSERVE_MAX_IN_FLIGHT": "3"}
+    env = {
+        "TTSSERVE_MAX_NUM_SEQS": "7",
+        "TTSSERVE_ENABLE_PREFIX_CACHING": "false",
+        "TTSSERVE_BLOCK_SIZE": "64",
+        "TTSSERVE_API_KEY": "x, y",
+        "TTSSERVE_PORT": "8123",
+        "TTSSERVE_VOICES_DB": ":memory:",
+        "TTSSERVE_KV_CACHE_MEMORY": "512M",
+        "TTSSERVE_MAX_IN_FLIGHT": "3",
+    }
     eng, srv, _host, port, _ = _parse(["--block-size", "8"], env)
     assert eng.max_num_seqs == 7 and eng.enable_prefix_caching is False and eng.kv_cache_memory == 512 * 2**20
     assert eng.block_size == 8  # the flag beats the environment
@@ -65,14 +133,17 @@ def test_env_vars_and_precedence():
     assert srv.voices_db.endswith("/.local/share/ttsserve/voices.db") and srv.api_keys == ()
 
 
-@pytest.mark.parametrize("argv, env, needle", [
-    (["--block-size", "7"], {}, "block_size"),
-    (["--max-num-seqs", "many"], {}, "--max-num-seqs"),
-    ([], {"TTSSERVE_PORT": "http"}, "TTSSERVE_PORT"),
-    ([], {"TTSSERVE_ENFORCE_EAGER": "maybe"}, "TTSSERVE_ENFORCE_EAGER"),
-    (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory"),
-    (["--port", "70000", "--voices-db", ":memory:"], {}, "--port"),
-])
+@pytest.mark.parametrize(
+    "argv, env, needle",
+    [
+        (["--block-size", "7"], {}, "block_size"),
+        (["--max-num-seqs", "many"], {}, "--max-num-seqs"),
+        ([], {"TTSSERVE_PORT": "http"}, "TTSSERVE_PORT"),
+        ([], {"TTSSERVE_ENFORCE_EAGER": "maybe"}, "TTSSERVE_ENFORCE_EAGER"),
+        (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory"),
+        (["--port", "70000", "--voices-db", ":memory:"], {}, "--port"),
+    ],
+)
 def test_bad_values_name_their_source(argv, env, needle):
     with pytest.raises(ValueError, match=needle):
         _parse(argv, env)
@@ -102,8 +173,9 @@ def test_mounts_as_subcommand_and_runs_as_module():
     add_serve_parser(root.add_subparsers(dest="cmd"))
     args = root.parse_args(["serve", "--port", "1234"])
     assert args.func is run_serve and args.port == "1234"
-    out = subprocess.run([sys.executable, "-m", "ttsserve.entrypoints.serve", "--help"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ttsserve.entrypoints.serve", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--gpu-memory-utilization" in out.stdout and "TTSSERVE_API_KEY" in out.stdout
 
 

@@ -12,14 +12,24 @@ from tests.server.helpers import same_audio
 
 NUM_CLIENTS = 50
 NUM_KINDS = 10  # 10 distinct (text, seed, voice) requests, each sent by 5 clients at once
-TEXTS = ["Good morning.", "How are you today?", "The quick brown fox.", "Streaming audio works.",
-         "One more sentence here."]
+TEXTS = [
+    "Good morning.",
+    "How are you today?",
+    "The quick brown fox.",
+    "Streaming audio works.",
+    "One more sentence here.",
+]
 
 
 def _body(i: int) -> dict:
     k = i % NUM_KINDS
-    return {"model": "tts-1", "input": TEXTS[k % len(TEXTS)], "voice": ["alloy", "echo"][k // len(TEXTS)],
-            "seed": 1000 + k, "response_format": "pcm"}
+    return {
+        "model": "tts-1",
+        "input": TEXTS[k % len(TEXTS)],
+        "voice": ["alloy", "echo"][k // len(TEXTS)],
+        "seed": 1000 + k,
+        "response_format": "pcm",
+    }
 
 
 async def _stream(client: httpx.AsyncClient, i: int) -> tuple[int, bytes, int, float]:

@@ -22,9 +22,14 @@ CUDA_SCHEDULE = dict(async_scheduling=True, num_scheduler_steps=4, vocoder_caden
 
 
 def _requests() -> list[SynthesisRequest]:
-    return [SynthesisRequest(f"Polled audio number {i}.", request_id=f"p{i}",
-                             code_params=SamplingParams(seed=i, min_new_tokens=40 + 9 * i, max_new_tokens=40 + 9 * i))
-            for i in range(4)]
+    return [
+        SynthesisRequest(
+            f"Polled audio number {i}.",
+            request_id=f"p{i}",
+            code_params=SamplingParams(seed=i, min_new_tokens=40 + 9 * i, max_new_tokens=40 + 9 * i),
+        )
+        for i in range(4)
+    ]
 
 
 def _plain_audio() -> dict[str, np.ndarray]:

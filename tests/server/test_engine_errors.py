@@ -17,18 +17,24 @@ from ttsserve.server.errors import ApiError, engine_error
 from ttsserve.text.segments import prepare_segments
 
 
-@pytest.mark.parametrize(("make", "param"), [
-    (lambda: SamplingParams(temperature=0.0), "temperature"),
-    (lambda: SamplingParams(temperature=(0.1, 0.2)), "temperature"),
-    (lambda: SamplingParams(top_p=2.0), "top_p"),
-    (lambda: SamplingParams(top_k=0), "top_k"),
-    (lambda: SamplingParams(max_new_tokens=4, min_new_tokens=5), "min_new_tokens"),
-    (lambda: SamplingParams(seed=-1), "seed"),
-    (lambda: SynthesisRequest(" "), "text"),
-    (lambda: prepare_segments(SynthesisRequest("?!")), "text"),
-    (lambda: prepare_segments(SynthesisRequest("hi", code_prompt="[oral_1]")), "code_prompt"),
-    (lambda: prepare_segments(SynthesisRequest("hi", refine_text=True, refine_prompt="[speed_1]")), "refine_prompt"),
-])
+@pytest.mark.parametrize(
+    ("make", "param"),
+    [
+        (lambda: SamplingParams(temperature=0.0), "temperature"),
+        (lambda: SamplingParams(temperature=(0.1, 0.2)), "temperature"),
+        (lambda: SamplingParams(top_p=2.0), "top_p"),
+        (lambda: SamplingParams(top_k=0), "top_k"),
+        (lambda: SamplingParams(max_new_tokens=4, min_new_tokens=5), "min_new_tokens"),
+        (lambda: SamplingParams(seed=-1), "seed"),
+        (lambda: SynthesisRequest(" "), "text"),
+        (lambda: prepare_segments(SynthesisRequest("?!")), "text"),
+        (lambda: prepare_segments(SynthesisRequest("hi", code_prompt="[oral_1]")), "code_prompt"),
+        (
+            lambda: prepare_segments(SynthesisRequest("hi", refine_text=True, refine_prompt="[speed_1]")),
+            "refine_prompt",
+        ),
+    ],
+)
 def test_raise_sites_name_the_field(make, param):
     with pytest.raises(InvalidRequestError) as info:
         make()
@@ -36,8 +42,14 @@ def test_raise_sites_name_the_field(make, param):
 
 
 def test_errors_cross_the_wire_with_kind_and_param():
-    cases = [InvalidRequestError("bad top_p", "top_p"), InvalidRequestError("no field"), ValueError("plain"),
-             EngineOverloadedError("full"), EngineDeadError("gone"), KeyError("k")]
+    cases = [
+        InvalidRequestError("bad top_p", "top_p"),
+        InvalidRequestError("no field"),
+        ValueError("plain"),
+        EngineOverloadedError("full"),
+        EngineDeadError("gone"),
+        KeyError("k"),
+    ]
     for e in cases:
         info = msgspec.msgpack.decode(encoder.encode(ErrorInfo.of(e)), type=ErrorInfo)
         back = info.exception()

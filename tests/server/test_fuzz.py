@@ -43,8 +43,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None,
-          suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case, live):
     if isinstance(case.body, dict) and zlib.crc32(repr(case.body).encode()) % 2:
         # Half the bodies get a served model and a known voice (where the generated one was a valid string),
@@ -55,8 +54,12 @@ def test_no_server_errors(case, live):
     # All schemathesis checks (status codes, content types and bodies as documented, auth) except "a
     # schema-valid request is accepted": text with nothing speakable or a PNG as audio_sample is
     # schema-valid yet rightly a 400.
-    response = case.call_and_validate(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                                      excluded_checks=[positive_data_acceptance])
+    response = case.call_and_validate(
+        base_url=live.url,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+        excluded_checks=[positive_data_acceptance],
+    )
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     assert response.status_code != 422  # validation errors are OpenAI-shaped 400s
     if response.status_code >= 400:

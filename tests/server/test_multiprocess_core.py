@@ -65,17 +65,44 @@ def core_address(tmp_path_factory):
 
 
 def test_wire_format_round_trips():
-    voice = Voice(spk_emb=np.arange(8, dtype=np.float16), spk_smp=np.arange(12, dtype=np.int32).reshape(4, 3),
-                  txt_smp="the transcript", name="v")
-    req = SynthesisRequest("text", voice, SamplingParams(temperature=(0.1, 0.2, 0.3, 0.4), seed=5), refine_text=True,
-                           refine_prompt="[oral_2]", code_prompt="[speed_3]", normalize=False, request_id="r")
+    voice = Voice(
+        spk_emb=np.arange(8, dtype=np.float16),
+        spk_smp=np.arange(12, dtype=np.int32).reshape(4, 3),
+        txt_smp="the transcript",
+        name="v",
+    )
+    req = SynthesisRequest(
+        "text",
+        voice,
+        SamplingParams(temperature=(0.1, 0.2, 0.3, 0.4), seed=5),
+        refine_text=True,
+        refine_prompt="[oral_2]",
+        code_prompt="[speed_3]",
+        normalize=False,
+        request_id="r",
+    )
     back = decode_synthesis(encoder.encode(SynthesisMsg.of(req)))
     assert back.voice.spk_emb.dtype == np.float16 and np.array_equal(back.voice.spk_emb, voice.spk_emb)
     assert back.voice.spk_smp.shape == (4, 3) and np.array_equal(back.voice.spk_smp, voice.spk_smp)
     assert back.voice.key == voice.key  # the prefix cache sees the same voice
-    assert back == SynthesisRequest(back.text, back.voice, *[getattr(req, f) for f in (
-        "code_params", "refine_text", "refine_params", "refine_prompt", "code_prompt", "normalize", "split",
-        "raw_text", "request_id")])
+    assert back == SynthesisRequest(
+        back.text,
+        back.voice,
+        *[
+            getattr(req, f)
+            for f in (
+                "code_params",
+                "refine_text",
+                "refine_params",
+                "refine_prompt",
+                "code_prompt",
+                "normalize",
+                "split",
+                "raw_text",
+                "request_id",
+            )
+        ],
+    )
     bad = msgspec.structs.replace(SynthesisMsg.of(req), code_params={"temperature": -1.0})
     with pytest.raises(ValueError, match="temperature must be > 0"):  # the dataclass checks run in the core
         decode_synthesis(encoder.encode(bad))
@@ -99,7 +126,9 @@ def test_wire_format_round_trips():
         SegmentMsg("a", [], b"12345").segment(2)
     out = AudioOutput("r", np.linspace(-1, 1, 7, dtype=np.float32), True, 3, "length", [1], None, ["#"])
     again = RequestOutput.of(out).output()
-    assert np.array_equal(again.samples, out.samples) and again.truncated_segments == [1] and again.dropped_chars == ["#"]
+    assert (
+        np.array_equal(again.samples, out.samples) and again.truncated_segments == [1] and again.dropped_chars == ["#"]
+    )
     assert isinstance(ErrorInfo.of(ValueError("v")).exception(), ValueError)
     assert isinstance(ErrorInfo.of(EngineOverloadedError("o")).exception(), EngineOverloadedError)
     assert str(ErrorInfo.of(KeyError("k")).exception()) == "KeyError: 'k'"
@@ -142,8 +171,9 @@ def test_generate_errors_and_utilities_cross_the_boundary(core_address):
         return out
 
     assert np.array_equal(audio, asyncio.run(single_process()))  # the same engine, the same bits
-    assert np.array_equal(codes, local.encode_reference_audio(
-        (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32), 24000))
+    assert np.array_equal(
+        codes, local.encode_reference_audio((0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32), 24000)
+    )
 
 
 def test_api_server_tokenizes_as_the_core_and_bad_ids_are_rejected_by_id(core_address, monkeypatch):
@@ -179,8 +209,11 @@ def test_api_server_tokenizes_as_the_core_and_bad_ids_are_rejected_by_id(core_ad
                 assert m.segment(i).code_ids.tolist() == ids[: int(mask.sum()), 0].tolist()
         assert all(m.code_ids is None for m in client.segment_msgs(SynthesisRequest(text, refine_text=True)))
         vocab = model.tokenizer.vocab_size
-        bad = {b"": "segment 0: code_ids must be a non-empty", b"123": "not whole int32 values",
-               np.array([1, vocab], "<i4").tobytes(): "segment 0: code_ids hold ids outside the text vocabulary"}
+        bad = {
+            b"": "segment 0: code_ids must be a non-empty",
+            b"123": "not whole int32 values",
+            np.array([1, vocab], "<i4").tobytes(): "segment 0: code_ids hold ids outside the text vocabulary",
+        }
         for payload, match in bad.items():
             monkeypatch.setattr(client, "segment_msgs", lambda req: [SegmentMsg("hello", [], payload)])
             with pytest.raises(ValueError, match=match):
@@ -298,6 +331,6 @@ async def _crash(client: CoreClient) -> None:
 
 async def _last(gen):
     out = None
-    async for out in gen:
+    async for out in gen:  # noqa: B007 (the last output is read after the loop)
         pass
     return out

@@ -21,8 +21,14 @@ from tests.server.helpers import parse_sse, same_audio
 from tests.server.multiproc_helpers import ServeProcess
 from ttsserve.server.preflight import REUSE_PORT_BALANCES
 
-SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm", "seed": 5,
-          "max_new_tokens": 24}
+SPEECH = {
+    "model": "tts-1",
+    "input": "Hello there.",
+    "voice": "alloy",
+    "response_format": "pcm",
+    "seed": 5,
+    "max_new_tokens": 24,
+}
 LONG = {**SPEECH, "input": "long " * 40, "min_new_tokens": 3000, "max_new_tokens": 3000, "seed": 1}
 
 
@@ -47,13 +53,15 @@ def server(tmp_path_factory):
 
 def test_both_api_servers_serve_and_metrics_sum_over_them(server):
     srv, clients = server
-    before = _metric(clients["0"].get("/metrics").text, "ttsserve_requests_total",
-                     '{endpoint="/v1/audio/speech",status="200"}')
+    before = _metric(
+        clients["0"].get("/metrics").text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}'
+    )
     statuses: dict[str, list[int]] = {}
 
     def run(index: str) -> None:
-        statuses[index] = [clients[index].post("/v1/audio/speech", json={**SPEECH, "seed": i}).status_code
-                           for i in range(2)]
+        statuses[index] = [
+            clients[index].post("/v1/audio/speech", json={**SPEECH, "seed": i}).status_code for i in range(2)
+        ]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in clients]
     for t in threads:
@@ -164,13 +172,25 @@ def test_a_killed_api_server_is_restarted(server):
 
 
 def test_rate_limits_hold_across_api_servers_and_sigterm_drains(tmp_path):
-    srv = ServeProcess(tmp_path, "--api-key", "k1,k2", "--requests-per-minute", "4", "--max-new-tokens", "3000",
-                       "--voices-db", str(tmp_path / "voices.db"))
+    srv = ServeProcess(
+        tmp_path,
+        "--api-key",
+        "k1,k2",
+        "--requests-per-minute",
+        "4",
+        "--max-new-tokens",
+        "3000",
+        "--voices-db",
+        str(tmp_path / "voices.db"),
+    )
     try:
         srv.wait_ready()
         clients = srv.pinned_clients(headers={"Authorization": "Bearer k1"})
-        got = [(i, clients[i].post("/v1/audio/voices", json={"name": f"v{n}-{i}", "seed": n}).status_code)
-               for n in range(3) for i in ("0", "1")]
+        got = [
+            (i, clients[i].post("/v1/audio/voices", json={"name": f"v{n}-{i}", "seed": n}).status_code)
+            for n in range(3)
+            for i in ("0", "1")
+        ]
         # one budget of 4 for the key, not 4 per API server
         assert got == [("0", 200), ("1", 200), ("0", 200), ("1", 200), ("0", 429), ("1", 429)]
         for c in clients.values():
@@ -180,8 +200,10 @@ def test_rate_limits_hold_across_api_servers_and_sigterm_drains(tmp_path):
         body = {**SPEECH, "stream_format": "sse", "min_new_tokens": 150, "max_new_tokens": 150}
 
         def stream() -> None:
-            with httpx.Client(base_url=srv.url, timeout=60, headers={"Authorization": "Bearer k2"}) as c, \
-                    c.stream("POST", "/v1/audio/speech", json=body) as r:
+            with (
+                httpx.Client(base_url=srv.url, timeout=60, headers={"Authorization": "Bearer k2"}) as c,
+                c.stream("POST", "/v1/audio/speech", json=body) as r,
+            ):
                 data = b""
                 for chunk in r.iter_bytes():
                     data += chunk
@@ -213,7 +235,10 @@ def test_core_death_fails_in_flight_requests_and_turns_ready_to_503(tmp_path):
 
         def stream() -> None:
             try:
-                with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream("POST", "/v1/audio/speech", json=LONG) as r:
+                with (
+                    httpx.Client(base_url=srv.url, timeout=30) as c,
+                    c.stream("POST", "/v1/audio/speech", json=LONG) as r,
+                ):
                     for _ in r.iter_bytes():
                         first.set()
                 broke["error"] = None

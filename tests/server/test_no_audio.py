@@ -15,8 +15,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path, body", CASES,
-                         ids=["speech-audio", "speech-sse", "synthesize-file", "synthesize-stream"])
+@pytest.mark.parametrize(
+    "path, body", CASES, ids=["speech-audio", "speech-sse", "synthesize-file", "synthesize-stream"]
+)
 def test_no_audio_is_a_500_not_an_empty_200(serve, path, body):
     srv, eng = serve()
     with srv.client() as c:

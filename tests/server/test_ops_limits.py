@@ -61,7 +61,7 @@ def test_health_ready_models_metrics(serve_real):
     assert _metric(text, "ttsserve_engine_step_seconds_count") == sum(hist["counts"]) == steps
     assert _metric(text, "ttsserve_engine_step_seconds_bucket", '{le="+Inf"}') == steps
     assert _metric(text, "ttsserve_engine_step_seconds_sum") == pytest.approx(hist["sum_s"])
-    below = sum(hist["counts"][:hist["le_s"].index(0.05) + 1])
+    below = sum(hist["counts"][: hist["le_s"].index(0.05) + 1])
     assert _metric(text, "ttsserve_engine_step_seconds_bucket", '{le="0.05"}') == below
     # the one synthesis heard its first audio once, within its API-side time to first audio
     first = stats["first_audio_histogram"]
@@ -69,8 +69,11 @@ def test_health_ready_models_metrics(serve_real):
     assert 0 < first["sum_s"] <= _metric(text, "ttsserve_time_to_first_audio_seconds_sum", '{endpoint="synthesize"}')
     assert _metric(text, "ttsserve_engine_slow_steps_total") == stats["slow_steps_total"]
     for g in range(3):  # process-wide totals, read at the scrape: never above the stats read after it
-        assert 0 <= _metric(text, "ttsserve_engine_gc_pause_seconds_total", f'{{generation="{g}"}}') <= \
-            stats["gc_pause_seconds_total"][g]
+        assert (
+            0
+            <= _metric(text, "ttsserve_engine_gc_pause_seconds_total", f'{{generation="{g}"}}')
+            <= stats["gc_pause_seconds_total"][g]
+        )
     longest = _metric(text, "ttsserve_engine_step_max_seconds")
     assert 0 < longest == hist["max_s"] and longest * steps >= hist["sum_s"]
     srv.stop()

@@ -1,6 +1,6 @@
 """`ttsserve serve` refuses a setting that cannot work with one line on stderr and exit status 2, before the
-model loads: the process is run for real (`python -m ttsserve.entrypoints.cli serve`), and a single stderr line proves no
-load started (the load logs "loading model" and the dummy banner to stderr)."""
+model loads: the process is run for real (`python -m ttsserve.entrypoints.cli serve`), and a single stderr
+line proves no load started (the load logs "loading model" and the dummy banner to stderr)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ FAST_S = 45.0
 def _serve(args: list[str], env: dict[str, str] | None = None) -> tuple[int, list[str], float]:
     env = {k: v for k, v in os.environ.items() if k != "TTSSERVE_API_KEY"} | (env or {})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ttsserve.entrypoints.cli", "serve", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ttsserve.entrypoints.cli", "serve", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc.returncode, proc.stderr.splitlines(), time.monotonic() - start
 
 
@@ -68,8 +74,10 @@ def test_several_api_servers_never_join_a_port_group_they_did_not_make():
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        _assert_refused([*TINY, "--port", str(port), "--api-server-count", "2"],
-                        f"cannot listen on 127.0.0.1:{port}: Address already in use")
+        _assert_refused(
+            [*TINY, "--port", str(port), "--api-server-count", "2"],
+            f"cannot listen on 127.0.0.1:{port}: Address already in use",
+        )
     from ttsserve.server.preflight import bind_socket
 
     first = bind_socket("127.0.0.1", 0, reuse_port=True)  # ours: another socket of the group may join it
@@ -95,21 +103,37 @@ def test_a_blank_api_key_refuses_to_start():
 
 # The same contract in-process (a subprocess each would add minutes to the suite): run_serve returns 2 with one
 # line on stderr, and the engine is never built.
-@pytest.mark.parametrize("args, env, needle", [
-    (["--block-size", "7"], {}, "block_size must be one of 8, 16, 32, 64, 128"),
-    (["--max-num-seqs", "many"], {}, "--max-num-seqs: invalid literal"),
-    ([], {"TTSSERVE_GPU_MEMORY_UTILIZATION": "2"}, "gpu_memory_utilization must be in [0.05, 0.99]"),
-    (["--seed", str(2**64)], {}, "seed (of the dummy weights) must be in [0, 2**63)"),
-    (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype fp8 needs a CUDA device"),
-    (["--device", "cuda:99"], {}, "device 'cuda:99' requested but"),
-    (["--load-format", "safetensors"], {"TTSSERVE_MODEL": "/nowhere/ckpt"}, "/nowhere/ckpt: no such checkpoint"),
-    (["--api-key", ""], {}, "--api-key: key 1 of 1 is blank"),
-    (["--api-key", "k1", "--api-key", " "], {}, "--api-key: key 2 of 2 is blank"),
-    ([], {"TTSSERVE_API_KEY": ""}, "TTSSERVE_API_KEY: key 1 of 1 is blank"),
-    ([], {"TTSSERVE_API_KEY": "k1,,k2"}, "TTSSERVE_API_KEY: key 2 of 3 is blank"),
-    (["--host", "no-such-host.invalid"], {}, "cannot listen on no-such-host.invalid:8000"),
-], ids=["block-size", "not-an-int", "env", "dummy-seed", "fp8-on-cpu", "cuda-index", "model-env", "blank-key",
-        "blank-second-key", "blank-env-key", "blank-env-item", "bad-host"])
+@pytest.mark.parametrize(
+    "args, env, needle",
+    [
+        (["--block-size", "7"], {}, "block_size must be one of 8, 16, 32, 64, 128"),
+        (["--max-num-seqs", "many"], {}, "--max-num-seqs: invalid literal"),
+        ([], {"TTSSERVE_GPU_MEMORY_UTILIZATION": "2"}, "gpu_memory_utilization must be in [0.05, 0.99]"),
+        (["--seed", str(2**64)], {}, "seed (of the dummy weights) must be in [0, 2**63)"),
+        (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype fp8 needs a CUDA device"),
+        (["--device", "cuda:99"], {}, "device 'cuda:99' requested but"),
+        (["--load-format", "safetensors"], {"TTSSERVE_MODEL": "/nowhere/ckpt"}, "/nowhere/ckpt: no such checkpoint"),
+        (["--api-key", ""], {}, "--api-key: key 1 of 1 is blank"),
+        (["--api-key", "k1", "--api-key", " "], {}, "--api-key: key 2 of 2 is blank"),
+        ([], {"TTSSERVE_API_KEY": ""}, "TTSSERVE_API_KEY: key 1 of 1 is blank"),
+        ([], {"TTSSERVE_API_KEY": "k1,,k2"}, "TTSSERVE_API_KEY: key 2 of 3 is blank"),
+        (["--host", "no-such-host.invalid"], {}, "cannot listen on no-such-host.invalid:8000"),
+    ],
+    ids=[
+        "block-size",
+        "not-an-int",
+        "env",
+        "dummy-seed",
+        "fp8-on-cpu",
+        "cuda-index",
+        "model-env",
+        "blank-key",
+        "blank-second-key",
+        "blank-env-key",
+        "blank-env-item",
+        "bad-host",
+    ],
+)
 def test_refused_before_the_engine_is_built(args, env, needle, monkeypatch, capsys):
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.entrypoints.serve import run_serve

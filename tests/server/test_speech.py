@@ -36,8 +36,9 @@ def real(request):
 
 def test_openai_sdk_create_and_with_streaming_response(real):
     client = openai.OpenAI(base_url=real.url + "/v1", api_key="sk-x", max_retries=0)
-    resp = client.audio.speech.create(model="tts-1", voice="alloy", input=SPEECH["input"], response_format="pcm",
-                                      extra_body=SEEDED)
+    resp = client.audio.speech.create(
+        model="tts-1", voice="alloy", input=SPEECH["input"], response_format="pcm", extra_body=SEEDED
+    )
     assert same_audio(resp.content, real.pcm)
     with client.audio.speech.with_streaming_response.create(
         model="tts-1", voice="alloy", input=SPEECH["input"], response_format="wav", extra_body=SEEDED

@@ -33,15 +33,28 @@ def test_known_signal_through_every_format(serve):
 
 def test_chattts_extras_reach_the_engine(serve):
     srv, eng = serve()
-    body = {**SPEECH, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.2,
-            "max_new_tokens": 40, "normalize": False,
-            "instructions": "cheerful [oral_2] please [laugh_1] and [break_4]"}
+    body = {
+        **SPEECH,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "repetition_penalty": 1.2,
+        "max_new_tokens": 40,
+        "normalize": False,
+        "instructions": "cheerful [oral_2] please [laugh_1] and [break_4]",
+    }
     with srv.client() as c:
         assert c.post("/v1/audio/speech", json=body).status_code == 200
         req = eng.requests[-1]
         p = req.code_params
         assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_new_tokens, p.seed) == (
-            0.5, 0.9, 5, 1.2, 40, 7)
+            0.5,
+            0.9,
+            5,
+            1.2,
+            40,
+            7,
+        )
         assert req.refine_text and req.refine_prompt == "[oral_2][laugh_1][break_4]" and not req.normalize
         assert req.refine_params.seed == 7 and req.code_prompt == "[speed_5]"
         assert req.voice.name == "alloy" and req.voice.spk_emb is not None
@@ -75,8 +88,11 @@ def test_engine_failures_give_real_statuses(serve):
 def test_midstream_failure_breaks_the_stream(serve):
     srv, eng = serve()
     body = {**SPEECH, "input": "long text [[fail]] " * 5, "response_format": "pcm"}
-    with srv.client() as c, pytest.raises(httpx.RemoteProtocolError), c.stream("POST", "/v1/audio/speech",
-                                                                                json=body) as r:
+    with (
+        srv.client() as c,
+        pytest.raises(httpx.RemoteProtocolError),
+        c.stream("POST", "/v1/audio/speech", json=body) as r,
+    ):
         assert r.status_code == 200
         b"".join(r.iter_bytes())  # a 200 never ends cleanly when the synthesis failed
     assert not eng.running

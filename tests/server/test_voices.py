@@ -78,16 +78,22 @@ def test_reference_recording_voice_via_openai_sdk(serve_real):
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0)
     if not hasattr(client.audio, "voices"):
         pytest.skip(f"openai {openai.__version__} has no client.audio.voices")
-    voice = client.audio.voices.create(name="me", audio_sample=("me.wav", wav_bytes(2.0), "audio/wav"),
-                                       consent="granted", extra_body={"transcript": "This is my voice."})
+    voice = client.audio.voices.create(
+        name="me",
+        audio_sample=("me.wav", wav_bytes(2.0), "audio/wav"),
+        consent="granted",
+        extra_body={"transcript": "This is my voice."},
+    )
     assert voice.id.startswith("voice_") and voice.name == "me" and voice.type == "audio_sample"
     rec = srv.app.state.server.store.get(voice.id)  # the DVAE-encoded prompt: ~46.875 frames per second
     assert rec.spk_smp.dtype == np.int32 and rec.spk_smp.shape[0] == 4 and abs(rec.spk_smp.shape[1] - 94) <= 2
     assert rec.txt_smp == "This is my voice." and rec.spk_emb is None
-    mine = client.audio.speech.create(model="tts-1", voice={"id": voice.id}, input="Say it.",
-                                      response_format="pcm", extra_body={"seed": 3}).content
-    plain = client.audio.speech.create(model="tts-1", voice="alloy", input="Say it.", response_format="pcm",
-                                       extra_body={"seed": 3}).content
+    mine = client.audio.speech.create(
+        model="tts-1", voice={"id": voice.id}, input="Say it.", response_format="pcm", extra_body={"seed": 3}
+    ).content
+    plain = client.audio.speech.create(
+        model="tts-1", voice="alloy", input="Say it.", response_format="pcm", extra_body={"seed": 3}
+    ).content
     assert len(mine) > 0 and not same_audio(mine, plain, max_lsb=100)
     deleted = client.audio.voices.delete(voice.id)
     assert deleted.deleted and deleted.id == voice.id
@@ -96,6 +102,7 @@ def test_reference_recording_voice_via_openai_sdk(serve_real):
 def test_reference_upload_errors(serve_real):
     srv, _ = serve_real(max_upload_bytes=200_000)
     with srv.client() as c:
+
         def post(files, data):
             return c.post("/v1/audio/voices", files=files, data=data)
 
@@ -115,8 +122,11 @@ def test_reference_upload_errors(serve_real):
 
 
 def _upload(c, data: bytes, filename: str, name: str = "ref"):
-    return c.post("/v1/audio/voices", files={"audio_sample": (filename, data, "application/octet-stream")},
-                  data={"name": name, "transcript": "what the recording says"})
+    return c.post(
+        "/v1/audio/voices",
+        files={"audio_sample": (filename, data, "application/octet-stream")},
+        data={"name": name, "transcript": "what the recording says"},
+    )
 
 
 @pytest.mark.parametrize("length_in_header", [True, False], ids=["header", "no-length"])

@@ -39,8 +39,13 @@ asyncio.run(main(sys.argv[1] == "warm", sys.argv[2]))
 
 def _first_request_imports(warm: bool, fmt: str) -> list[str]:
     code = _PROBE.format(here=str(Path(__file__).resolve().parent))
-    out = subprocess.run([sys.executable, "-c", code, "warm" if warm else "cold", fmt], check=True,
-                         capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, "warm" if warm else "cold", fmt],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

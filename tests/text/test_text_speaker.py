@@ -15,9 +15,9 @@ from ttsserve.text.speaker import (
     decode_audio_prompt,
     decode_speaker,
     decode_spk_stat,
-    encode_spk_stat,
     encode_audio_prompt,
     encode_speaker,
+    encode_spk_stat,
     normalize_speaker,
     sample_random_speaker,
 )

@@ -83,8 +83,9 @@ class PagedAttentionBackend(Protocol):
 class PagedAttention:
     """AttentionContext over per-layer paged caches and one step's metadata."""
 
-    def __init__(self, backend: PagedAttentionBackend, kv_caches: list[torch.Tensor], md: AttentionMetadata,
-                 scale: float) -> None:
+    def __init__(
+        self, backend: PagedAttentionBackend, kv_caches: list[torch.Tensor], md: AttentionMetadata, scale: float
+    ) -> None:
         self.backend, self.kv_caches, self.md, self.scale = backend, kv_caches, md, scale
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

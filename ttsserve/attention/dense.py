@@ -25,8 +25,9 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     else:
         # SDPA's is_causal aligns the mask top-left; the new queries are the bottom rows, so build it.
         offset = ctx_len - q_len
-        mask = (torch.arange(ctx_len, device=q.device)[None, :]
-                <= torch.arange(offset, ctx_len, device=q.device)[:, None])
+        mask = (
+            torch.arange(ctx_len, device=q.device)[None, :] <= torch.arange(offset, ctx_len, device=q.device)[:, None]
+        )
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
 

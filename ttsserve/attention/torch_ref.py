@@ -71,8 +71,14 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -
     return pages[0], pages[1]
 
 
-def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence over its paged context, in fp32.
 
     q: [B, Hq, D] fp32; k_pages / v_pages: [num_blocks, block_size, Hkv, D] (any float dtype);
@@ -129,8 +135,15 @@ class TorchPagedAttention:
         self._tables: tuple[AttentionMetadata, torch.Tensor] | None = None  # _compiled_tables' step cache
         self._compiled_ready: threading.Event | None = None  # set by a background warmup() when done
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D].
 
         Writes k / v at md.slot_mapping, then for each sequence attends its new queries (the LAST q_len
@@ -155,15 +168,19 @@ class TorchPagedAttention:
             out[s:e] = causal_sdpa(q[s:e].float(), kb.float(), vb.float(), scale).to(q.dtype)
         return out
 
-    def _decode_compiled(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                         scale: float) -> torch.Tensor | None:
+    def _decode_compiled(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor | None:
         """The decode step through the compiled kernel; None (and compile_decode off) if it cannot compile."""
         tables = self._compiled_tables(md, kv_cache.shape[2])
         try:
             out = _compiled_paged_decode()(q.float(), kv_cache[0], kv_cache[1], tables, md.seq_lens, scale)
         except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: use the eager path
-            logger.warning("torch.compile of the CPU decode attention failed (%s: %s); using gather + SDPA",
-                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            logger.warning(
+                "torch.compile of the CPU decode attention failed (%s: %s); using gather + SDPA",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
             self.compile_decode = False
             return None
         return out.to(q.dtype)
@@ -182,8 +199,9 @@ class TorchPagedAttention:
         self._tables = (md, tables)
         return tables
 
-    def warmup(self, kv_cache: torch.Tensor, num_heads: int, background: bool = False,
-               then: Callable[[], None] | None = None) -> None:
+    def warmup(
+        self, kv_cache: torch.Tensor, num_heads: int, background: bool = False, then: Callable[[], None] | None = None
+    ) -> None:
         """Compile the decode kernel now (one and several sequences, under inference mode like the engine's
         steps) rather than in the first request's first step. No-op when compile_decode is off. With
         `background`, compile in a daemon thread and run the eager path until it is done: a server is ready
@@ -201,8 +219,10 @@ class TorchPagedAttention:
             try:
                 self._compile_now(kv_cache, num_heads)
                 if self.compile_decode:
-                    logger.info("CPU decode attention compiled in %.1f s (in the background; eager until then)",
-                                time.perf_counter() - t0)
+                    logger.info(
+                        "CPU decode attention compiled in %.1f s (in the background; eager until then)",
+                        time.perf_counter() - t0,
+                    )
             finally:
                 ready.set()
                 if then is not None:  # whatever happened here: whoever waits for `then` must not hang
@@ -224,7 +244,7 @@ class TorchPagedAttention:
             for b in (1, 3):
                 q = torch.zeros(b, num_heads, d, dtype=kv_cache.dtype)
                 md = make_metadata([blocks] * b, [(len(blocks) - 1) * block_size] * b, [1] * b, block_size)
-                if self._decode_compiled(q, kv_cache, md, d ** -0.5) is None:
+                if self._decode_compiled(q, kv_cache, md, d**-0.5) is None:
                     return
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -235,7 +255,7 @@ class TorchPagedAttention:
         page_ids, mask = self._step_tensors(md, num_blocks, block_size)
         width = page_ids.numel() // (2 * b) * block_size  # padded context length of every row
         pages = self._gather(kv_cache.view(2 * num_blocks, -1), page_ids)
-        kv = pages.view(2, b, width, hkv, d)[:, :, :md.max_seq_len]
+        kv = pages.view(2, b, width, hkv, d)[:, :, : md.max_seq_len]
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
         if hq != hkv:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
@@ -243,8 +263,9 @@ class TorchPagedAttention:
         out = F.scaled_dot_product_attention(q.float()[:, :, None, :], keys, values, attn_mask=mask, scale=scale)
         return out[:, :, 0, :].to(q.dtype)
 
-    def _step_tensors(self, md: AttentionMetadata, num_blocks: int, block_size: int
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step_tensors(
+        self, md: AttentionMetadata, num_blocks: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(page rows [2 * B * nb] (kv_page_ids of every row's first nb blocks), length mask [B, 1, 1, L]
         or None), built once per step: every layer shares the step's metadata object and cache shape."""
         if self._step is not None and self._step[0] is md and self._step[1] == num_blocks:
@@ -275,8 +296,13 @@ class TorchPagedAttention:
         return buf[:n].view(shape)
 
 
-def make_metadata(block_tables: list[list[int]], num_computed_tokens: list[int], num_new_tokens: list[int],
-                  block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+def make_metadata(
+    block_tables: list[list[int]],
+    num_computed_tokens: list[int],
+    num_new_tokens: list[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
     """AttentionMetadata for one step from host lists (tests and simple callers).
 
     block_tables[i]: physical block ids of sequence i (enough for num_computed + num_new tokens);

@@ -46,10 +46,25 @@ def _fp8_quant_rows(x):
 
 @triton.jit
 def reshape_and_cache_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, scale_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_blk, sc_stride_h,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    v_offset,
+    stride_slot,
+    stride_ch,
+    sc_v_offset,
+    sc_stride_blk,
+    sc_stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     """One program per new token: copy its k / v [Hkv, D] into the cache slot; slot < 0 means padding."""
@@ -80,8 +95,9 @@ def reshape_and_cache_kernel(
 
 
 @triton.jit
-def _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
-                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _kv_tile_offsets(
+    block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr
+):
     """([BLOCK_N, HEAD_DIM] element offsets of the K rows of context tokens `n` (V is at + v_offset),
     [BLOCK_N] their physical blocks)."""
     blk = tl.load(block_tables_ptr + row_off + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -101,8 +117,25 @@ def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new
 
 
 @triton.jit
-def _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_blk,
-                      sc_stride_h, slot, kv_h, kq, ks, vq, vs, d, write, BLOCK_SIZE: tl.constexpr):
+def _write_new_kv_fp8(
+    cache_ptr,
+    scale_ptr,
+    v_offset,
+    sc_v_offset,
+    stride_slot,
+    stride_ch,
+    sc_stride_blk,
+    sc_stride_h,
+    slot,
+    kv_h,
+    kq,
+    ks,
+    vq,
+    vs,
+    d,
+    write,
+    BLOCK_SIZE: tl.constexpr,
+):
     """_write_new_kv for the fp8 cache: kq / vq [1, HEAD_DIM] fp8 and their scales ks / vs [1]."""
     one = tl.arange(0, 1)
     mask = ((d[None, :] * 0 + slot) >= 0) & ((d[None, :] * 0 + write.to(tl.int32)) != 0)
@@ -145,13 +178,44 @@ def _attend_tile(q, k, v, ks, vs, mask, qk_scale, m_i, l_i, acc, FP8: tl.constex
 
 @triton.jit
 def paged_decode_kernel(
-    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, slot_mapping_ptr, scale_ptr,
-    qk_scale, num_splits,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_blk, sc_stride_h,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+    out_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    slot_mapping_ptr,
+    scale_ptr,
+    qk_scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    v_offset,
+    stride_slot,
+    stride_ch,
+    sc_v_offset,
+    sc_stride_blk,
+    sc_stride_h,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
     that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows), over split s.
@@ -177,8 +241,9 @@ def paged_decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     head = kv_h * GROUP + r
     row_valid = r < GROUP
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_valid[:, None], other=0.0
+    )
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -186,8 +251,9 @@ def paged_decode_kernel(
     for start in range(lo, tl.minimum(hi, last), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < tl.minimum(hi, last)
-        off, blks = _kv_tile_offsets(block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch,
-                                     BLOCK_SIZE, HEAD_DIM)
+        off, blks = _kv_tile_offsets(
+            block_tables_ptr, row_off, n, valid, kv_h, stride_slot, stride_ch, BLOCK_SIZE, HEAD_DIM
+        )
         k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
         v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
         if FP8:
@@ -208,8 +274,25 @@ def paged_decode_kernel(
         if FP8:
             kq, ks_new = _fp8_quant_rows(k_raw[None, :])
             vq, vs_new = _fp8_quant_rows(v_raw[None, :])
-            _write_new_kv_fp8(cache_ptr, scale_ptr, v_offset, sc_v_offset, stride_slot, stride_ch, sc_stride_blk,
-                              sc_stride_h, slot, kv_h, kq, ks_new, vq, vs_new, d, s >= 0, BLOCK_SIZE)
+            _write_new_kv_fp8(
+                cache_ptr,
+                scale_ptr,
+                v_offset,
+                sc_v_offset,
+                stride_slot,
+                stride_ch,
+                sc_stride_blk,
+                sc_stride_h,
+                slot,
+                kv_h,
+                kq,
+                ks_new,
+                vq,
+                vs_new,
+                d,
+                s >= 0,
+                BLOCK_SIZE,
+            )
             k_new = tl.sum(kq.to(tl.float32) * ks_new[:, None], 0)  # [1, D] -> [D]
             v_new = tl.sum(vq.to(tl.float32) * vs_new[:, None], 0)
         else:
@@ -231,14 +314,25 @@ def paged_decode_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
 
 
 @triton.jit
 def paged_decode_reduce_kernel(
-    out_ptr, part_o_ptr, part_m_ptr, part_l_ptr, num_splits, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    out_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
 ):
     """Grid (num_seqs, num_heads): merge the per-split partial softmaxes into the output row."""
     b = tl.program_id(0)
@@ -248,7 +342,7 @@ def paged_decode_reduce_kernel(
     smask = s < num_splits
     base = (b.to(tl.int64) * NUM_HEADS + h) * num_splits
     m = tl.load(part_m_ptr + base + s, mask=smask, other=-float("inf"))
-    l = tl.load(part_l_ptr + base + s, mask=smask, other=0.0)
+    l = tl.load(part_l_ptr + base + s, mask=smask, other=0.0)  # noqa: E741 (the softmax denominator)
     o = tl.load(part_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == -float("inf"), 0.0, m_max)  # all splits empty: weights exp2(-inf) = 0
@@ -260,12 +354,39 @@ def paged_decode_reduce_kernel(
 
 @triton.jit
 def paged_prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, slot_mapping_ptr,
-    scale_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    v_offset, stride_slot, stride_ch, sc_v_offset, sc_stride_blk, sc_stride_h,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    slot_mapping_ptr,
+    scale_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    v_offset,
+    stride_slot,
+    stride_ch,
+    sc_v_offset,
+    sc_stride_blk,
+    sc_stride_h,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): BLOCK_M new queries of one sequence/head.
 
@@ -310,8 +431,7 @@ def paged_prefill_kernel(
             tl.store(dst, k_rows, mask=wmask)
             tl.store(dst + v_offset, v_rows, mask=wmask)
 
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_valid[:, None],
-                other=0.0)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_valid[:, None], other=0.0)
     q_pos = ctx_start + rows
     # keys past the last valid query of this tile are masked for every row: stop there
     hi = ctx_start + tl.minimum((mt + 1) * BLOCK_M, q_len)
@@ -326,15 +446,18 @@ def paged_prefill_kernel(
         valid = n < hi
         cached = n < ctx_start
         new = valid & (n >= ctx_start)
-        off, blks = _kv_tile_offsets(block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch,
-                                     BLOCK_SIZE, HEAD_DIM)
+        off, blks = _kv_tile_offsets(
+            block_tables_ptr, row_off, n, cached, kv_h, stride_slot, stride_ch, BLOCK_SIZE, HEAD_DIM
+        )
         new_tok = (q_start + n - ctx_start).to(tl.int64)
         k_cached = tl.load(cache_ptr + off, mask=cached[:, None], other=0.0)
         v_cached = tl.load(cache_ptr + v_offset + off, mask=cached[:, None], other=0.0)
-        k_in = tl.load(k_ptr + new_tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=new[:, None],
-                       other=0.0)
-        v_in = tl.load(v_ptr + new_tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :], mask=new[:, None],
-                       other=0.0)
+        k_in = tl.load(
+            k_ptr + new_tok[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=new[:, None], other=0.0
+        )
+        v_in = tl.load(
+            v_ptr + new_tok[:, None] * stride_vt + kv_h * stride_vh + d[None, :], mask=new[:, None], other=0.0
+        )
         if FP8:
             # new tokens enter already fp8-rounded, exactly as the store above wrote them
             kq, ks_in = _fp8_quant_rows(k_in)
@@ -353,5 +476,8 @@ def paged_prefill_kernel(
         m_i, l_i, acc = _attend_tile(q, k, v, ks, vs, causal, qk_scale, m_i, l_i, acc, FP8, IEEE)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )

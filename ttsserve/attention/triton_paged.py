@@ -85,8 +85,15 @@ class TritonPagedAttention:
         self.tuning = tuning or TritonTuning()
         self._num_sms: dict[torch.device, int] = {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | FP8KVCache,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """Write k / v into `kv_cache` at `md.slot_mapping`, then attend causally within each sequence.
 
         q: [T, Hq, 64]; k, v: [T, Hkv, 64] (last dim contiguous, any token / head strides);
@@ -101,8 +108,9 @@ class TritonPagedAttention:
             assert q.shape[0] == md.seq_lens.shape[0], "decode batches have one token per sequence"
             num_splits = self.num_splits
             if num_splits is None:
-                num_splits = choose_num_splits(md.seq_lens.shape[0] * k.shape[1], md.max_seq_len,
-                                               self._sm_count(q.device), self.tuning)
+                num_splits = choose_num_splits(
+                    md.seq_lens.shape[0] * k.shape[1], md.max_seq_len, self._sm_count(q.device), self.tuning
+                )
             paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning)
         else:
             paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
@@ -110,8 +118,9 @@ class TritonPagedAttention:
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
-            self._num_sms[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                                     if device.type == "cuda" else 8)
+            self._num_sms[device] = (
+                torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+            )
         return self._num_sms[device]
 
 
@@ -129,8 +138,9 @@ def _scale_args(cache: torch.Tensor, scales: torch.Tensor | None) -> tuple:
     return scales, scales.stride(0), scales.stride(1), scales.stride(2)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
-                  md: AttentionMetadata) -> None:
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache, md: AttentionMetadata
+) -> None:
     """Shape / dtype / layout checks on host metadata only (no device sync)."""
     head_dim = q.shape[-1]
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -140,26 +150,37 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
     kv_cache, scales = _split_cache(kv_cache)
     if scales is not None:
         if kv_cache.dtype != FP8_DTYPE or scales.dtype != torch.float32:
-            raise ValueError(f"an FP8KVCache holds {FP8_DTYPE} values and float32 scales, got {kv_cache.dtype} "
-                             f"and {scales.dtype}")
+            raise ValueError(
+                f"an FP8KVCache holds {FP8_DTYPE} values and float32 scales, got {kv_cache.dtype} and {scales.dtype}"
+            )
         if tuple(scales.shape) != kv_scales_shape(*kv_cache.shape[1:4]) or not scales.is_contiguous():
-            raise ValueError(f"FP8KVCache scales must be contiguous {kv_scales_shape(*kv_cache.shape[1:4])}, "
-                             f"got {tuple(scales.shape)}")
+            raise ValueError(
+                f"FP8KVCache scales must be contiguous {kv_scales_shape(*kv_cache.shape[1:4])}, "
+                f"got {tuple(scales.shape)}"
+            )
         if not (k.dtype == v.dtype == q.dtype):
             raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     elif not (k.dtype == v.dtype == kv_cache.dtype == q.dtype):
-        raise ValueError(f"q, k, v and kv_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
-                         f"{kv_cache.dtype}")
+        raise ValueError(
+            f"q, k, v and kv_cache must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {kv_cache.dtype}"
+        )
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != head_dim:
-        raise ValueError(f"expected q [T, Hq, D] and k, v [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [T, Hq, D] and k, v [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     num_kv_heads = k.shape[1]
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[2] != md.block_size \
-            or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"kv_cache must be [2, num_blocks, {md.block_size}, {num_kv_heads}, {head_dim}], "
-                         f"got {tuple(kv_cache.shape)}")
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[2] != md.block_size
+        or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
+    ):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, {md.block_size}, {num_kv_heads}, {head_dim}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -170,8 +191,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         raise ValueError("block_tables must be contiguous in its last dimension")
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache, slot_mapping: torch.Tensor
+) -> None:
     """kv_cache[0 / 1].view(-1, Hkv, D)[slot_mapping[t]] = k[t] / v[t] for every t with slot >= 0
     (quantized, with its scales stored, for an FP8KVCache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -179,17 +201,39 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP
         return
     cache, scales = _split_cache(kv_cache)
     reshape_and_cache_kernel[(num_tokens,)](
-        k, v, cache, slot_mapping, _scale_args(cache, scales)[0],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache.stride(0), cache.stride(2), cache.stride(3), *_scale_args(cache, scales)[1:],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        FP8=scales is not None, BLOCK_SIZE=cache.shape[2], num_warps=4,
+        k,
+        v,
+        cache,
+        slot_mapping,
+        _scale_args(cache, scales)[0],
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cache.stride(0),
+        cache.stride(2),
+        cache.stride(3),
+        *_scale_args(cache, scales)[1:],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        FP8=scales is not None,
+        BLOCK_SIZE=cache.shape[2],
+        num_warps=4,
     )
 
 
-def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor | FP8KVCache, md: AttentionMetadata, scale: float, num_splits: int,
-                 tuning: TritonTuning) -> None:
+def paged_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor | FP8KVCache,
+    md: AttentionMetadata,
+    scale: float,
+    num_splits: int,
+    tuning: TritonTuning,
+) -> None:
     """out[b] = attention of q[b] ([Hq, D], one new token per sequence) over its md.seq_lens[b] tokens,
     the last being k[b] / v[b], which are also stored at md.slot_mapping[b]."""
     kv_cache, scales = _split_cache(kv_cache)
@@ -205,30 +249,74 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     else:
         part_o = part_m = part_l = out  # unused by the SPLIT=False specialisation
     args = (
-        out, part_o, part_m, part_l,
-        q, k, v, kv_cache, md.block_tables, md.seq_lens, md.slot_mapping, scale_ptr,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), md.block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), *scale_strides,
+        out,
+        part_o,
+        part_m,
+        part_l,
+        q,
+        k,
+        v,
+        kv_cache,
+        md.block_tables,
+        md.seq_lens,
+        md.slot_mapping,
+        scale_ptr,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        md.block_tables.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        *scale_strides,
     )
     paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         *args,
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=tuning.decode_block_n, SPLIT=split,
-        IEEE=q.dtype == torch.float32, FP8=scales is not None, num_warps=tuning.decode_num_warps, num_stages=tuning.decode_num_stages,
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        BLOCK_SIZE=md.block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=tuning.decode_block_n,
+        SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        FP8=scales is not None,
+        num_warps=tuning.decode_num_warps,
+        num_stages=tuning.decode_num_stages,
     )
     if split:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_o, part_m, part_l, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_POW2=max(triton.next_power_of_2(num_splits), 2),
+            out,
+            part_o,
+            part_m,
+            part_l,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            SPLITS_POW2=max(triton.next_power_of_2(num_splits), 2),
             num_warps=1,
         )
 
 
-def paged_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  kv_cache: torch.Tensor | FP8KVCache, md: AttentionMetadata, scale: float,
-                  tuning: TritonTuning) -> None:
+def paged_prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor | FP8KVCache,
+    md: AttentionMetadata,
+    scale: float,
+    tuning: TritonTuning,
+) -> None:
     """Causal attention of each sequence's new queries (the last q_len of its context) over its context;
     also stores k / v at md.slot_mapping."""
     kv_cache, scales = _split_cache(kv_cache)
@@ -240,12 +328,37 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
     grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
     paged_prefill_kernel[grid](
-        out, q, k, v, kv_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, md.slot_mapping, scale_ptr,
+        out,
+        q,
+        k,
+        v,
+        kv_cache,
+        md.block_tables,
+        md.seq_lens,
+        md.cu_seqlens_q,
+        md.slot_mapping,
+        scale_ptr,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), md.block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), *scale_strides,
-        GROUP=group, BLOCK_SIZE=md.block_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=tuning.prefill_block_n, IEEE=q.dtype == torch.float32, FP8=scales is not None,
-        num_warps=tuning.prefill_num_warps, num_stages=tuning.prefill_num_stages,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        md.block_tables.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        *scale_strides,
+        GROUP=group,
+        BLOCK_SIZE=md.block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=tuning.prefill_block_n,
+        IEEE=q.dtype == torch.float32,
+        FP8=scales is not None,
+        num_warps=tuning.prefill_num_warps,
+        num_stages=tuning.prefill_num_stages,
     )

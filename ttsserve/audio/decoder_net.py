@@ -43,11 +43,13 @@ def halves_to_frames(x: Tensor) -> Tensor:
 class ConvNeXtBlock(nn.Module):
     """x [B, dim, T] -> x + scale * MLP(LN(dwconv(x))); `scale_name` is `weight` (DVAE files) or `gamma` (Vocos)."""
 
-    def __init__(self, dim: int, intermediate: int, kernel_size: int = 7, dilation: int = 2,
-                 scale_name: str = "weight"):
+    def __init__(
+        self, dim: int, intermediate: int, kernel_size: int = 7, dilation: int = 2, scale_name: str = "weight"
+    ):
         super().__init__()
-        self.dwconv = nn.Conv1d(dim, dim, kernel_size, padding=dilation * (kernel_size - 1) // 2, dilation=dilation,
-                                groups=dim)
+        self.dwconv = nn.Conv1d(
+            dim, dim, kernel_size, padding=dilation * (kernel_size - 1) // 2, dilation=dilation, groups=dim
+        )
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, intermediate)
         self.pwconv2 = nn.Linear(intermediate, dim)
@@ -70,8 +72,18 @@ class ConvNeXtStack(nn.Module):
     x [B, idim, T] -> [B, odim, T]; T is unchanged (every conv is 'same' padded).
     """
 
-    def __init__(self, idim: int, odim: int, hidden: int, bn_dim: int, n_layers: int, intermediate: int,
-                 in_kernel: int = 3, block_kernel: int = 7, dilation: int = 2):
+    def __init__(
+        self,
+        idim: int,
+        odim: int,
+        hidden: int,
+        bn_dim: int,
+        n_layers: int,
+        intermediate: int,
+        in_kernel: int = 3,
+        block_kernel: int = 7,
+        dilation: int = 2,
+    ):
         super().__init__()
         self.conv_in = nn.Sequential(
             nn.Conv1d(idim, bn_dim, in_kernel, padding=in_kernel // 2),
@@ -132,8 +144,13 @@ def stack_from_state_dict(sd: dict[str, Tensor], prefix: str, source: str) -> Co
     return ConvNeXtStack(idim, odim, hidden, bn_dim, n_layers, intermediate, in_kernel, block_kernel)
 
 
-def load_checked(module: nn.Module, sd: dict[str, Tensor], source: str, renames: dict[str, str] | None = None,
-                 ignore_prefixes: tuple[str, ...] = ()) -> None:
+def load_checked(
+    module: nn.Module,
+    sd: dict[str, Tensor],
+    source: str,
+    renames: dict[str, str] | None = None,
+    ignore_prefixes: tuple[str, ...] = (),
+) -> None:
     """Strict load of `sd` into `module` (values cast to the module's dtype).
 
     renames: file-key prefix -> module-key prefix. Raises ValueError naming the file-level key of the first
@@ -144,7 +161,7 @@ def load_checked(module: nn.Module, sd: dict[str, Tensor], source: str, renames:
     def rename(key: str, table: dict[str, str]) -> str:
         for old, new in table.items():
             if key.startswith(old):
-                return new + key[len(old):]
+                return new + key[len(old) :]
         return key
 
     expected = module.state_dict()
@@ -214,8 +231,16 @@ class HiddenDecoder(nn.Module):
 class DVAE(nn.Module):
     """asset/DVAE.safetensors: codes <-> mel through the GFSQ (MODEL.md §5.3 decode, §5.4 encode)."""
 
-    def __init__(self, encoder: ConvNeXtStack, decoder: ConvNeXtStack, vq: GFSQ, n_mels: int, n_fft: int,
-                 out_kernel: int = 3, hop_length: int = 256):
+    def __init__(
+        self,
+        encoder: ConvNeXtStack,
+        decoder: ConvNeXtStack,
+        vq: GFSQ,
+        n_mels: int,
+        n_fft: int,
+        out_kernel: int = 3,
+        hop_length: int = 256,
+    ):
         super().__init__()
         dim = encoder.conv_in[0].in_channels
         self.downsample_conv = nn.Sequential(
@@ -264,11 +289,15 @@ class DVAE(nn.Module):
         n_fft = tensor_shape(sd, "preprocessor_mel.mel_spec.spectrogram.window", source, 1)[0]
         vq = GFSQ(group_dim * n_groups, n_groups, num_residuals=2, fsq_dim=fsq_dim)
         if encoder.conv_out.out_channels != vq.dim:
-            raise ValueError(f"{source}: tensor 'encoder.conv_out.weight' gives {encoder.conv_out.out_channels} "
-                             f"channels, but the GFSQ groups need {vq.dim}")
+            raise ValueError(
+                f"{source}: tensor 'encoder.conv_out.weight' gives {encoder.conv_out.out_channels} "
+                f"channels, but the GFSQ groups need {vq.dim}"
+            )
         if 2 * decoder.conv_in[0].in_channels != vq.dim:
-            raise ValueError(f"{source}: tensor 'decoder.conv_in.0.weight' takes {decoder.conv_in[0].in_channels} "
-                             f"channels, but the GFSQ latent gives {vq.dim} // 2")
+            raise ValueError(
+                f"{source}: tensor 'decoder.conv_in.0.weight' takes {decoder.conv_in[0].in_channels} "
+                f"channels, but the GFSQ latent gives {vq.dim} // 2"
+            )
         module = cls(encoder, decoder, vq, n_mels, n_fft, out_kernel)
         renames = {
             "vq_layer.quantizer.": "vq_layer.",

@@ -90,9 +90,7 @@ def validate_format(fmt: str) -> str:
 def validate_sample_rate(sample_rate: int) -> int:
     """Return `sample_rate` if it is an allowed output rate, else raise ValueError."""
     if isinstance(sample_rate, bool) or sample_rate not in SAMPLE_RATES:
-        raise ValueError(
-            f"unsupported sample rate {sample_rate!r}; allowed: {', '.join(map(str, SAMPLE_RATES))}"
-        )
+        raise ValueError(f"unsupported sample rate {sample_rate!r}; allowed: {', '.join(map(str, SAMPLE_RATES))}")
     return int(sample_rate)
 
 
@@ -124,9 +122,13 @@ def wav_header(sample_rate: int, num_samples: int | None = None) -> bytes:
         data_size = 2 * num_samples
         riff_size = 36 + data_size
     return (
-        b"RIFF" + struct.pack("<I", riff_size) + b"WAVE"
-        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, 2 * sample_rate, 2, 16)
-        + b"data" + struct.pack("<I", data_size)
+        b"RIFF"
+        + struct.pack("<I", riff_size)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, 2 * sample_rate, 2, 16)
+        + b"data"
+        + struct.pack("<I", data_size)
     )
 
 
@@ -152,8 +154,9 @@ class _AvWriter:
     def __init__(self, fmt: str, rate: int, sink: _DrainSink | io.BytesIO) -> None:
         muxer, codec, self._sample_fmt = _AV_CODECS[fmt]
         self._container = av.open(sink, "w", format=muxer, options=_MUXER_OPTIONS.get(muxer, {}))
-        self._stream = self._container.add_stream(codec, rate=rate, layout="mono",
-                                                  options=_ENCODER_OPTIONS.get(codec, {}))
+        self._stream = self._container.add_stream(
+            codec, rate=rate, layout="mono", options=_ENCODER_OPTIONS.get(codec, {})
+        )
         if fmt in BIT_RATES:
             self._stream.bit_rate = BIT_RATES[fmt]
         self._rate = rate

@@ -59,18 +59,38 @@ class IncrementalAudioStage(StreamingStage):
     every stream due by then, so streams that arrived at different times share calls.
     """
 
-    def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
-                 first_chunk_frames: int = 8, max_chunk_frames: int = 64, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, net_dtype: torch.dtype | None = None,
-                 max_windows_per_call: int = 128, deferred: bool = False, cadence: int = 1) -> None:
+    def __init__(
+        self,
+        decoder: HiddenDecoder | None,
+        dvae: DVAE | None,
+        vocos: Vocos,
+        *,
+        first_chunk_frames: int = 8,
+        max_chunk_frames: int = 64,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        net_dtype: torch.dtype | None = None,
+        max_windows_per_call: int = 128,
+        deferred: bool = False,
+        cadence: int = 1,
+    ) -> None:
         if cadence < 1:
             raise ValueError(f"cadence must be >= 1, got {cadence}")
         self.cadence = cadence
         self._steps = 0
-        super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
-                         max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
-                         max_windows_per_call=max_windows_per_call, deferred=deferred,
-                         pool_capacity=2 * max_chunk_frames)
+        super().__init__(
+            decoder,
+            dvae,
+            vocos,
+            first_chunk_frames=first_chunk_frames,
+            max_chunk_frames=max_chunk_frames,
+            device=device,
+            dtype=dtype,
+            net_dtype=net_dtype,
+            max_windows_per_call=max_windows_per_call,
+            deferred=deferred,
+            pool_capacity=2 * max_chunk_frames,
+        )
         self._decoders: dict[bool, IncrementalDecoder] = {}
         for kind, net in ((False, self.decoder), (True, self.dvae)):
             if net is not None:
@@ -125,8 +145,9 @@ class IncrementalAudioStage(StreamingStage):
         """A state slot no stream will own: padding rows of graphed calls write their state there."""
         return self._allocate_slot()
 
-    def enable_cuda_graphs(self, max_streams: int, row_buckets: list[int] | None = None,
-                           frame_buckets: list[int] | None = None) -> None:
+    def enable_cuda_graphs(
+        self, max_streams: int, row_buckets: list[int] | None = None, frame_buckets: list[int] | None = None
+    ) -> None:
         """Capture the calls of every (rows, frames) bucket for each decoder kind, with state slots for
         2 * max_streams streams allocated first (growing past them drops the graphs; each bucket is captured
         again when a call needs it). Off CUDA the graphs' padded static-buffer path runs eagerly (tests)."""
@@ -186,8 +207,10 @@ class IncrementalAudioStage(StreamingStage):
         """A stream can emit its first chunk: the cadence does not hold it back (its wait is the time to first
         audio), and the call it makes takes every other due stream along."""
         need = self._first_call_frames
-        return any(st.num_emitted_frames == 0 and (st.finished or st.num_frames >= need) and not st.final_out
-                   for st in self._streams.values())
+        return any(
+            st.num_emitted_frames == 0 and (st.finished or st.num_frames >= need) and not st.final_out
+            for st in self._streams.values()
+        )
 
     def _launch(self) -> Pending | None:
         self._steps += 1
@@ -253,15 +276,20 @@ class IncrementalAudioStage(StreamingStage):
         n = max(f.count for f in feeds)
         if max(real) <= 0:  # only the zeros past the ends
             return pool.data.new_zeros(len(feeds), n, pool.data.shape[2])
-        x = pool.gather([f.stream.slot for f in feeds], [f.stream.num_emitted_frames - f.stream.base for f in feeds],
-                        real)
+        x = pool.gather(
+            [f.stream.slot for f in feeds], [f.stream.num_emitted_frames - f.stream.base for f in feeds], real
+        )
         return F.pad(x, (0, 0, 0, n - x.shape[1]))
 
     def _row_info(self, feeds: list[_Feed]) -> list[list[int]]:
         """[4][B] host ints: state slot, first new mel frame, new mel frames, mel length once finished."""
         limits = [2 * f.stream.num_frames if f.stream.finished else NOT_FINISHED for f in feeds]
-        return [[self._state_slot[f.req_id] for f in feeds], [2 * f.stream.num_emitted_frames for f in feeds],
-                [2 * f.count for f in feeds], limits]
+        return [
+            [self._state_slot[f.req_id] for f in feeds],
+            [2 * f.stream.num_emitted_frames for f in feeds],
+            [2 * f.count for f in feeds],
+            limits,
+        ]
 
     @staticmethod
     def _rows(info: Tensor, start: Tensor, width: int, reach: int) -> Rows:
@@ -340,8 +368,9 @@ def vocoder_net_dtype(model) -> torch.dtype | None:
     return None
 
 
-def make_audio_stage(decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
-                     lookahead_frames: int | None = None, **kwargs) -> StreamingStage:
+def make_audio_stage(
+    decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *, lookahead_frames: int | None = None, **kwargs
+) -> StreamingStage:
     """The engine's stage: incremental when exact (lookahead None), windowed with a shorter lookahead."""
     if lookahead_frames is None:
         return IncrementalAudioStage(decoder, dvae, vocos, **kwargs)

@@ -88,6 +88,7 @@ class StreamResampler:
 
 # ---------------------------------------------------------------- volume
 
+
 def db_to_amplitude(db: float) -> float:
     return float(10.0 ** (db / 20.0))
 
@@ -151,6 +152,7 @@ class StreamNormalizer:
 
 
 # ---------------------------------------------------------------- trimming
+
 
 def trim_silence(
     x: np.ndarray,

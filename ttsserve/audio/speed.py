@@ -99,8 +99,11 @@ class StreamTimeStretcher:
 
     def _build_graph(self, stages: list[float]) -> av.filter.Graph:
         graph = av.filter.Graph()
-        nodes = [graph.add_abuffer(sample_rate=self.sample_rate, format="flt", layout="mono",
-                                   time_base=Fraction(1, self.sample_rate))]
+        nodes = [
+            graph.add_abuffer(
+                sample_rate=self.sample_rate, format="flt", layout="mono", time_base=Fraction(1, self.sample_rate)
+            )
+        ]
         nodes += [graph.add("atempo", f"tempo={f!r}") for f in stages]
         nodes.append(graph.add("abuffersink"))
         for src, dst in zip(nodes, nodes[1:]):
@@ -116,7 +119,7 @@ class StreamTimeStretcher:
             return x
         out: list[np.ndarray] = []
         for start in range(0, x.size, _PUSH_FRAME):
-            self._push(x[start:start + _PUSH_FRAME])
+            self._push(x[start : start + _PUSH_FRAME])
             self._pull_into(out)
         y = np.concatenate(out) if out else np.zeros(0, np.float32)
         self._num_out += y.size

@@ -80,11 +80,21 @@ class AudioStage(StreamingStage):
         CPU work; flush() returns what is still in flight. The engine turns it on for CUDA.
     """
 
-    def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
-                 first_chunk_frames: int = 8, max_chunk_frames: int = 64, lookahead_frames: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 net_dtype: torch.dtype | None = None, max_windows_per_call: int = 64,
-                 deferred: bool = False) -> None:
+    def __init__(
+        self,
+        decoder: HiddenDecoder | None,
+        dvae: DVAE | None,
+        vocos: Vocos,
+        *,
+        first_chunk_frames: int = 8,
+        max_chunk_frames: int = 64,
+        lookahead_frames: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        net_dtype: torch.dtype | None = None,
+        max_windows_per_call: int = 64,
+        deferred: bool = False,
+    ) -> None:
         if lookahead_frames is not None and lookahead_frames < 1:
             # a chunk's last sample needs the next frame's first mel frame, so at least one frame
             raise ValueError(f"lookahead_frames must be None or >= 1, got {lookahead_frames}")
@@ -94,10 +104,19 @@ class AudioStage(StreamingStage):
         half_width = max(net.receptive_field for net in nets) + vocos.receptive_field
         left, exact_right = context_frames(half_width, vocos.n_fft, vocos.hop_length)
         right = exact_right if lookahead_frames is None else lookahead_frames
-        super().__init__(decoder, dvae, vocos, first_chunk_frames=first_chunk_frames,
-                         max_chunk_frames=max_chunk_frames, device=device, dtype=dtype, net_dtype=net_dtype,
-                         max_windows_per_call=max_windows_per_call, deferred=deferred,
-                         pool_capacity=2 * (left + max_chunk_frames + right))
+        super().__init__(
+            decoder,
+            dvae,
+            vocos,
+            first_chunk_frames=first_chunk_frames,
+            max_chunk_frames=max_chunk_frames,
+            device=device,
+            dtype=dtype,
+            net_dtype=net_dtype,
+            max_windows_per_call=max_windows_per_call,
+            deferred=deferred,
+            pool_capacity=2 * (left + max_chunk_frames + right),
+        )
         self.left_context_frames, self.right_context_frames = left, right
 
     def _first_needed_frame(self, st: Stream) -> int:
@@ -167,7 +186,7 @@ class AudioStage(StreamingStage):
             return None
         pieces, sizes = [], []
         for i in range(0, len(windows), self.max_windows_per_call):
-            flat, n = self._decode(windows[i:i + self.max_windows_per_call])
+            flat, n = self._decode(windows[i : i + self.max_windows_per_call])
             pieces.append(flat)
             sizes.extend(n)
         flat, event = self._to_host(pieces)

@@ -86,8 +86,12 @@ class VocoderGraphs:
         """Load a call's rows into the static buffers of bucket (b, n); the rest of the bucket is padding."""
         rows = len(info[0])
         pad = b - rows
-        host = [info[0] + [self.scratch_slot] * pad, info[1] + [0] * pad, info[2] + [0] * pad,
-                info[3] + [NOT_FINISHED] * pad]
+        host = [
+            info[0] + [self.scratch_slot] * pad,
+            info[1] + [0] * pad,
+            info[2] + [0] * pad,
+            info[3] + [NOT_FINISHED] * pad,
+        ]
         self.info[:, :b].copy_(to_device(host, self.stage.device), non_blocking=True)
         self.x[:b, :n].zero_()
         if x is not None:
@@ -105,13 +109,21 @@ class VocoderGraphs:
         """Capture every bucket, largest first, so that each fits in the pool of the larger ones."""
         t0 = time.perf_counter()
         self._drop()
-        for key in sorted(((b, n) for b in self.row_buckets for n in self.frame_buckets),
-                          key=lambda k: (k[0] * k[1], k), reverse=True):
+        for key in sorted(
+            ((b, n) for b in self.row_buckets for n in self.frame_buckets), key=lambda k: (k[0] * k[1], k), reverse=True
+        ):
             self._capture_one(*key)
         self.capture_s = time.perf_counter() - t0
-        logger.info("captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s%s", len(self.graphs),
-                    self.row_buckets[0], self.row_buckets[-1], self.frame_buckets[0], self.frame_buckets[-1],
-                    self.capture_s, self._pool_report())
+        logger.info(
+            "captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s%s",
+            len(self.graphs),
+            self.row_buckets[0],
+            self.row_buckets[-1],
+            self.frame_buckets[0],
+            self.frame_buckets[-1],
+            self.capture_s,
+            self._pool_report(),
+        )
 
     def _pool_report(self) -> str:
         if self.stage.device.type != "cuda" or self.pool is None:
@@ -145,8 +157,11 @@ class VocoderGraphs:
         wav [b, hop * 2w] of bucket (b, w) >= (B, n); rows >= B are padding. A view of a static buffer, valid
         until the next replay (stream order keeps a crop queued before it safe)."""
         if self.generation != self.stage.slot_generation:
-            logger.warning("the vocoder's state slots grew to %d: its graphs are captured again as calls need "
-                           "them (raise max_num_seqs' headroom to avoid this)", self.stage._num_slots)
+            logger.warning(
+                "the vocoder's state slots grew to %d: its graphs are captured again as calls need "
+                "them (raise max_num_seqs' headroom to avoid this)",
+                self.stage._num_slots,
+            )
             self._drop()
         b, n = self.bucket(x.shape[0], x.shape[1])
         if (b, n) not in self.graphs:

@@ -16,8 +16,9 @@ from ttsserve.audio.decoder_net import ConvNeXtBlock, count_blocks, frame_mask, 
 class VocosBackbone(nn.Module):
     """mel [B, n_mels, T] -> features [B, T, dim]: embed conv, LN, ConvNeXt blocks (dilation 1), final LN."""
 
-    def __init__(self, n_mels: int, dim: int, intermediate: int, n_layers: int, embed_kernel: int = 7,
-                 block_kernel: int = 7):
+    def __init__(
+        self, n_mels: int, dim: int, intermediate: int, n_layers: int, embed_kernel: int = 7, block_kernel: int = 7
+    ):
         super().__init__()
         self.embed = nn.Conv1d(n_mels, dim, embed_kernel, padding=embed_kernel // 2)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
@@ -121,8 +122,7 @@ class Vocos(nn.Module):
         return self.head(x, None if mask is None else mask[:, 0])
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, Tensor], source: str = "Vocos.safetensors",
-                        hop_length: int = 256) -> Vocos:
+    def from_state_dict(cls, sd: dict[str, Tensor], source: str = "Vocos.safetensors", hop_length: int = 256) -> Vocos:
         dim, n_mels, embed_kernel = tensor_shape(sd, "backbone.embed.weight", source, 3)
         n_layers = count_blocks(sd, "backbone.convnext", source)
         intermediate = tensor_shape(sd, "backbone.convnext.0.pwconv1.weight", source, 2)[0]

@@ -28,8 +28,9 @@ from ttsserve.sample.sampler import SamplingBatch, sample
 SEGMENT_SEED_STRIDE = 1  # the engine seeds segment k of a request with seed + k; so does the baseline
 
 
-def build_llama(gpt_config: dict, state_dict: dict[str, torch.Tensor], device: torch.device,
-                dtype: torch.dtype) -> torch.nn.Module:
+def build_llama(
+    gpt_config: dict, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
     """A transformers LlamaModel holding the checkpoint's GPT weights, without embed_tokens.
 
     vocab_size is set to 1 because embed_tokens is deleted after load, as the reference does: only its
@@ -45,13 +46,14 @@ def build_llama(gpt_config: dict, state_dict: dict[str, torch.Tensor], device: t
     config._attn_implementation = "sdpa"  # the reference's default (MODEL.md §3.2: all-masked rows give 0)
     with torch.device("meta"):
         model = LlamaModel(config)
-    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state_dict.items()}
+    sd = {(k[len("model.") :] if k.startswith("model.") else k): v for k, v in state_dict.items()}
     sd = {k: v for k, v in sd.items() if not k.endswith(("embed_tokens.weight", "rotary_emb.inv_freq"))}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith("embed_tokens")]
     if missing or unexpected:
-        raise ValueError(f"gpt/model.safetensors does not fit LlamaModel: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"gpt/model.safetensors does not fit LlamaModel: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     model.embed_tokens = None
     # Buffers were created on meta: rebuild the rotary table for real.
     model.rotary_emb = type(model.rotary_emb)(config=config)
@@ -94,8 +96,13 @@ class HFBaseline:
 
     # ---- one static batch -----------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        out = self.llama(inputs_embeds=x.to(self.dtype), attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{self._cache_arg: cache})
+        out = self.llama(
+            inputs_embeds=x.to(self.dtype),
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_arg: cache},
+        )
         return out.last_hidden_state[:, -1].float()  # [B, H]: heads on the last position only
 
     def _prefill_inputs(self, prompts: Sequence[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +124,9 @@ class HFBaseline:
         return torch.stack(embeds), torch.stack(masks).to(self.device)
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[tuple], params: Sequence[SamplingParams], seeds: Sequence[int],
-                 on_step=None) -> list[Generated]:
+    def generate(
+        self, prompts: Sequence[tuple], params: Sequence[SamplingParams], seeds: Sequence[int], on_step=None
+    ) -> list[Generated]:
         """Generate one static batch to the end (every row finished or the largest max_new_tokens reached).
 
         prompts[i]: (ids int64 [T_i, num_vq], text_mask bool [T_i], spk_emb fp16 [H] or None), as
@@ -160,8 +168,10 @@ class HFBaseline:
             hidden = self._forward(self.embed.embed_codes(tok)[:, None, :], mask, positions, cache)
         self.last_cache_tokens, self.last_steps = b * mask.shape[1], len(tokens)
         toks, hids = torch.stack(tokens, dim=1), torch.stack(hiddens, dim=1)  # [B, S, Q], [B, S, H]
-        return [Generated(toks[i, :n], hids[i, :n], "stop" if bool(stopped[i]) else "length")
-                for i, n in enumerate(lengths.tolist())]
+        return [
+            Generated(toks[i, :n], hids[i, :n], "stop" if bool(stopped[i]) else "length")
+            for i, n in enumerate(lengths.tolist())
+        ]
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -195,12 +205,14 @@ class HFBaseline:
             return [torch.zeros(0) for _ in results]
         h = torch.zeros(len(results), n_max, self.embed.hidden_size, device=self.device)
         for i, r in enumerate(results):
-            h[i, :r.hiddens.shape[0]] = r.hiddens
+            h[i, : r.hiddens.shape[0]] = r.hiddens
         mel = self.model.decoder(h.transpose(1, 2), lengths.clamp(min=1))
         wav = self.model.vocos(mel, 2 * lengths.clamp(min=1))
         hop = self.model.vocos.hop_length
-        return [wav[i, :max(0, hop * (2 * n - 1))].float().cpu() if n else torch.zeros(0)
-                for i, n in enumerate(lengths.tolist())]
+        return [
+            wav[i, : max(0, hop * (2 * n - 1))].float().cpu() if n else torch.zeros(0)
+            for i, n in enumerate(lengths.tolist())
+        ]
 
     # ---- the bench interface (same as TTSServeBackend) ----------------------------------------------------
     def run_batch(self, sentences, params: Sequence[SamplingParams], split: bool, bar=None) -> BatchRun:
@@ -226,8 +238,10 @@ class HFBaseline:
         gen = self.generate(prompts, seg_params, seg_seeds, on_step)
         wavs = self.decode(gen)
         wall = time.perf_counter() - t0
-        records = [RequestRecord(f"hf-{i}", s.id, latency_s=wall, ttfa_s=wall, finish_reason="stop", num_segments=0)
-                   for i, s in enumerate(sentences)]
+        records = [
+            RequestRecord(f"hf-{i}", s.id, latency_s=wall, ttfa_s=wall, finish_reason="stop", num_segments=0)
+            for i, s in enumerate(sentences)
+        ]
         for g, w, i in zip(gen, wavs, owner):
             rec = records[i]
             rec.num_frames += g.codes.shape[0]
@@ -235,11 +249,25 @@ class HFBaseline:
             rec.num_segments += 1
             if g.finish_reason == "length":
                 rec.finish_reason = "length"
-        return BatchRun(wall, records, mem.peak(), mem.kind, None, self.last_cache_tokens * self.kv_bytes_per_token,
-                        0, self.last_steps, extra={"static_batch_rows": len(prompts)})
+        return BatchRun(
+            wall,
+            records,
+            mem.peak(),
+            mem.kind,
+            None,
+            self.last_cache_tokens * self.kv_bytes_per_token,
+            0,
+            self.last_steps,
+            extra={"static_batch_rows": len(prompts)},
+        )
 
     def describe(self) -> dict:
         import transformers
 
-        return {"backend": self.name, "device": str(self.device), "dtype": str(self.dtype),
-                "transformers": transformers.__version__, "attention": "sdpa, DynamicCache"}
+        return {
+            "backend": self.name,
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "transformers": transformers.__version__,
+            "attention": "sdpa, DynamicCache",
+        }

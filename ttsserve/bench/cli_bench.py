@@ -37,8 +37,12 @@ def _words(s: str) -> list[str]:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="picks the texts and the per-request sampling seeds")
     p.add_argument("--langs", type=_words, default=["en", "zh", "mixed"], help="corpus languages, e.g. en,zh")
-    p.add_argument("--text-lengths", type=_words, default=["short", "medium", "long"],
-                   help="corpus sentence lengths, e.g. short,medium")
+    p.add_argument(
+        "--text-lengths",
+        type=_words,
+        default=["short", "medium", "long"],
+        help="corpus sentence lengths, e.g. short,medium",
+    )
     p.add_argument("--out", default=None, help="report folder (default benchmarks/results/<timestamp>-<kind>/)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -49,21 +53,43 @@ def _add_offline(sub) -> None:
     p.add_argument("--backend", default="ttsserve", choices=["ttsserve", "hf", "both"])
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32], help="requests submitted at once, e.g. 1,8,32")
     p.add_argument("--frames", type=int, default=128, help="frames per segment (the cap, for --lengths natural)")
-    p.add_argument("--lengths", default="fixed", choices=["fixed", "natural"],
-                   help="fixed: min_new_tokens = max_new_tokens = frames; natural: stop at EOS")
+    p.add_argument(
+        "--lengths",
+        default="fixed",
+        choices=["fixed", "natural"],
+        help="fixed: min_new_tokens = max_new_tokens = frames; natural: stop at EOS",
+    )
     p.add_argument("--rounds", type=int, default=1, help="batches per batch size")
     p.add_argument("--split", action="store_true", help="split long texts into segments (default: one each)")
-    p.add_argument("--warmup-frames", type=int, default=8,
-                   help="before each batch size, an untimed batch of that size with this many frames (0: none)")
+    p.add_argument(
+        "--warmup-frames",
+        type=int,
+        default=8,
+        help="before each batch size, an untimed batch of that size with this many frames (0: none)",
+    )
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU intra-op threads (default: $OMP_NUM_THREADS, else the physical cores)")
-    add_model_args(p, helps={"quantization": "GPT weight format (a dense dummy checkpoint is quantized at load; "
-                                             "the hf backend always runs dense weights)"})
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU intra-op threads (default: $OMP_NUM_THREADS, else the physical cores)",
+    )
+    add_model_args(
+        p,
+        helps={
+            "quantization": "GPT weight format (a dense dummy checkpoint is quantized at load; "
+            "the hf backend always runs dense weights)"
+        },
+    )
     # --seed picks the texts (and seeds the dummy weights); --threads is cpu_threads
     add_engine_args(p, exclude=("seed", "cpu_threads"))
-    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
-                   help="any EngineConfig field, e.g. lookahead_frames=8 (repeatable; overrides the flags)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any EngineConfig field, e.g. lookahead_frames=8 (repeatable; overrides the flags)",
+    )
     _add_common(p)
     p.set_defaults(func=cmd_offline)
 
@@ -72,8 +98,12 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="HTTP load test against a running `ttsserve serve`")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only by default)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
-    p.add_argument("--endpoint", default="speech", choices=["speech", "synthesize"],
-                   help="speech: POST /v1/audio/speech (OpenAI); synthesize: POST /synthesize")
+    p.add_argument(
+        "--endpoint",
+        default="speech",
+        choices=["speech", "synthesize"],
+        help="speech: POST /v1/audio/speech (OpenAI); synthesize: POST /synthesize",
+    )
     p.add_argument("--model-name", default=MODEL_NAME, help="the body's `model` field")
     p.add_argument("--voice", default="alloy")
     p.add_argument("--concurrency", type=_ints, default=[], help="closed-loop clients per point, e.g. 1,4,16")
@@ -81,14 +111,22 @@ def _add_serve(sub) -> None:
     p.add_argument("--num-requests", type=int, default=32, help="requests per point (at most)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds per point (at most; no new sends after)")
     p.add_argument("--no-stream", action="store_true", help="time whole responses, not chunks")
-    p.add_argument("--response-format", default="pcm", choices=["pcm", "mp3"],
-                   help="pcm: samples = bytes / 2; mp3: samples counted from the frame headers (encoding cost shows)")
+    p.add_argument(
+        "--response-format",
+        default="pcm",
+        choices=["pcm", "mp3"],
+        help="pcm: samples = bytes / 2; mp3: samples counted from the frame headers (encoding cost shows)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="frame cap per segment sent with each request")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--client-procs", type=int, default=None,
-                   help="load-generator processes (default: one per 32 closed-loop streams, at most half the "
-                        "cores; one Python client stops keeping up before the server does; the report's "
-                        "client CPU column shows each process's load)")
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=None,
+        help="load-generator processes (default: one per 32 closed-loop streams, at most half the "
+        "cores; one Python client stops keeping up before the server does; the report's "
+        "client CPU column shows each process's load)",
+    )
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 
@@ -177,9 +215,18 @@ def _offline(a: argparse.Namespace) -> int:
 
         configure_cpu_threads(a.threads)  # the same policy for both backends (the Engine applies it again)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    spec = OfflineSpec(batch_sizes=a.batch_sizes, frames=a.frames, lengths=a.lengths, rounds=a.rounds,
-                       seed=a.seed, langs=a.langs, text_lengths=a.text_lengths, split=a.split,
-                       warmup_frames=a.warmup_frames, greedy=a.greedy)
+    spec = OfflineSpec(
+        batch_sizes=a.batch_sizes,
+        frames=a.frames,
+        lengths=a.lengths,
+        rounds=a.rounds,
+        seed=a.seed,
+        langs=a.langs,
+        text_lengths=a.text_lengths,
+        split=a.split,
+        warmup_frames=a.warmup_frames,
+        greedy=a.greedy,
+    )
     cfg = _engine_config(a)
     names = ["hf", "ttsserve"] if a.backend == "both" else [a.backend]
     results, described, device = [], {}, None
@@ -191,8 +238,7 @@ def _offline(a: argparse.Namespace) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    config = {"spec": _plain(dataclasses.asdict(spec)), "engine": _plain(dataclasses.asdict(cfg)),
-              "args": _args(a)}
+    config = {"spec": _plain(dataclasses.asdict(spec)), "engine": _plain(dataclasses.asdict(cfg)), "args": _args(a)}
     machine = machine_info(device) | {"load_average_1m_before": load_before}
     report = build_report("offline", results, config, machine, described)
     out = write_report(report, results, a.out or default_out_dir("offline"), plots=not a.no_plots)
@@ -207,11 +253,25 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from ttsserve.bench.sysinfo import machine_info
 
     try:
-        spec = ServeSpec(url=a.url, endpoint=a.endpoint, model=a.model_name, voice=a.voice,
-                         concurrency=a.concurrency, qps=a.qps, num_requests=a.num_requests, duration=a.duration,
-                         stream=not a.no_stream, max_new_tokens=a.max_new_tokens, seed=a.seed, langs=a.langs,
-                         text_lengths=a.text_lengths, timeout=a.timeout, allow_remote=a.allow_remote,
-                         response_format=a.response_format, client_procs=a.client_procs)
+        spec = ServeSpec(
+            url=a.url,
+            endpoint=a.endpoint,
+            model=a.model_name,
+            voice=a.voice,
+            concurrency=a.concurrency,
+            qps=a.qps,
+            num_requests=a.num_requests,
+            duration=a.duration,
+            stream=not a.no_stream,
+            max_new_tokens=a.max_new_tokens,
+            seed=a.seed,
+            langs=a.langs,
+            text_lengths=a.text_lengths,
+            timeout=a.timeout,
+            allow_remote=a.allow_remote,
+            response_format=a.response_format,
+            client_procs=a.client_procs,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

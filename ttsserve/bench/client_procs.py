@@ -31,16 +31,20 @@ def spread(load_kind: str, load: float, items: list, procs: int) -> list[tuple[f
     return [(loads[k], items[k::n]) for k in range(n) if items[k::n]]
 
 
-async def drive_in_processes(spec, load_kind: str, load: float, items: list, procs: int
-                             ) -> tuple[list[RequestRecord], list[float], float]:
+async def drive_in_processes(
+    spec, load_kind: str, load: float, items: list, procs: int
+) -> tuple[list[RequestRecord], list[float], float]:
     """Run the point over `procs` processes -> (every record, each process's CPU per wall second, wall
     seconds). RuntimeError if a process fails to start or report."""
     ctx = mp.get_context("spawn")  # fork would copy this process's event loop and open sockets
     shares = spread(load_kind, load, items, procs)
     barrier, results = ctx.Barrier(len(shares) + 1), ctx.Queue()
-    workers = [ctx.Process(target=_client_main, daemon=True,
-                           args=(spec, load_kind, share, chunk, spec.seed + k, barrier, results))
-               for k, (share, chunk) in enumerate(shares)]
+    workers = [
+        ctx.Process(
+            target=_client_main, daemon=True, args=(spec, load_kind, share, chunk, spec.seed + k, barrier, results)
+        )
+        for k, (share, chunk) in enumerate(shares)
+    ]
     for p in workers:
         p.start()
     loop = asyncio.get_running_loop()

@@ -83,13 +83,13 @@ def parse_phases(log: str, t0: float) -> dict[str, float]:
     return out
 
 
-def measure_cold_start(serve_args: list[str], timeout_s: float = 600.0, env: dict[str, str] | None = None,
-                       poll_s: float = 0.05) -> ColdStart:
+def measure_cold_start(
+    serve_args: list[str], timeout_s: float = 600.0, env: dict[str, str] | None = None, poll_s: float = 0.05
+) -> ColdStart:
     """Start `python -m ttsserve.entrypoints.serve <serve_args> --port P`, wait for /ready 200, stop it.
     RuntimeError (with the log tail) if it exits or is not ready within `timeout_s`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *serve_args, "--host", "127.0.0.1",
-           "--port", str(port)]
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.time()
         start = time.perf_counter()
@@ -100,8 +100,10 @@ def measure_cold_start(serve_args: list[str], timeout_s: float = 600.0, env: dic
                 elapsed = time.perf_counter() - start
                 if proc.poll() is not None or elapsed > timeout_s:
                     log.seek(0)
-                    raise RuntimeError(f"server {'exited' if proc.returncode is not None else 'not ready'} "
-                                       f"after {elapsed:.1f} s:\n{log.read()[-3000:]}")
+                    raise RuntimeError(
+                        f"server {'exited' if proc.returncode is not None else 'not ready'} "
+                        f"after {elapsed:.1f} s:\n{log.read()[-3000:]}"
+                    )
                 if listen_s is None and _listening(port):
                     listen_s = time.perf_counter() - start
                 if listen_s is not None and _ready(port):
@@ -127,12 +129,19 @@ def import_floor_s() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ttsserve.bench.coldstart", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m ttsserve.bench.coldstart",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--cache-dummy", choices=["tiny", "real"], default=None,
-                    help="serve a cached safetensors copy of the dummy checkpoint of this size")
+    ap.add_argument(
+        "--cache-dummy",
+        choices=["tiny", "real"],
+        default=None,
+        help="serve a cached safetensors copy of the dummy checkpoint of this size",
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `ttsserve serve` flags")
     a = ap.parse_args(argv)
@@ -150,11 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {i}: ready {r.total_s:.2f} s, listening {r.listen_s:.2f} s, phases {r.phases}")
     med = statistics.median(r.total_s for r in runs)
     best = min(r.total_s for r in runs)  # on a shared machine the minimum is the least disturbed run
-    print(f"{a.label or ' '.join(serve_args)}: cold start to /ready: median {med:.2f} s, min {best:.2f} s "
-          f"(import torch alone: {floor:.2f} s)")
-    print(json.dumps({"label": a.label, "serve_args": serve_args, "median_s": med, "min_s": best,
-                      "import_torch_s": floor,
-                      "runs": [asdict(r) for r in runs]}))
+    print(
+        f"{a.label or ' '.join(serve_args)}: cold start to /ready: median {med:.2f} s, min {best:.2f} s "
+        f"(import torch alone: {floor:.2f} s)"
+    )
+    print(
+        json.dumps(
+            {
+                "label": a.label,
+                "serve_args": serve_args,
+                "median_s": med,
+                "min_s": best,
+                "import_torch_s": floor,
+                "runs": [asdict(r) for r in runs],
+            }
+        )
+    )
     return 0
 
 

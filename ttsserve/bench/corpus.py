@@ -41,8 +41,13 @@ def load_corpus(path: str | Path | None = None) -> list[Sentence]:
     return out
 
 
-def select_texts(n: int, seed: int = 0, langs: tuple[str, ...] = LANGS, lengths: tuple[str, ...] = LENGTHS,
-                 corpus: list[Sentence] | None = None) -> list[Sentence]:
+def select_texts(
+    n: int,
+    seed: int = 0,
+    langs: tuple[str, ...] = LANGS,
+    lengths: tuple[str, ...] = LENGTHS,
+    corpus: list[Sentence] | None = None,
+) -> list[Sentence]:
     """n sentences drawn without replacement from a seeded shuffle (cycling through reshuffles when n exceeds
     the filtered corpus). The same (n, seed, filters) always gives the same list."""
     if n < 0:

@@ -21,16 +21,21 @@ import torch
 
 from ttsserve.model.cpu_linear import stored_weight_bytes
 
-VARIANTS = (("bf16", None, "auto"), ("int8", "int8", "auto"), ("int4", "awq-int4", "auto"),
-            ("bf16+fp8kv", None, "fp8"), ("int8+fp8kv", "int8", "fp8"))
+VARIANTS = (
+    ("bf16", None, "auto"),
+    ("int8", "int8", "auto"),
+    ("int4", "awq-int4", "auto"),
+    ("bf16+fp8kv", None, "fp8"),
+    ("int8+fp8kv", "int8", "fp8"),
+)
 
 
 def build_gpts(device: torch.device) -> dict[str, torch.nn.Module]:
     from ttsserve.config import GPTConfig
-    from ttsserve.model.dummy import SIZES, _gpt, gpt_config_json
-    from ttsserve.model.gpt import GPT
     from ttsserve.layers.quant.linear import cast_except_quant, quantize_gpt_
     from ttsserve.layers.quant.quantize import QuantConfig
+    from ttsserve.model.dummy import SIZES, _gpt, gpt_config_json
+    from ttsserve.model.gpt import GPT
 
     s = SIZES["real"]
     cfg = GPTConfig.from_hf_json(gpt_config_json(s))
@@ -70,7 +75,7 @@ def time_step(gpt, cfg, batch: int, context: int, kv_dtype: str, device: torch.d
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     md = make_metadata(tables, [context] * batch, [1] * batch, 16, device)
     splits = choose_num_splits(batch * cfg.num_kv_heads, context + 1, 132, TritonTuning())
-    ctx = PagedAttention(TritonPagedAttention(num_splits=splits), caches, md, cfg.head_dim ** -0.5)
+    ctx = PagedAttention(TritonPagedAttention(num_splits=splits), caches, md, cfg.head_dim**-0.5)
     x = torch.randn(batch, cfg.hidden_size, device=device, dtype=torch.bfloat16)
     pos = torch.full((batch,), context, device=device, dtype=torch.int64)
 
@@ -141,14 +146,21 @@ def sweep_quant_configs(ms: list[int]) -> list[dict]:
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 bm, bk = (16 if m <= 16 else 64), (128 if qc.bits == 8 else qc.group_size)
-                cands = {"auto": None, "bn32": QuantMMConfig(bm, 32, bk, 1, 4, 3),
-                         "bn64": QuantMMConfig(bm, 64, bk, 1, 4, 3), "bn32_s2": QuantMMConfig(bm, 32, bk, 2, 4, 3),
-                         "bn64_s4": QuantMMConfig(bm, 64, bk, 4, 4, 3)}
+                cands = {
+                    "auto": None,
+                    "bn32": QuantMMConfig(bm, 32, bk, 1, 4, 3),
+                    "bn64": QuantMMConfig(bm, 64, bk, 1, 4, 3),
+                    "bn32_s2": QuantMMConfig(bm, 32, bk, 2, 4, 3),
+                    "bn64_s4": QuantMMConfig(bm, 64, bk, 4, 4, 3),
+                }
                 row = {"method": method, "n": n, "k": k, "m": m}
                 for name, cfg in cands.items():
+
                     def fn(x=x, t=t, cfg=cfg, qc=qc):
-                        return quant_matmul(x, t["qweight"], t["scales"], t.get("qzeros"), qc.bits, qc.group_size,
-                                            132, cfg)
+                        return quant_matmul(
+                            x, t["qweight"], t["scales"], t.get("qzeros"), qc.bits, qc.group_size, 132, cfg
+                        )
+
                     row[name] = 1000 * triton.testing.do_bench_cudagraph(fn, rep=10)
                 rows.append(row)
     return rows
@@ -171,7 +183,8 @@ def time_attention(batch: int, context: int) -> dict:
         cache = make_caches(layer, batch * per_seq, kv, torch.device("cuda"))[0]
         be = TritonPagedAttention(num_splits=1)
         out[kv + "_us"] = 1000 * triton.testing.do_bench_cudagraph(
-            lambda be=be, cache=cache: be.forward(q, k, v, cache, md, 0.125), rep=20)
+            lambda be=be, cache=cache: be.forward(q, k, v, cache, md, 0.125), rep=20
+        )
     return out
 
 
@@ -181,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", action="store_true", help="also sweep quant-matmul launch shapes and time the "
-                    "decode attention kernel alone (bf16 vs fp8 cache)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also sweep quant-matmul launch shapes and time the decode attention kernel alone (bf16 vs fp8 cache)",
+    )
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -195,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = gpts["bf16"].cfg
     result = {"device": torch.cuda.get_device_name(), "context": a.context, "steps": [], "memory": {}}
     with torch.inference_mode():
-        for label, method, kv in VARIANTS:
+        for label, _method, kv in VARIANTS:
             gpt = gpts[label.split("+")[0]]
-            result["memory"][label] = {"gpt_weight_MiB": stored_weight_bytes(gpt) / 2**20,
-                                       "kv_KiB_per_frame": kv_bytes_per_token(cfg, torch.bfloat16, kv) / 1024}
+            result["memory"][label] = {
+                "gpt_weight_MiB": stored_weight_bytes(gpt) / 2**20,
+                "kv_KiB_per_frame": kv_bytes_per_token(cfg, torch.bfloat16, kv) / 1024,
+            }
             for b in batches:
                 r = time_step(gpt, cfg, b, a.context, kv, device, a.iters)
                 result["steps"].append({"variant": label, "batch": b, **r})
@@ -216,27 +234,37 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_tables(result: dict, batches: list[int]) -> None:
     print(f"\n{result['device']}, context {result['context']} frames, decode step of the 20-layer GPT (ms):")
-    print(f"{'variant':>11} " + " ".join(f"{'B=' + str(b) + ' eager':>12} {'graph':>8}" for b in batches)
-          + f" {'weights MiB':>12} {'KV KiB/frame':>13}")
+    print(
+        f"{'variant':>11} "
+        + " ".join(f"{'B=' + str(b) + ' eager':>12} {'graph':>8}" for b in batches)
+        + f" {'weights MiB':>12} {'KV KiB/frame':>13}"
+    )
     for label, _, _ in VARIANTS:
         steps = {s["batch"]: s for s in result["steps"] if s["variant"] == label}
         mem = result["memory"][label]
-        print(f"{label:>11} " + " ".join(f"{steps[b]['eager_ms']:>12.3f} {steps[b]['graph_ms']:>8.3f}"
-                                         for b in batches)
-              + f" {mem['gpt_weight_MiB']:>12.1f} {mem['kv_KiB_per_frame']:>13.1f}")
+        print(
+            f"{label:>11} "
+            + " ".join(f"{steps[b]['eager_ms']:>12.3f} {steps[b]['graph_ms']:>8.3f}" for b in batches)
+            + f" {mem['gpt_weight_MiB']:>12.1f} {mem['kv_KiB_per_frame']:>13.1f}"
+        )
     print("\nlayer-0 linears alone (us, CUDA-graph replay):")
     print(f"{'linear':>13} {'M':>5} {'bf16':>8} {'int8':>8} {'int4':>8}")
     for r in result["linears"]:
         print(f"{r['linear']:>13} {r['m']:>5} {r['bf16_us']:>8.1f} {r['int8_us']:>8.1f} {r['int4_us']:>8.1f}")
     if "sweep" in result:
         names = ("auto", "bn32", "bn64", "bn32_s2", "bn64_s4")
-        print("\nquant matmul launch shapes (us):\n" + f"{'method':>8} {'N':>5} {'K':>5} {'M':>4} "
-              + " ".join(f"{n:>8}" for n in names))
+        print(
+            "\nquant matmul launch shapes (us):\n"
+            + f"{'method':>8} {'N':>5} {'K':>5} {'M':>4} "
+            + " ".join(f"{n:>8}" for n in names)
+        )
         for r in result["sweep"]:
             print(f"{r['method']:>8} {r['n']:>5} {r['k']:>5} {r['m']:>4} " + " ".join(f"{r[n]:>8.1f}" for n in names))
         att = result["attention"]
-        print(f"\ndecode attention, one layer, B={max(batches)}, context {result['context']}: "
-              f"bf16 cache {att['auto_us']:.1f} us, fp8 cache {att['fp8_us']:.1f} us")
+        print(
+            f"\ndecode attention, one layer, B={max(batches)}, context {result['context']}: "
+            f"bf16 cache {att['auto_us']:.1f} us, fp8 cache {att['fp8_us']:.1f} us"
+        )
 
 
 if __name__ == "__main__":

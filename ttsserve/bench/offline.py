@@ -55,13 +55,18 @@ class OfflineSpec:
     def params(self, index: int) -> SamplingParams:
         """Sampling parameters of request `index` of a batch: the code defaults with a per-request seed."""
         low = self.frames if self.lengths == "fixed" else 0
-        return SamplingParams(min_new_tokens=low, max_new_tokens=self.frames, seed=self.seed * 1_000_003 + index,
-                              greedy=self.greedy)
+        return SamplingParams(
+            min_new_tokens=low, max_new_tokens=self.frames, seed=self.seed * 1_000_003 + index, greedy=self.greedy
+        )
 
     def batches(self, batch_size: int) -> list[list[Sentence]]:
-        texts = select_texts(batch_size * self.rounds, seed=self.seed + batch_size, langs=tuple(self.langs),
-                             lengths=tuple(self.text_lengths))
-        return [texts[r * batch_size:(r + 1) * batch_size] for r in range(self.rounds)]
+        texts = select_texts(
+            batch_size * self.rounds,
+            seed=self.seed + batch_size,
+            langs=tuple(self.langs),
+            lengths=tuple(self.text_lengths),
+        )
+        return [texts[r * batch_size : (r + 1) * batch_size] for r in range(self.rounds)]
 
 
 @dataclass
@@ -94,8 +99,9 @@ class TTSServeBackend:
         self.device = str(engine.model.device)
         self._ids = itertools.count()
 
-    def run_batch(self, sentences: Sequence[Sentence], params: Sequence[SamplingParams], split: bool,
-                  bar=None) -> BatchRun:
+    def run_batch(
+        self, sentences: Sequence[Sentence], params: Sequence[SamplingParams], split: bool, bar=None
+    ) -> BatchRun:
         eng = self.engine
         mem = PeakMemory(self.device)
         mem.start()
@@ -103,8 +109,9 @@ class TTSServeBackend:
         records: dict[str, RequestRecord] = {}
         t0 = time.perf_counter()
         for s, p in zip(sentences, params):
-            rid = eng.add_synthesis(SynthesisRequest(s.text, code_params=p, split=split,
-                                                     request_id=f"bench-{next(self._ids)}"))
+            rid = eng.add_synthesis(
+                SynthesisRequest(s.text, code_params=p, split=split, request_id=f"bench-{next(self._ids)}")
+            )
             records[rid] = RequestRecord(rid, s.id, num_segments=len(eng.syntheses[rid].segments))
         pending, usage_peak, frames_seen = set(records), 0.0, c0[2]
         while pending:
@@ -131,29 +138,48 @@ class TTSServeBackend:
         wall = time.perf_counter() - t0
         spec = eng.kv_spec
         return BatchRun(
-            wall, list(records.values()), mem.peak(), mem.kind, usage_peak,
+            wall,
+            list(records.values()),
+            mem.peak(),
+            mem.kind,
+            usage_peak,
             int(usage_peak * spec.num_blocks * spec.block_size * spec.bytes_per_token),
-            eng.counters.preemptions - c0[0], eng.counters.steps - c0[1])
+            eng.counters.preemptions - c0[0],
+            eng.counters.steps - c0[1],
+        )
 
     def describe(self) -> dict:
-        return {"backend": self.name, "device": self.device, "dtype": str(self.engine.model.dtype),
-                "kv_cache": self.engine.memory_report(), "model_source": self.engine.model.source}
+        return {
+            "backend": self.name,
+            "device": self.device,
+            "dtype": str(self.engine.model.dtype),
+            "kv_cache": self.engine.memory_report(),
+            "model_source": self.engine.model.source,
+        }
 
 
 def merge_runs(backend: str, batch_size: int, runs: list[BatchRun]) -> RunResult:
     """Rounds of one batch size -> one RunResult (walls add up, request lists pool, peaks take the max)."""
+
     def peak(values):
         values = [v for v in values if v is not None]
         return max(values) if values else None
 
     return RunResult(
-        backend=backend, mode="offline", load_kind="batch_size", load=batch_size,
-        wall_s=sum(r.wall_s for r in runs), requests=[rec for r in runs for rec in r.records],
-        peak_memory_bytes=peak(r.peak_memory_bytes for r in runs), memory_kind=runs[0].memory_kind,
+        backend=backend,
+        mode="offline",
+        load_kind="batch_size",
+        load=batch_size,
+        wall_s=sum(r.wall_s for r in runs),
+        requests=[rec for r in runs for rec in r.records],
+        peak_memory_bytes=peak(r.peak_memory_bytes for r in runs),
+        memory_kind=runs[0].memory_kind,
         kv_cache_usage_peak=peak(r.kv_cache_usage_peak for r in runs),
         kv_cache_bytes_peak=peak(r.kv_cache_bytes_peak for r in runs),
-        preemptions=sum(r.preemptions for r in runs), steps=sum(r.steps for r in runs),
-        extra={"rounds": len(runs), **runs[0].extra})
+        preemptions=sum(r.preemptions for r in runs),
+        steps=sum(r.steps for r in runs),
+        extra={"rounds": len(runs), **runs[0].extra},
+    )
 
 
 def run_offline(spec: OfflineSpec, backend, progress: bool = True) -> list[RunResult]:
@@ -168,11 +194,23 @@ def run_offline(spec: OfflineSpec, backend, progress: bool = True) -> list[RunRe
         runs = []
         for batch in spec.batches(b):
             params = [spec.params(i) for i in range(len(batch))]
-            with tqdm(total=spec.frames * len(batch), unit="frame", disable=not progress, leave=False,
-                      desc=f"{backend.name} batch {b}") as bar:
+            with tqdm(
+                total=spec.frames * len(batch),
+                unit="frame",
+                disable=not progress,
+                leave=False,
+                desc=f"{backend.name} batch {b}",
+            ) as bar:
                 runs.append(backend.run_batch(batch, params, spec.split, bar))
         results.append(merge_runs(backend.name, b, runs))
         s = results[-1].summary()
-        logger.info("%s batch %d: %.1f frames/s, %.2f audio-s/s, latency p50 %.2f s, ttfa p50 %s", backend.name, b,
-                    s["frames_per_s"], s["audio_seconds_per_s"], s["latency_s"]["p50"] or 0.0, s["ttfa_s"]["p50"])
+        logger.info(
+            "%s batch %d: %.1f frames/s, %.2f audio-s/s, latency p50 %.2f s, ttfa p50 %s",
+            backend.name,
+            b,
+            s["frames_per_s"],
+            s["audio_seconds_per_s"],
+            s["latency_s"]["p50"] or 0.0,
+            s["ttfa_s"]["p50"],
+        )
     return results

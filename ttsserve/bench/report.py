@@ -33,22 +33,32 @@ def ratios(results: Sequence[RunResult], base: str = "hf", other: str = "ttsserv
         def div(a, b):
             return a / b if a is not None and b else None
 
-        out.append({
-            "load": load, "throughput_ratio": div(s_other["audio_seconds_per_s"], s_base["audio_seconds_per_s"]),
-            "frames_per_s_ratio": div(s_other["frames_per_s"], s_base["frames_per_s"]),
-            "latency_p50_speedup": div(s_base["latency_s"]["p50"], s_other["latency_s"]["p50"]),
-            "ttfa_p50_speedup": div(s_base["ttfa_s"]["p50"], s_other["ttfa_s"]["p50"]),
-            "peak_memory_ratio": div(s_other["peak_memory_bytes"], s_base["peak_memory_bytes"]),
-        })
+        out.append(
+            {
+                "load": load,
+                "throughput_ratio": div(s_other["audio_seconds_per_s"], s_base["audio_seconds_per_s"]),
+                "frames_per_s_ratio": div(s_other["frames_per_s"], s_base["frames_per_s"]),
+                "latency_p50_speedup": div(s_base["latency_s"]["p50"], s_other["latency_s"]["p50"]),
+                "ttfa_p50_speedup": div(s_base["ttfa_s"]["p50"], s_other["ttfa_s"]["p50"]),
+                "peak_memory_ratio": div(s_other["peak_memory_bytes"], s_base["peak_memory_bytes"]),
+            }
+        )
     return out
 
 
-def build_report(kind: str, results: Sequence[RunResult], config: dict, machine: dict,
-                 backends: dict | None = None) -> dict:
-    return {"report_version": REPORT_VERSION, "kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": machine, "config": config, "backends": backends or {},
-            "ratios": ratios(results) if {r.backend for r in results} >= {"hf", "ttsserve"} else [],
-            "results": [r.to_json() for r in results]}
+def build_report(
+    kind: str, results: Sequence[RunResult], config: dict, machine: dict, backends: dict | None = None
+) -> dict:
+    return {
+        "report_version": REPORT_VERSION,
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine,
+        "config": config,
+        "backends": backends or {},
+        "ratios": ratios(results) if {r.backend for r in results} >= {"hf", "ttsserve"} else [],
+        "results": [r.to_json() for r in results],
+    }
 
 
 def write_report(report: dict, results: Sequence[RunResult], out_dir: str | Path, plots: bool = True) -> Path:
@@ -116,66 +126,99 @@ def _server_side(results: Sequence[RunResult]) -> list[str]:
     if not rows:
         return []
     phases = list(rows[0]["server_step_ms"])
-    lines = ["", "server side (its /metrics over the run; host ms per engine step by phase)", "",
-             "| load | steps/s | steps > 20 / 50 ms | TTFA p50 / p99, engine; API servers (s) | running | waiting | "
-             + " | ".join(phases) + " |",
-             "|---|---:|---|---|---:|---:|" + "---:|" * len(phases)]
+    lines = [
+        "",
+        "server side (its /metrics over the run; host ms per engine step by phase)",
+        "",
+        "| load | steps/s | steps > 20 / 50 ms | TTFA p50 / p99, engine; API servers (s) | running | waiting | "
+        + " | ".join(phases)
+        + " |",
+        "|---|---:|---|---|---:|---:|" + "---:|" * len(phases),
+    ]
     for s in rows:
         ms, slow = s["server_step_ms"], s.get("server_steps_over_ms") or {}
         slow_cell = " / ".join(f"{slow[k]:.0f}" for k in ("20", "50")) if slow else "-"
         ttfa = s.get("server_ttfa_s") or {}
         ttfa_cell = "; ".join(_pair(ttfa.get(who)) for who in ("engine", "api")) if ttfa else "-"
-        lines.append(f"| {s['load_kind']} {s['load']:g} | {_f(s['server_steps_per_s'], 1)} | {slow_cell} | "
-                     f"{ttfa_cell} | "
-                     f"{_f(s.get('server_running_mean'), 1)} | {_f(s.get('server_waiting_mean'), 1)} | "
-                     + " | ".join(_f(ms.get(p), 3) for p in phases) + " |")
+        lines.append(
+            f"| {s['load_kind']} {s['load']:g} | {_f(s['server_steps_per_s'], 1)} | {slow_cell} | "
+            f"{ttfa_cell} | "
+            f"{_f(s.get('server_running_mean'), 1)} | {_f(s.get('server_waiting_mean'), 1)} | "
+            + " | ".join(_f(ms.get(p), 3) for p in phases)
+            + " |"
+        )
     return lines
 
 
 def markdown(report: dict, results: Sequence[RunResult]) -> str:
     m = report["machine"]
-    lines = [f"# ttsserve bench {report['kind']}", "",
-             f"- command: `{m.get('command')}`",
-             f"- machine: {m.get('cpu_model')} ({m.get('cpu_cores')} cores), device {m.get('device')}"
-             + (f" ({m['gpu_name']})" if m.get("gpu_name") else ""),
-             f"- torch {m.get('torch')}, transformers {m.get('transformers', '-')}, git {m.get('git_commit')}",
-             f"- created {report['created']}, load average (1 min) {_f(m.get('load_average_1m_before'))} before, "
-             f"{_f(m.get('load_average_1m'))} after", ""]
+    lines = [
+        f"# ttsserve bench {report['kind']}",
+        "",
+        f"- command: `{m.get('command')}`",
+        f"- machine: {m.get('cpu_model')} ({m.get('cpu_cores')} cores), device {m.get('device')}"
+        + (f" ({m['gpu_name']})" if m.get("gpu_name") else ""),
+        f"- torch {m.get('torch')}, transformers {m.get('transformers', '-')}, git {m.get('git_commit')}",
+        f"- created {report['created']}, load average (1 min) {_f(m.get('load_average_1m_before'))} before, "
+        f"{_f(m.get('load_average_1m'))} after",
+        "",
+    ]
     if report["kind"] == "offline":
-        lines += ["| backend | batch | requests | frames/s | audio-s/s | latency p50/p90/p99 (s) | "
-                  "TTFA p50/p90/p99 (s) | peak mem (MiB) | KV peak (MiB) | KV usage | preemptions |",
-                  "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "| backend | batch | requests | frames/s | audio-s/s | latency p50/p90/p99 (s) | "
+            "TTFA p50/p90/p99 (s) | peak mem (MiB) | KV peak (MiB) | KV usage | preemptions |",
+            "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        ]
         for r in results:
             s = r.summary()
-            lines.append(f"| {s['backend']} | {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
-                         f"{_f(s['frames_per_s'], 1)} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['latency_s'])} | "
-                         f"{_pcts(s['ttfa_s'])} | {_mib(s['peak_memory_bytes'])} | {_mib(s['kv_cache_bytes_peak'])} | "
-                         f"{_f(s['kv_cache_usage_peak'], 4)} | {s['preemptions']} |")
+            lines.append(
+                f"| {s['backend']} | {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
+                f"{_f(s['frames_per_s'], 1)} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['latency_s'])} | "
+                f"{_pcts(s['ttfa_s'])} | {_mib(s['peak_memory_bytes'])} | {_mib(s['kv_cache_bytes_peak'])} | "
+                f"{_f(s['kv_cache_usage_peak'], 4)} | {s['preemptions']} |"
+            )
     else:
-        lines += ["| load | ok/total | req/s | audio-s/s | TTFA p50/p99 (s) | latency p50/p99 (s) | "
-                  "RTF p50/p99 | underrun streams | errors | server mem peak (MiB) | client CPU |",
-                  "|---|---:|---:|---:|---|---|---|---:|---|---:|---:|"]
+        lines += [
+            "| load | ok/total | req/s | audio-s/s | TTFA p50/p99 (s) | latency p50/p99 (s) | "
+            "RTF p50/p99 | underrun streams | errors | server mem peak (MiB) | client CPU |",
+            "|---|---:|---:|---:|---|---|---|---:|---|---:|---:|",
+        ]
         for r in results:
             s = r.summary()
             p = ("p50", "p99")
-            lines.append(f"| {s['load_kind']} {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
-                         f"{_f(s['requests_per_s'])} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['ttfa_s'], p)} | "
-                         f"{_pcts(s['latency_s'], p)} | {_pcts(s['rtf'], p)} | {s['underrun_streams']} | "
-                         f"{s['errors'] or '-'} | {_mib(s['peak_memory_bytes'])} | {_client_cpu(s)} |")
+            lines.append(
+                f"| {s['load_kind']} {s['load']:g} | {s['num_ok']}/{s['num_requests']} | "
+                f"{_f(s['requests_per_s'])} | {_f(s['audio_seconds_per_s'])} | {_pcts(s['ttfa_s'], p)} | "
+                f"{_pcts(s['latency_s'], p)} | {_pcts(s['rtf'], p)} | {s['underrun_streams']} | "
+                f"{s['errors'] or '-'} | {_mib(s['peak_memory_bytes'])} | {_client_cpu(s)} |"
+            )
     if report["ratios"]:
-        lines += ["", "ttsserve vs hf (> 1: ttsserve better)", "",
-                  "| batch | throughput x | latency p50 x | TTFA p50 x | peak memory (ttsserve/hf) |",
-                  "|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "ttsserve vs hf (> 1: ttsserve better)",
+            "",
+            "| batch | throughput x | latency p50 x | TTFA p50 x | peak memory (ttsserve/hf) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
         for q in report["ratios"]:
-            lines.append(f"| {q['load']:g} | {_f(q['throughput_ratio'])} | {_f(q['latency_p50_speedup'])} | "
-                         f"{_f(q['ttfa_p50_speedup'])} | {_f(q['peak_memory_ratio'])} |")
+            lines.append(
+                f"| {q['load']:g} | {_f(q['throughput_ratio'])} | {_f(q['latency_p50_speedup'])} | "
+                f"{_f(q['ttfa_p50_speedup'])} | {_f(q['peak_memory_ratio'])} |"
+            )
     if report["kind"] == "serve":
         lines += _server_side(results)
-        lines += ["", "client CPU = cores busy per load-generator process (its most loaded one, x the number "
-                  "of processes); near 1.0 the client, not the server, limits the figures: raise --client-procs."]
-    lines += ["", "Units: audio-s/s = seconds of returned 24-kHz audio per wall second (all requests); "
-              "frames/s = code frames per wall second (1 frame = 512 samples = 21.3 ms); latency = submission "
-              "to last audio; TTFA = submission to first audio; RTF = latency / audio duration.", ""]
+        lines += [
+            "",
+            "client CPU = cores busy per load-generator process (its most loaded one, x the number "
+            "of processes); near 1.0 the client, not the server, limits the figures: raise --client-procs.",
+        ]
+    lines += [
+        "",
+        "Units: audio-s/s = seconds of returned 24-kHz audio per wall second (all requests); "
+        "frames/s = code frames per wall second (1 frame = 512 samples = 21.3 ms); latency = submission "
+        "to last audio; TTFA = submission to first audio; RTF = latency / audio duration.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -189,8 +232,11 @@ def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:
     groups: dict[str, list[RunResult]] = {}
     for r in results:
         groups.setdefault(r.backend, []).append(r)
-    xlabel = {"batch_size": "batch size (requests submitted at once)", "concurrency": "concurrent clients",
-              "qps": "offered load (requests/s)"}
+    xlabel = {
+        "batch_size": "batch size (requests submitted at once)",
+        "concurrency": "concurrent clients",
+        "qps": "offered load (requests/s)",
+    }
     paths = []
 
     colors = {name: f"C{i}" for i, name in enumerate(groups)}
@@ -209,13 +255,22 @@ def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, rs in groups.items():
         rs = sorted(rs, key=lambda r: r.load)
-        for key, q, style in (("latency_s", "p50", "-"), ("latency_s", "p90", "--"), ("latency_s", "p99", ":"),
-                              ("ttfa_s", "p50", "-.")):
+        for key, q, style in (
+            ("latency_s", "p50", "-"),
+            ("latency_s", "p90", "--"),
+            ("latency_s", "p99", ":"),
+            ("ttfa_s", "p50", "-."),
+        ):
             pts = [(r.load, r.summary()[key][q]) for r in rs]
             pts = [p for p in pts if p[1] is not None]
             if pts:
-                ax.plot(*zip(*pts), ls=style, marker="x" if key == "ttfa_s" else "o", color=colors[name],
-                        label=f"{name} {'TTFA' if key == 'ttfa_s' else 'latency'} {q}")
+                ax.plot(
+                    *zip(*pts),
+                    ls=style,
+                    marker="x" if key == "ttfa_s" else "o",
+                    color=colors[name],
+                    label=f"{name} {'TTFA' if key == 'ttfa_s' else 'latency'} {q}",
+                )
     ax.set(xlabel=xlab, ylabel="seconds", title="Latency percentiles vs load")
     _finish_axes(ax, results)
     paths.append(_save(fig, out / "latency.png"))
@@ -224,8 +279,12 @@ def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:
     for r in results:
         ttfa = sorted(x.ttfa_s for x in r.requests if x.status == "ok" and x.ttfa_s is not None)
         if ttfa:
-            ax.step(ttfa, [(i + 1) / len(ttfa) for i in range(len(ttfa))], where="post",
-                    label=f"{r.backend} {r.load_kind} {r.load:g}")
+            ax.step(
+                ttfa,
+                [(i + 1) / len(ttfa) for i in range(len(ttfa))],
+                where="post",
+                label=f"{r.backend} {r.load_kind} {r.load:g}",
+            )
     ax.set(xlabel="time to first audio (s)", ylabel="fraction of requests", title="TTFA CDF", ylim=(0, 1.02))
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

@@ -73,14 +73,28 @@ class RunResult:
                 errors[r.status] = errors.get(r.status, 0) + 1
         wall = max(self.wall_s, 1e-9)
         out = {
-            "backend": self.backend, "mode": self.mode, "load_kind": self.load_kind, "load": self.load,
-            "num_requests": len(self.requests), "num_ok": len(ok), "errors": errors, "wall_s": self.wall_s,
-            "total_frames": frames, "audio_seconds": audio_s, "frames_per_s": frames / wall,
-            "audio_seconds_per_s": audio_s / wall, "requests_per_s": len(ok) / wall,
-            "latency_s": percentiles(lat), "ttfa_s": percentiles(ttfa), "rtf": percentiles(rtf),
-            "peak_memory_bytes": self.peak_memory_bytes, "memory_kind": self.memory_kind,
-            "kv_cache_usage_peak": self.kv_cache_usage_peak, "kv_cache_bytes_peak": self.kv_cache_bytes_peak,
-            "preemptions": self.preemptions, "steps": self.steps,
+            "backend": self.backend,
+            "mode": self.mode,
+            "load_kind": self.load_kind,
+            "load": self.load,
+            "num_requests": len(self.requests),
+            "num_ok": len(ok),
+            "errors": errors,
+            "wall_s": self.wall_s,
+            "total_frames": frames,
+            "audio_seconds": audio_s,
+            "frames_per_s": frames / wall,
+            "audio_seconds_per_s": audio_s / wall,
+            "requests_per_s": len(ok) / wall,
+            "latency_s": percentiles(lat),
+            "ttfa_s": percentiles(ttfa),
+            "rtf": percentiles(rtf),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_kind": self.memory_kind,
+            "kv_cache_usage_peak": self.kv_cache_usage_peak,
+            "kv_cache_bytes_peak": self.kv_cache_bytes_peak,
+            "preemptions": self.preemptions,
+            "steps": self.steps,
         }
         if self.mode == "serve":  # frames are not visible over HTTP: only audio is counted
             out["total_frames"] = out["frames_per_s"] = None
@@ -99,8 +113,10 @@ class RunResult:
     @classmethod
     def from_json(cls, d: dict) -> RunResult:
         """Rebuild a run from its to_json() form (null latencies, written for strict JSON, become NaN)."""
-        reqs = [RequestRecord(**(r | {"latency_s": math.nan if r["latency_s"] is None else r["latency_s"]}))
-                for r in d["requests"]]
+        reqs = [
+            RequestRecord(**(r | {"latency_s": math.nan if r["latency_s"] is None else r["latency_s"]}))
+            for r in d["requests"]
+        ]
         run = d.get("run")
         if run is None:  # reports written before "run" existed: the same fields sit in the summary
             names = [f.name for f in fields(cls) if f.name not in ("requests", "extra")]

@@ -54,8 +54,10 @@ class ServeSpec:
 
     def __post_init__(self) -> None:
         if self.response_format not in ("pcm", "mp3"):
-            raise ValueError(f"response_format must be pcm|mp3 (the formats whose samples the client can count "
-                             f"as they arrive), got {self.response_format!r}")
+            raise ValueError(
+                f"response_format must be pcm|mp3 (the formats whose samples the client can count "
+                f"as they arrive), got {self.response_format!r}"
+            )
         if self.endpoint not in ("speech", "synthesize"):
             raise ValueError(f"endpoint must be speech|synthesize, got {self.endpoint!r}")
         if not self.concurrency and not self.qps:
@@ -75,11 +77,22 @@ class ServeSpec:
     def body(self, text: str, index: int) -> dict:
         seed = self.seed * 1_000_003 + index
         if self.endpoint == "speech":
-            body = {"model": self.model, "input": text, "voice": self.voice, "response_format": self.response_format,
-                    "stream_format": "audio", "seed": seed}
+            body = {
+                "model": self.model,
+                "input": text,
+                "voice": self.voice,
+                "response_format": self.response_format,
+                "stream_format": "audio",
+                "seed": seed,
+            }
         else:
-            body = {"text": text, "voice": self.voice, "format": self.response_format, "stream": self.stream,
-                    "seed": seed}
+            body = {
+                "text": text,
+                "voice": self.voice,
+                "format": self.response_format,
+                "stream": self.stream,
+                "seed": seed,
+            }
         if self.max_new_tokens is not None:
             body["max_new_tokens"] = self.max_new_tokens
         return body | self.extra_body
@@ -166,7 +179,7 @@ def _sample_counter(fmt: str):
         nonlocal pending
         pending += chunk
         n = len(pending) // 2
-        pending = pending[2 * n:]
+        pending = pending[2 * n :]
         return n
 
     return pcm
@@ -209,8 +222,9 @@ async def _open_loop(client, spec: ServeSpec, items: Items, qps: float, seed: in
     return list(await asyncio.gather(*tasks))
 
 
-async def drive_load(spec: ServeSpec, load_kind: str, load: float, items: Items, seed: int,
-                     on_done=lambda: None) -> tuple[list[RequestRecord], float]:
+async def drive_load(
+    spec: ServeSpec, load_kind: str, load: float, items: Items, seed: int, on_done=lambda: None
+) -> tuple[list[RequestRecord], float]:
     """Run one share of a load point from this process -> (records, the CPU this process used per wall
     second while it ran: 1.0 = one core busy, where one Python client stops keeping up)."""
     import httpx
@@ -260,27 +274,36 @@ def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, 
             if ("memory" in k or "kv_cache_usage" in k) and not k.endswith(("_created", "_total_created")):
                 peaks[k] = max(v, peaks.get(k, v))
     pre = [k for k in after if k.startswith("ttsserve_num_preemptions") and not k.endswith("_created")]
-    out: dict = {"server_metrics_peak": peaks,
-                 "preemptions": int(sum(after[k] - before.get(k, 0.0) for k in pre))}
+    out: dict = {"server_metrics_peak": peaks, "preemptions": int(sum(after[k] - before.get(k, 0.0) for k in pre))}
     steps = after.get("ttsserve_engine_steps_total", 0.0) - before.get("ttsserve_engine_steps_total", 0.0)
     if steps > 0:
         phase = 'ttsserve_engine_phase_seconds_total{phase="'
         out["server_steps_per_s"] = steps / max(wall_s, 1e-9)
-        out["server_step_ms"] = {k[len(phase):-2]: 1000.0 * (v - before.get(k, 0.0)) / steps
-                                 for k, v in after.items() if k.startswith(phase)}
+        out["server_step_ms"] = {
+            k[len(phase) : -2]: 1000.0 * (v - before.get(k, 0.0)) / steps
+            for k, v in after.items()
+            if k.startswith(phase)
+        }
         if 'ttsserve_engine_step_seconds_bucket{le="+Inf"}' in after:  # steps over 20 / 50 ms: a tail's cause?
             le = {ms: f'ttsserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}' for ms in (20, 50)}
-            out["server_steps_over_ms"] = {str(ms): steps - (after.get(k, 0.0) - before.get(k, 0.0))
-                                           for ms, k in le.items()}
-    ttfa = {who: {f"p{q}": histogram_quantile(q / 100, buckets) for q in (50, 99)}
-            for who, name in (("engine", "ttsserve_engine_time_to_first_audio_seconds"),
-                              ("api", "ttsserve_time_to_first_audio_seconds"))
-            if (buckets := _bucket_increase(before, after, name))}
+            out["server_steps_over_ms"] = {
+                str(ms): steps - (after.get(k, 0.0) - before.get(k, 0.0)) for ms, k in le.items()
+            }
+    ttfa = {
+        who: {f"p{q}": histogram_quantile(q / 100, buckets) for q in (50, 99)}
+        for who, name in (
+            ("engine", "ttsserve_engine_time_to_first_audio_seconds"),
+            ("api", "ttsserve_time_to_first_audio_seconds"),
+        )
+        if (buckets := _bucket_increase(before, after, name))
+    }
     if ttfa:  # the server's own view of time to first audio: where a tail the clients see comes from
         out["server_ttfa_s"] = ttfa
     # over the samples taken while the load ran (the scrape after it, at an idle server, would pull it down)
-    for gauge, key in (("ttsserve_num_requests_running", "server_running_mean"),
-                       ("ttsserve_num_requests_waiting", "server_waiting_mean")):
+    for gauge, key in (
+        ("ttsserve_num_requests_running", "server_running_mean"),
+        ("ttsserve_num_requests_waiting", "server_waiting_mean"),
+    ):
         values = [s[gauge] for s in samples if gauge in s]
         if values:
             out[key] = sum(values) / len(values)
@@ -335,8 +358,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
 
     from ttsserve.bench.client_procs import drive_in_processes
 
-    texts = select_texts(spec.num_requests, seed=spec.seed, langs=tuple(spec.langs),
-                         lengths=tuple(spec.text_lengths))
+    texts = select_texts(spec.num_requests, seed=spec.seed, langs=tuple(spec.langs), lengths=tuple(spec.text_lengths))
     items = list(enumerate(texts))
     procs = spec.client_procs or auto_client_procs(load_kind, load)
     async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout) as client:
@@ -354,8 +376,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
 
         sampler_task = asyncio.create_task(sampler())
         if procs == 1:
-            bar = tqdm(total=len(texts), unit="req", disable=not progress, leave=False,
-                       desc=f"{load_kind} {load:g}")
+            bar = tqdm(total=len(texts), unit="req", disable=not progress, leave=False, desc=f"{load_kind} {load:g}")
             t0 = time.perf_counter()
             records, cpu = await drive_load(spec, load_kind, load, items, spec.seed, lambda: bar.update(1))
             wall, client_cpu = time.perf_counter() - t0, [cpu]
@@ -368,12 +389,24 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
     figures = _server_figures(samples, before, after, wall)
     mem = [v for k, v in figures["server_metrics_peak"].items() if "memory" in k and "bytes" in k]
     kv = [v for k, v in figures["server_metrics_peak"].items() if "kv_cache_usage" in k]
-    return RunResult("server", "serve", load_kind, load, wall, sorted(records, key=lambda r: r.request_id),
-                     peak_memory_bytes=int(max(mem)) if mem else None,
-                     memory_kind="server_metrics" if mem else None,
-                     kv_cache_usage_peak=max(kv) if kv else None, preemptions=figures["preemptions"],
-                     extra={"stream": spec.stream, "endpoint": spec.path, "client_cpu": client_cpu,
-                            **{k: v for k, v in figures.items() if k != "preemptions"}})
+    return RunResult(
+        "server",
+        "serve",
+        load_kind,
+        load,
+        wall,
+        sorted(records, key=lambda r: r.request_id),
+        peak_memory_bytes=int(max(mem)) if mem else None,
+        memory_kind="server_metrics" if mem else None,
+        kv_cache_usage_peak=max(kv) if kv else None,
+        preemptions=figures["preemptions"],
+        extra={
+            "stream": spec.stream,
+            "endpoint": spec.path,
+            "client_cpu": client_cpu,
+            **{k: v for k, v in figures.items() if k != "preemptions"},
+        },
+    )
 
 
 def run_serving(spec: ServeSpec, progress: bool = True) -> list[RunResult]:

@@ -25,10 +25,16 @@ def cpu_model() -> str:
 def git_commit(root: Path = REPO_ROOT) -> str | None:
     """HEAD's hash, with '-dirty' when tracked files differ from it; None outside a git checkout."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("-dirty" if dirty else "")
@@ -39,9 +45,15 @@ def machine_info(device: str | None = None) -> dict:
     import torch
 
     info = {
-        "hostname": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
-        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "device": device or "cpu", "git_commit": git_commit(),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": device or "cpu",
+        "git_commit": git_commit(),
         "command": " ".join([_program(), *sys.argv[1:]]),
         # other processes competing for the CPU distort CPU figures: record how busy the host was
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

@@ -57,12 +57,20 @@ def render_nginx_conf(p: NginxParams, template: str | None = None) -> str:
     """The template with every placeholder filled in (ValueError on a bad value or an unknown placeholder)."""
     p.validate()
     text = template if template is not None else TEMPLATE.read_text()
-    servers = "\n".join(f"        server {u} max_fails={p.max_fails} fail_timeout={p.fail_timeout};"
-                        for u in p.upstreams)
+    servers = "\n".join(
+        f"        server {u} max_fails={p.max_fails} fail_timeout={p.fail_timeout};" for u in p.upstreams
+    )
     values = {
-        "LISTEN": p.listen, "RATE": p.rate, "BURST": str(p.burst), "TRIES": str(p.tries),
-        "MAX_FAILS": str(p.max_fails), "FAIL_TIMEOUT": p.fail_timeout, "RUNTIME_DIR": p.runtime_dir.rstrip("/"),
-        "ERROR_LOG": p.error_log, "ACCESS_LOG": p.access_log, "WORKER_PROCESSES": p.worker_processes,
+        "LISTEN": p.listen,
+        "RATE": p.rate,
+        "BURST": str(p.burst),
+        "TRIES": str(p.tries),
+        "MAX_FAILS": str(p.max_fails),
+        "FAIL_TIMEOUT": p.fail_timeout,
+        "RUNTIME_DIR": p.runtime_dir.rstrip("/"),
+        "ERROR_LOG": p.error_log,
+        "ACCESS_LOG": p.access_log,
+        "WORKER_PROCESSES": p.worker_processes,
     }
     text = text.replace("    @UPSTREAM_SERVERS@", servers)
 
@@ -86,9 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime-dir", default="/tmp")
     a = ap.parse_args(argv)
     try:
-        conf = render_nginx_conf(NginxParams(
-            upstreams=a.upstream, listen=a.listen, rate=a.rate, burst=a.burst, tries=a.tries,
-            max_fails=a.max_fails, fail_timeout=a.fail_timeout, runtime_dir=a.runtime_dir))
+        conf = render_nginx_conf(
+            NginxParams(
+                upstreams=a.upstream,
+                listen=a.listen,
+                rate=a.rate,
+                burst=a.burst,
+                tries=a.tries,
+                max_fails=a.max_fails,
+                fail_timeout=a.fail_timeout,
+                runtime_dir=a.runtime_dir,
+            )
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,10 +22,13 @@ import time
 from dataclasses import dataclass
 
 logger = logging.getLogger("ttsserve.deploy.proxy")
-_NO_REPLICA = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-               b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
-_NO_REPLICA_BODY = (b'{"error":{"message":"no replica is ready","type":"server_error","param":null,'
-                    b'"code":"no_replica_ready"}}')
+_NO_REPLICA = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
+_NO_REPLICA_BODY = (
+    b'{"error":{"message":"no replica is ready","type":"server_error","param":null,"code":"no_replica_ready"}}'
+)
 
 
 @dataclass
@@ -46,8 +49,9 @@ class Backend:
 
     def set_ready(self, ready: bool, why: str = "") -> None:
         if ready != self.ready:
-            logger.info("replica %s is %s%s", self.addr, "ready" if ready else "out of rotation",
-                        f" ({why})" if why else "")
+            logger.info(
+                "replica %s is %s%s", self.addr, "ready" if ready else "out of rotation", f" ({why})" if why else ""
+            )
             self.ready, self.last_change = ready, time.monotonic()
 
 
@@ -67,14 +71,14 @@ async def probe_ready(b: Backend, timeout: float = 2.0) -> bool:
     """GET /ready on `b`; True iff the status is 200."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(b.host, b.port), timeout)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     try:
         writer.write(f"GET /ready HTTP/1.1\r\nhost: {b.addr}\r\nconnection: close\r\n\r\n".encode())
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), timeout)
         return status.split(b" ")[1:2] == [b"200"]
-    except (OSError, asyncio.TimeoutError, IndexError):
+    except (TimeoutError, OSError, IndexError):
         return False
     finally:
         writer.close()
@@ -99,8 +103,15 @@ class LoadBalancer:
     `probe_interval_s`, replays a connection's first `replay_limit_bytes` to the next replica when one closes
     it without answering. Use: `await lb.start()`, ..., `await lb.stop()`; or `await lb.serve_forever()`."""
 
-    def __init__(self, host: str, port: int, backends: list[Backend], probe_interval_s: float = 1.0,
-                 connect_timeout_s: float = 2.0, replay_limit_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        backends: list[Backend],
+        probe_interval_s: float = 1.0,
+        connect_timeout_s: float = 2.0,
+        replay_limit_bytes: int = 1 << 20,
+    ) -> None:
         if not backends:
             raise ValueError("LoadBalancer: need at least one backend")
         self.host, self.port, self.backends = host, port, backends
@@ -113,8 +124,7 @@ class LoadBalancer:
         await self.probe_all()
         self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
         self._prober = asyncio.create_task(self._probe_loop())
-        logger.info("load balancer on %s:%d over %s", self.host, self.port,
-                    ", ".join(b.addr for b in self.backends))
+        logger.info("load balancer on %s:%d over %s", self.host, self.port, ", ".join(b.addr for b in self.backends))
 
     async def stop(self) -> None:
         if self._prober:
@@ -142,8 +152,7 @@ class LoadBalancer:
             await asyncio.sleep(self.probe_interval_s)
             await self.probe_all()
 
-    async def _connect(self, tried: set[int]) -> tuple[Backend, asyncio.StreamReader,
-                                                       asyncio.StreamWriter] | None:
+    async def _connect(self, tried: set[int]) -> tuple[Backend, asyncio.StreamReader, asyncio.StreamWriter] | None:
         """Connect to the best ready backend not in `tried` (which it extends), failing over to the next on
         a refused or slow connect; None when none is left."""
         while (i := pick_backend(self.backends, tried)) is not None:
@@ -152,7 +161,7 @@ class LoadBalancer:
             try:
                 r, w = await asyncio.wait_for(asyncio.open_connection(b.host, b.port), self.connect_timeout_s)
                 return b, r, w
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 b.set_ready(False, f"connect failed: {e!r}")
         return None
 
@@ -178,8 +187,11 @@ class LoadBalancer:
                 if answered or not exchange.can_replay():
                     return
                 b.set_ready(False, "closed the connection without answering")
-                logger.warning("replica %s closed a connection without answering; replaying %d bytes to the "
-                               "next replica", b.addr, exchange.buffered)
+                logger.warning(
+                    "replica %s closed a connection without answering; replaying %d bytes to the next replica",
+                    b.addr,
+                    exchange.buffered,
+                )
         finally:
             await exchange.stop()
             await _close(client_w)
@@ -212,8 +224,7 @@ class _Exchange:
         """A retry makes sense only for bytes the client sent that no replica answered."""
         return not self.committed and self.buffered > 0
 
-    async def run(self, up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter,
-                  client_w: asyncio.StreamWriter) -> bool:
+    async def run(self, up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter, client_w: asyncio.StreamWriter) -> bool:
         """Send what the client sent so far to this replica, then relay its reply to the client until it
         closes. Returns False iff the replica closed (or failed) before its first byte."""
         # No await between switching the writer and replaying: the pump's next chunk follows the replay.

@@ -32,14 +32,30 @@ from ttsserve.config import EngineConfig
 # Ray settings accepted by build_app (defaults in parentheses in the docs): name -> converter.
 RAY_KEYS = {
     "num_replicas": str,  # an int, or "auto" for autoscaling between min_replicas and max_replicas (auto)
-    "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float, "max_ongoing_requests": int,
-    "upscale_delay_s": float, "downscale_delay_s": float, "num_gpus": float, "num_cpus": float,
-    "health_check_period_s": float, "health_check_timeout_s": float, "name": str,
+    "min_replicas": int,
+    "max_replicas": int,
+    "target_ongoing_requests": float,
+    "max_ongoing_requests": int,
+    "upscale_delay_s": float,
+    "downscale_delay_s": float,
+    "num_gpus": float,
+    "num_cpus": float,
+    "health_check_period_s": float,
+    "health_check_timeout_s": float,
+    "name": str,
 }
 RAY_DEFAULTS: dict[str, Any] = {
-    "num_replicas": "auto", "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16.0,
-    "max_ongoing_requests": 64, "upscale_delay_s": 10.0, "downscale_delay_s": 300.0, "num_cpus": 1.0,
-    "health_check_period_s": 10.0, "health_check_timeout_s": 30.0, "name": "ttsserve",
+    "num_replicas": "auto",
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "target_ongoing_requests": 16.0,
+    "max_ongoing_requests": 64,
+    "upscale_delay_s": 10.0,
+    "downscale_delay_s": 300.0,
+    "num_cpus": 1.0,
+    "health_check_period_s": 10.0,
+    "health_check_timeout_s": 30.0,
+    "name": "ttsserve",
 }
 
 
@@ -117,10 +133,12 @@ def deployment_options(ray_opts: dict[str, Any], engine_cfg: EngineConfig, drain
         if not 1 <= ray_opts["min_replicas"] <= ray_opts["max_replicas"]:
             raise ValueError("need 1 <= min_replicas <= max_replicas")
         opts["autoscaling_config"] = {
-            "min_replicas": ray_opts["min_replicas"], "max_replicas": ray_opts["max_replicas"],
+            "min_replicas": ray_opts["min_replicas"],
+            "max_replicas": ray_opts["max_replicas"],
             "initial_replicas": ray_opts["min_replicas"],
             "target_ongoing_requests": ray_opts["target_ongoing_requests"],
-            "upscale_delay_s": ray_opts["upscale_delay_s"], "downscale_delay_s": ray_opts["downscale_delay_s"],
+            "upscale_delay_s": ray_opts["upscale_delay_s"],
+            "downscale_delay_s": ray_opts["downscale_delay_s"],
         }
     else:
         n = int(ray_opts["num_replicas"])

@@ -21,8 +21,16 @@ from ttsserve.config import EngineConfig
 
 ENV_PREFIX = "TTSSERVE_"
 # The checkpoint and its number formats; the rest of EngineConfig is the engine's (add_engine_args).
-MODEL_FIELDS = ("model", "load_format", "dummy_size", "device", "dtype", "quantization", "kv_cache_dtype",
-                "verify_sha256")
+MODEL_FIELDS = (
+    "model",
+    "load_format",
+    "dummy_size",
+    "device",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "verify_sha256",
+)
 CHOICES = {
     "load_format": ("auto", "safetensors", "dummy"),
     "dummy_size": ("real", "tiny"),
@@ -53,7 +61,7 @@ HELP = {
     "target_step_latency_ms": "dynamic batching goal; 0 disables the controller",
     "async_scheduling": "schedule and queue step n+1 while step n runs on the GPU (default: on with CUDA)",
     "num_scheduler_steps": "decode steps per schedule: a stream's next k frames run back to back on the device, "
-                           "host bookkeeping once per k (multi-step scheduling; same codes as 1)",
+    "host bookkeeping once per k (multi-step scheduling; same codes as 1)",
 }
 ENGINE_FIELDS_DEST = "_engine_fields"  # the parser default listing the fields added here
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -89,17 +97,29 @@ def engine_fields() -> list[tuple[str, object, str]]:
     return [(f.name, f.default, str(f.type)) for f in dataclasses.fields(EngineConfig)]
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, env: bool = False, only: Iterable[str] | None = None,
-                   defaults: Mapping[str, object] | None = None, helps: Mapping[str, str] | None = None,
-                   title: str = "model") -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser,
+    *,
+    env: bool = False,
+    only: Iterable[str] | None = None,
+    defaults: Mapping[str, object] | None = None,
+    helps: Mapping[str, str] | None = None,
+    title: str = "model",
+) -> None:
     """The checkpoint flags (MODEL_FIELDS, or the subset `only`) in a group of `parser`."""
     names = MODEL_FIELDS if only is None else tuple(only)
     _add_fields(parser, title, names, env, defaults or {}, helps or {})
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, env: bool = False, exclude: Iterable[str] = (),
-                    defaults: Mapping[str, object] | None = None, helps: Mapping[str, str] | None = None,
-                    title: str = "engine") -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    *,
+    env: bool = False,
+    exclude: Iterable[str] = (),
+    defaults: Mapping[str, object] | None = None,
+    helps: Mapping[str, str] | None = None,
+    title: str = "engine",
+) -> None:
     """Every EngineConfig field that is not a model field (nor in `exclude`) as a flag in a group of `parser`."""
     skip = set(MODEL_FIELDS) | set(exclude)
     names = tuple(name for name, _d, _a in engine_fields() if name not in skip)
@@ -123,8 +143,9 @@ def _add_fields(parser, title, names, env, defaults, helps) -> None:
         elif env:
             group.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=text)
         else:
-            group.add_argument(flag, dest=name, type=_argparse_type(conv), default=default,
-                               choices=CHOICES.get(name), help=text)
+            group.add_argument(
+                flag, dest=name, type=_argparse_type(conv), default=default, choices=CHOICES.get(name), help=text
+            )
     parser.set_defaults(**{ENGINE_FIELDS_DEST: (parser.get_default(ENGINE_FIELDS_DEST) or ()) + tuple(names)})
 
 

@@ -15,8 +15,10 @@ def check_room(seg: int, positions: int, max_model_len: int) -> int:
     """Positions left for generation after segment `seg`'s prompt of `positions`; ValueError when none are."""
     room = max_model_len - positions
     if room < 1:
-        raise ValueError(f"segment {seg}: the prompt has {positions} positions, more than the model's "
-                         f"{max_model_len}; shorten the text or enable splitting")
+        raise ValueError(
+            f"segment {seg}: the prompt has {positions} positions, more than the model's "
+            f"{max_model_len}; shorten the text or enable splitting"
+        )
     return room
 
 
@@ -55,8 +57,9 @@ class FrontEnd:
         ids = self.tokenizer.encode(build_refine_prompt(text, refine_prompt))
         return self._rows(np.asarray(ids, dtype=np.int64), None)
 
-    def code_inputs(self, text: str, code_prompt: str, voice: Voice,
-                    code_ids: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def code_inputs(
+        self, text: str, code_prompt: str, voice: Voice, code_ids: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids int64 [P, num_vq] and text_mask bool [P] for `[Stts][spk]{txt_smp}{prompt}{text}[Ptts]{codes}`.
 
         code_ids: int [P_text], the prompt's text ids already made by text/prompt.code_prompt_ids (an API

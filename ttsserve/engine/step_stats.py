@@ -15,8 +15,26 @@ logger = logging.getLogger("ttsserve.engine.engine")
 STEP_TIME_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 # ... and of the engine's time to first audio (add_synthesis -> the first output with samples): 25-ms steps
 # around the H200's ~0.2 s, so its p99 can be told from the API servers' and the clients'.
-FIRST_AUDIO_BUCKETS_S = (0.05, 0.1, 0.125, 0.15, 0.175, 0.2, 0.225, 0.25, 0.275, 0.3, 0.35, 0.4, 0.5, 0.75, 1.0,
-                         2.0, 5.0, 10.0)
+FIRST_AUDIO_BUCKETS_S = (
+    0.05,
+    0.1,
+    0.125,
+    0.15,
+    0.175,
+    0.2,
+    0.225,
+    0.25,
+    0.275,
+    0.3,
+    0.35,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
 # A slow step: over SLOW_STEP_FACTOR x the moving average and SLOW_STEP_MIN_MS; one in SLOW_STEP_LOG_INTERVAL_S
 # is logged with what it held (a stalled step delays the first audio of every stream in flight).
 SLOW_STEP_FACTOR, SLOW_STEP_MIN_MS, SLOW_STEP_LOG_INTERVAL_S = 4.0, 20.0, 10.0
@@ -75,8 +93,15 @@ class EngineCounters:
     slow_steps: int = 0
     slow_step_logged_at: float = float("-inf")
 
-    def observe_step(self, ms: float, phases_s: dict[str, float], rows: int, tokens: int, gc_ms: float,
-                     vocoder: tuple[int, int] = (0, 0)) -> None:
+    def observe_step(
+        self,
+        ms: float,
+        phases_s: dict[str, float],
+        rows: int,
+        tokens: int,
+        gc_ms: float,
+        vocoder: tuple[int, int] = (0, 0),
+    ) -> None:
         """One step's wall time (ms) with its phases (s), rows, scheduled tokens, the GC pause inside it (ms)
         and its vocoder work (calls queued, frames they decode)."""
         self.steps += 1
@@ -94,9 +119,19 @@ class EngineCounters:
                 # what a full pass walks (O(objects), once per interval at most): long-lived tracked objects
                 # the start-up freeze did not cover are what makes such a pause grow with uptime
                 gen2 = f", {len(gc.get_objects(2))} objects in generation 2" if gc_ms > 0 else ""
-                logger.info("slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
-                            "vocoder %d calls, %d frames; GC %.1f ms%s; %d slow steps so far)", ms, ema, where, rows,
-                            tokens, *vocoder, gc_ms, gen2, self.slow_steps)
+                logger.info(
+                    "slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
+                    "vocoder %d calls, %d frames; GC %.1f ms%s; %d slow steps so far)",
+                    ms,
+                    ema,
+                    where,
+                    rows,
+                    tokens,
+                    *vocoder,
+                    gc_ms,
+                    gen2,
+                    self.slow_steps,
+                )
 
 
 class GcPauses:

@@ -107,7 +107,7 @@ class SynthesisTracker:
                 return []
             n = min(n, audio.size, self.tail.size)
             ramp = np.linspace(0.0, 1.0, n, dtype=np.float32)
-            head = self.tail[self.tail.size - n:] * (1 - ramp) + audio[:n] * ramp
+            head = self.tail[self.tail.size - n :] * (1 - ramp) + audio[:n] * ramp
             audio = np.concatenate([self.tail[: self.tail.size - n], head, audio[n:]])
             self.tail = None
         self.held = np.zeros(0, np.float32)
@@ -120,6 +120,13 @@ class SynthesisTracker:
         reasons = [s.finish_reason for s in self.segments if s.finish_reason]
         worst = "error" if self.error else next((r for r in ("abort", "error", "length") if r in reasons), "stop")
         truncated = [i for i, s in enumerate(self.segments) if s.finish_reason == "length"]
-        return AudioOutput(self.request_id, np.zeros(0, np.float32), True,
-                           num_frames=sum(s.num_frames for s in self.segments), finish_reason=worst,
-                           truncated_segments=truncated, error=self.error, dropped_chars=self.dropped)
+        return AudioOutput(
+            self.request_id,
+            np.zeros(0, np.float32),
+            True,
+            num_frames=sum(s.num_frames for s in self.segments),
+            finish_reason=worst,
+            truncated_segments=truncated,
+            error=self.error,
+            dropped_chars=self.dropped,
+        )

@@ -56,9 +56,14 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
 
 def add_api_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("API-server processes (the engine core in its own process)")
-    g.add_argument("--api-server-count", dest="api_server_count", default=None, metavar="N",
-                   help=f"N > 0: run the engine core in its own process and N HTTP/encoding processes on the "
-                        f"port; 0 = one process [env {ENV_COUNT}; default 0]")
+    g.add_argument(
+        "--api-server-count",
+        dest="api_server_count",
+        default=None,
+        metavar="N",
+        help=f"N > 0: run the engine core in its own process and N HTTP/encoding processes on the "
+        f"port; 0 = one process [env {ENV_COUNT}; default 0]",
+    )
 
 
 def api_server_count(args: argparse.Namespace, env: dict[str, str] | None = None) -> int:
@@ -77,8 +82,9 @@ def api_server_count(args: argparse.Namespace, env: dict[str, str] | None = None
     return n
 
 
-def run_api_servers(engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int,
-                    sock: socket.socket | None = None) -> int:
+def run_api_servers(
+    engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int, sock: socket.socket | None = None
+) -> int:
     """The launcher's main (count >= 1). Returns the exit status (see the module docstring). sock: the
     first listening socket, bound but not listening (None: bound here); with count > 1 on Linux, bound with
     preflight.bind_socket(reuse_port=True)."""
@@ -156,9 +162,18 @@ class _Launcher:
         ready_r, ready_w = self.mp.Pipe(duplex=False)
         # not daemonic: a daemonic process may not start processes of its own (torch.compile's workers)
         self.core = self.mp.Process(
-            target=_core_main, name="ttsserve-core", daemon=False,
-            args=(self.engine_cfg, self.core_address, ready_w, self.server_cfg.drain_timeout_s, self.log_level,
-                  os.getpid()))
+            target=_core_main,
+            name="ttsserve-core",
+            daemon=False,
+            args=(
+                self.engine_cfg,
+                self.core_address,
+                ready_w,
+                self.server_cfg.drain_timeout_s,
+                self.log_level,
+                os.getpid(),
+            ),
+        )
         self.core.start()
         ready_w.close()  # the core holds the only write end now: its death reads as EOF
         logger.info("engine core: pid %d, loading the model", self.core.pid)
@@ -184,8 +199,9 @@ class _Launcher:
         from ttsserve.server.shared_limits import RateLimitService
 
         cfg = self.server_cfg
-        self.limiter = RateLimitService(RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute),
-                                        self.limits_address).start()
+        self.limiter = RateLimitService(
+            RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute), self.limits_address
+        ).start()
 
     def _socket_for(self, i: int) -> socket.socket:
         """API server i's socket: the one shared socket, or its own of the SO_REUSEPORT group. Those are only
@@ -214,9 +230,11 @@ class _Launcher:
             self.restart_at[i] = time.monotonic() + self.backoff[i]
             return
         p = self.mp.Process(
-            target=_api_server_main, name=f"ttsserve-api-{i}", daemon=False,
-            args=(i, sock, self.server_cfg, self.core_address, self.limits_address, self.log_level,
-                  os.getpid()))
+            target=_api_server_main,
+            name=f"ttsserve-api-{i}",
+            daemon=False,
+            args=(i, sock, self.server_cfg, self.core_address, self.limits_address, self.log_level, os.getpid()),
+        )
         p.start()
         self.servers[i] = p
         logger.info("API server %d: pid %d", i, p.pid)
@@ -227,8 +245,9 @@ class _Launcher:
             waiting = [self.core.sentinel] + [p.sentinel for p in self.servers if p is not None]
             multiprocessing.connection.wait(waiting, timeout=0.5)
             if not self.core.is_alive():
-                logger.error("the engine core exited (status %s); stopping in %.0f s", self.core.exitcode,
-                             CORE_DEATH_LINGER_S)
+                logger.error(
+                    "the engine core exited (status %s); stopping in %.0f s", self.core.exitcode, CORE_DEATH_LINGER_S
+                )
                 deadline = time.monotonic() + CORE_DEATH_LINGER_S
                 while time.monotonic() < deadline and not self.signals:
                     time.sleep(0.1)  # meanwhile /ready and /health say 503: balancers and probes notice
@@ -237,8 +256,9 @@ class _Launcher:
             for i, p in enumerate(self.servers):
                 if p is not None and not p.is_alive():
                     self._drop_socket(i)
-                    logger.error("API server %d exited (status %s); restarting in %.0f s", i, p.exitcode,
-                                 self.backoff[i])
+                    logger.error(
+                        "API server %d exited (status %s); restarting in %.0f s", i, p.exitcode, self.backoff[i]
+                    )
                     self.servers[i], self.restart_at[i] = None, now + self.backoff[i]
                     self.backoff[i] = min(self.backoff[i] * 2, 30.0)
                 elif p is None and now >= self.restart_at[i]:
@@ -300,8 +320,15 @@ def _core_main(engine_cfg, address: str, ready, drain_timeout_s: float, log_leve
     sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s))
 
 
-def _api_server_main(index: int, sock: socket.socket, server_cfg, core_address: str, limits_address: str | None,
-                     log_level: str, parent_pid: int) -> None:
+def _api_server_main(
+    index: int,
+    sock: socket.socket,
+    server_cfg,
+    core_address: str,
+    limits_address: str | None,
+    log_level: str,
+    parent_pid: int,
+) -> None:
     _child_setup(parent_pid, log_level, f"api{index}")
     import uvicorn
 
@@ -317,8 +344,13 @@ def _api_server_main(index: int, sock: socket.socket, server_cfg, core_address: 
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap(f"API server {index}")
-    config = uvicorn.Config(ApiServerHeader(app, index), log_level=log_level.lower(), access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=server_cfg.drain_timeout_s)
+    config = uvicorn.Config(
+        ApiServerHeader(app, index),
+        log_level=log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=server_cfg.drain_timeout_s,
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -33,8 +33,8 @@ def _say(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ttsserve.audio.encode import encode_audio
-    from ttsserve.params import SamplingParams, Voice
     from ttsserve.entrypoints.tts import TTS
+    from ttsserve.params import SamplingParams, Voice
 
     text = sys.stdin.read() if a.text == "-" else a.text
     tts = TTS(**engine_kwargs(a))
@@ -44,25 +44,38 @@ def _say(a: argparse.Namespace) -> int:
 
         spk = tts.speaker(int(a.speaker[5:])) if a.speaker.startswith("seed:") else decode_speaker(a.speaker)
         voice = Voice(spk_emb=spk)
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-                            min_new_tokens=a.min_new_tokens, max_new_tokens=a.max_new_tokens)
+    params = SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        min_new_tokens=a.min_new_tokens,
+        max_new_tokens=a.max_new_tokens,
+    )
     with tqdm(unit="frame", desc="synthesizing") as bar:
+
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        (wav,) = tts.generate(text, params, voice=voice, refine_text=not a.skip_refine,
-                              normalize=not a.no_normalize, progress=progress)
+        (wav,) = tts.generate(
+            text, params, voice=voice, refine_text=not a.skip_refine, normalize=not a.no_normalize, progress=progress
+        )
     res = next(iter(tts.last_results.values()))
     if wav.size == 0:  # as the server's 500: an empty file would look like success
-        print(f"error: the model produced no audio (EOS at the first step); {a.output} not written: try another "
-              f"--seed, or --min-new-tokens 1", file=sys.stderr)
+        print(
+            f"error: the model produced no audio (EOS at the first step); {a.output} not written: try another "
+            f"--seed, or --min-new-tokens 1",
+            file=sys.stderr,
+        )
         return 1
     fmt = a.format or Path(a.output).suffix.lstrip(".") or "wav"
     Path(a.output).write_bytes(encode_audio(wav, fmt, SAMPLE_RATE))
-    print(f"wrote {a.output}: {wav.size / SAMPLE_RATE:.2f} s of audio, {res.num_frames} frames, "
-          f"finish={res.finish_reason}" + (f", truncated segments {res.truncated_segments}"
-                                           if res.truncated_segments else ""))
+    print(
+        f"wrote {a.output}: {wav.size / SAMPLE_RATE:.2f} s of audio, {res.num_frames} frames, "
+        f"finish={res.finish_reason}"
+        + (f", truncated segments {res.truncated_segments}" if res.truncated_segments else "")
+    )
     if res.dropped_chars:
         print(f"note: could not speak and dropped: {' '.join(res.dropped_chars)}")
     return 0

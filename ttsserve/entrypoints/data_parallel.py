@@ -38,10 +38,20 @@ EXIT_USAGE = 2  # a replica exiting with this code has a configuration error: re
 
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data parallel (one engine per GPU behind a built-in load balancer)")
-    g.add_argument("--data-parallel-size", dest="data_parallel_size", type=int, default=None,
-                   help=f"number of engine replicas, one per GPU [env {ENV_SIZE}; default 1]")
-    g.add_argument("--data-parallel-base-port", dest="data_parallel_base_port", type=int, default=None,
-                   help="port of replica 0; replica i listens on base + i (default: --port + 1)")
+    g.add_argument(
+        "--data-parallel-size",
+        dest="data_parallel_size",
+        type=int,
+        default=None,
+        help=f"number of engine replicas, one per GPU [env {ENV_SIZE}; default 1]",
+    )
+    g.add_argument(
+        "--data-parallel-base-port",
+        dest="data_parallel_base_port",
+        type=int,
+        default=None,
+        help="port of replica 0; replica i listens on base + i (default: --port + 1)",
+    )
 
 
 def data_parallel_size(args: argparse.Namespace, env: dict[str, str] | None = None) -> int:
@@ -83,8 +93,9 @@ def child_argv(argv: list[str]) -> list[str]:
     return out[1:] if out[:1] == ["serve"] else out
 
 
-def plan_replicas(n: int, base_port: int, device: str, gpus: list[str], argv: list[str],
-                  cpu_count: int | None = None) -> list[ReplicaSpec]:
+def plan_replicas(
+    n: int, base_port: int, device: str, gpus: list[str], argv: list[str], cpu_count: int | None = None
+) -> list[ReplicaSpec]:
     """One ReplicaSpec per replica. `gpus`: the GPU ids this process may use (CUDA_VISIBLE_DEVICES order).
 
     device "cpu" (or "auto" with no GPU): CPU replicas, cores split evenly. "auto"/"cuda": replica i gets
@@ -93,8 +104,10 @@ def plan_replicas(n: int, base_port: int, device: str, gpus: list[str], argv: li
     if base_port < 1 or base_port + n - 1 > 65535:
         raise ValueError(f"--data-parallel-base-port {base_port}: replica ports must stay within 1..65535")
     if device.startswith("cuda:"):
-        raise ValueError(f"--device {device} pins one GPU; with --data-parallel-size > 1 use --device cuda "
-                         f"(or auto): replica i gets GPU i")
+        raise ValueError(
+            f"--device {device} pins one GPU; with --data-parallel-size > 1 use --device cuda "
+            f"(or auto): replica i gets GPU i"
+        )
     use_cpu = device == "cpu" or (device == "auto" and not gpus)
     if not use_cpu and len(gpus) < n:
         raise ValueError(f"--data-parallel-size {n} needs {n} GPUs, {len(gpus)} visible ({','.join(gpus) or 'none'})")
@@ -146,11 +159,23 @@ class Supervisor:
 
     async def _spawn(self, spec: ReplicaSpec) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ttsserve.entrypoints.serve", *spec.argv, env={**os.environ, **spec.env},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent)
-        logger.info("replica %d: pid %d, %s, port %d", spec.index, proc.pid,
-                    spec.env.get("CUDA_VISIBLE_DEVICES", "cpu") if spec.device == "cuda" else "cpu", spec.port)
+            sys.executable,
+            "-m",
+            "ttsserve.entrypoints.serve",
+            *spec.argv,
+            env={**os.environ, **spec.env},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        logger.info(
+            "replica %d: pid %d, %s, port %d",
+            spec.index,
+            proc.pid,
+            spec.env.get("CUDA_VISIBLE_DEVICES", "cpu") if spec.device == "cuda" else "cpu",
+            spec.port,
+        )
         relay = asyncio.create_task(self._relay(spec.index, proc))
         self._relays.add(relay)
         relay.add_done_callback(self._relays.discard)
@@ -194,7 +219,7 @@ class Supervisor:
                 p.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in live)), self.grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for p in live:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
@@ -246,8 +271,11 @@ def run_data_parallel(args: argparse.Namespace, argv: list[str] | None = None) -
 def main(argv: list[str] | None = None) -> int:
     from ttsserve.server.args import add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m ttsserve.entrypoints.data_parallel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ttsserve.entrypoints.data_parallel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_serve_arguments(parser)
     add_data_parallel_args(parser)
     argv = sys.argv[1:] if argv is None else argv

@@ -22,8 +22,12 @@ logger = logging.getLogger("ttsserve.server")
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Mount `serve` on a subparsers object (entrypoints/cli.py); the parser's `func` is run_serve."""
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_serve_arguments(p)
     add_data_parallel_args(p)
     add_api_server_args(p)
@@ -32,8 +36,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -75,8 +80,13 @@ def run_serve(args: argparse.Namespace) -> int:
     freeze_startup_heap("server")
     # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
     # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
-    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=server_cfg.drain_timeout_s)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=server_cfg.drain_timeout_s,
+    )
     shown = f"[{host}]" if ":" in host else host
     logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
     uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)
@@ -89,8 +99,9 @@ def _config_error(e: ValueError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ttsserve serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ttsserve serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_serve_arguments(parser)
     add_api_server_args(parser)
     return run_serve(parser.parse_args(argv))

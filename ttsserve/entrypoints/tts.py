@@ -31,10 +31,18 @@ class TTS:
         std, mean = speaker_stats(self.engine.model.spk_stat, self.engine.model.hidden_size)
         return sample_random_speaker(std, mean, seed)
 
-    def generate(self, texts: str | Sequence[str], params: SamplingParams | None = None, *,
-                 voice: Voice | None = None, refine_text: bool = False, code_prompt: str = "[speed_5]",
-                 normalize: bool = True, split: bool = True,
-                 progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+    def generate(
+        self,
+        texts: str | Sequence[str],
+        params: SamplingParams | None = None,
+        *,
+        voice: Voice | None = None,
+        refine_text: bool = False,
+        code_prompt: str = "[speed_5]",
+        normalize: bool = True,
+        split: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[np.ndarray]:
         """Synthesize every text; returns float32 [n_i] waveforms at 24 kHz, in input order.
 
         progress(frames_done, frames_budget) is called after each engine step.
@@ -43,9 +51,20 @@ class TTS:
             texts = [texts]
         params = params or SamplingParams()
         voice = voice or Voice()
-        ids = [self.engine.add_synthesis(SynthesisRequest(t, voice=voice, code_params=params,
-                                                          refine_text=refine_text, code_prompt=code_prompt,
-                                                          normalize=normalize, split=split)) for t in texts]
+        ids = [
+            self.engine.add_synthesis(
+                SynthesisRequest(
+                    t,
+                    voice=voice,
+                    code_params=params,
+                    refine_text=refine_text,
+                    code_prompt=code_prompt,
+                    normalize=normalize,
+                    split=split,
+                )
+            )
+            for t in texts
+        ]
         self.last_results: dict[str, object] = {}
         chunks: dict[str, list[np.ndarray]] = {i: [] for i in ids}
         budget = sum(len(self.engine.syntheses[i].segments) for i in ids) * params.max_new_tokens

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from ttsserve.config import EngineConfig, GPTConfig
-from ttsserve.model.loader import Checkpoint, load_checkpoint, missing_files, resolve_checkpoint_root
 from ttsserve.layers.quant.quantize import QuantConfig
+from ttsserve.model.loader import Checkpoint, load_checkpoint, missing_files, resolve_checkpoint_root
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +19,7 @@ DUMMY_WARNING = (
     "\n" + "!" * 100 + "\n"
     "!!  ttsserve is running a DUMMY model with RANDOM weights ({source}).\n"
     "!!  Every speed and memory figure is real, but the audio is noise, not speech.\n"
-    "!!  Pass --model /path/to/ChatTTS (the folder holding asset/) or put the checkpoint in ./asset.\n"
-    + "!" * 100
+    "!!  Pass --model /path/to/ChatTTS (the folder holding asset/) or put the checkpoint in ./asset.\n" + "!" * 100
 )
 
 
@@ -90,8 +89,10 @@ def locate_checkpoint(cfg: EngineConfig) -> Path | None:
     root = resolve_checkpoint_root(cfg.model)
     if root is None:
         if cfg.load_format == "safetensors":
-            raise ValueError("no ChatTTS checkpoint found: pass --model DIR (the folder holding asset/), set "
-                             "$TTSSERVE_MODEL, or use --load-format dummy")
+            raise ValueError(
+                "no ChatTTS checkpoint found: pass --model DIR (the folder holding asset/), set "
+                "$TTSSERVE_MODEL, or use --load-format dummy"
+            )
         return None
     missing = missing_files(root)
     if missing:
@@ -104,8 +105,10 @@ def read_checkpoint(cfg: EngineConfig) -> Checkpoint:
     root = locate_checkpoint(cfg)
     if root is None:
         if cfg.load_format != "dummy":
-            logger.warning("no ChatTTS checkpoint found (--model, $TTSSERVE_MODEL, ./asset, hub cache): "
-                           "falling back to --load-format dummy")
+            logger.warning(
+                "no ChatTTS checkpoint found (--model, $TTSSERVE_MODEL, ./asset, hub cache): "
+                "falling back to --load-format dummy"
+            )
         return _dummy_checkpoint(cfg)
     return load_checkpoint(root, verify_sha256=cfg.verify_sha256)
 
@@ -135,12 +138,16 @@ def resolve_quantization(ckpt: Checkpoint, requested: str | None) -> tuple[Quant
     if requested is None or (stored is not None and stored.method == requested):
         return stored, None
     if stored is not None:
-        raise ValueError(f"--quantization {requested} but checkpoint {ckpt.source} is quantized with "
-                         f"{stored.method}: pass --quantization {stored.method} (or leave it unset)")
+        raise ValueError(
+            f"--quantization {requested} but checkpoint {ckpt.source} is quantized with "
+            f"{stored.method}: pass --quantization {stored.method} (or leave it unset)"
+        )
     if not ckpt.source.startswith("dummy"):
-        raise ValueError(f"--quantization {requested} but checkpoint {ckpt.source} is not quantized: make a "
-                         f"quantized copy with `ttsserve quantize --method {requested} --model <this checkpoint> "
-                         f"--out DIR` and serve --model DIR")
+        raise ValueError(
+            f"--quantization {requested} but checkpoint {ckpt.source} is not quantized: make a "
+            f"quantized copy with `ttsserve quantize --method {requested} --model <this checkpoint> "
+            f"--out DIR` and serve --model DIR"
+        )
     group = _largest_group(GPTConfig.from_hf_json(ckpt.gpt_config))
     return None, QuantConfig.for_method(requested, group_size=group, calibration={"method": "round-to-nearest"})
 
@@ -150,8 +157,9 @@ def _largest_group(cfg: GPTConfig) -> int:
     for g in (128, 64, 32):
         if cfg.hidden_size % g == 0 and cfg.intermediate_size % g == 0 and (cfg.num_heads * cfg.head_dim) % g == 0:
             return g
-    raise ValueError(f"hidden size {cfg.hidden_size} / intermediate size {cfg.intermediate_size} allow no int4 "
-                     f"group of 32 or more")
+    raise ValueError(
+        f"hidden size {cfg.hidden_size} / intermediate size {cfg.intermediate_size} allow no int4 group of 32 or more"
+    )
 
 
 def _dummy_checkpoint(cfg: EngineConfig) -> Checkpoint:
@@ -170,8 +178,9 @@ def _dummy_checkpoint(cfg: EngineConfig) -> Checkpoint:
     return ckpt
 
 
-def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                quantization: str | None = None) -> ChatTTSModel:
+def build_model(
+    ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+) -> ChatTTSModel:
     """Build every module from `ckpt` (sizes inferred from the tensors; ValueError naming any bad tensor).
 
     quantization: None (whatever the checkpoint holds), "int8" or "awq-int4"; see resolve_quantization.
@@ -187,12 +196,16 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
     stored, on_the_fly = resolve_quantization(ckpt, quantization)
     embed = Embed.from_state_dict(ckpt.embed).to(device)
     if (embed.hidden_size, embed.num_text_tokens) != (gpt_cfg.hidden_size, gpt_cfg.num_text_tokens):
-        raise ValueError(f"Embed.safetensors: hidden {embed.hidden_size} / text vocab {embed.num_text_tokens} "
-                         f"disagree with gpt/config.json ({gpt_cfg.hidden_size} / {gpt_cfg.num_text_tokens})")
+        raise ValueError(
+            f"Embed.safetensors: hidden {embed.hidden_size} / text vocab {embed.num_text_tokens} "
+            f"disagree with gpt/config.json ({gpt_cfg.hidden_size} / {gpt_cfg.num_text_tokens})"
+        )
     tokenizer = TextTokenizer.from_dir(ckpt.tokenizer_dir)
     if tokenizer.vocab_size != embed.num_text_tokens:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but Embed.safetensors has "
-                         f"{embed.num_text_tokens} text embeddings")
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but Embed.safetensors has "
+            f"{embed.num_text_tokens} text embeddings"
+        )
     spk_stat = None
     if ckpt.extra_config.get("spk_stat"):
         spk_stat = decode_spk_stat(ckpt.extra_config["spk_stat"])
@@ -213,8 +226,13 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
         decoder=HiddenDecoder.from_state_dict(ckpt.decoder, source="Decoder.safetensors").to(device),
         dvae=DVAE.from_state_dict(ckpt.dvae, source="DVAE.safetensors").to(device),
         vocos=Vocos.from_state_dict(ckpt.vocos, source="Vocos.safetensors").to(device),
-        tokenizer=tokenizer, spk_stat=spk_stat, device=device, dtype=dtype, source=ckpt.source,
-        is_dummy=ckpt.source.startswith("dummy"), quant=stored or on_the_fly,
+        tokenizer=tokenizer,
+        spk_stat=spk_stat,
+        device=device,
+        dtype=dtype,
+        source=ckpt.source,
+        is_dummy=ckpt.source.startswith("dummy"),
+        quant=stored or on_the_fly,
     )
     for m in (model.gpt, model.embed, model.decoder, model.dvae, model.vocos):
         m.eval().requires_grad_(False)
@@ -228,6 +246,12 @@ def load_model(cfg: EngineConfig) -> ChatTTSModel:
     if model.is_dummy:
         logger.warning(DUMMY_WARNING.format(source=ckpt.source))
     quant = f", GPT weights {model.quantization}" if model.quant is not None else ""
-    logger.info("loaded %s on %s (%s%s): %.1f MB of weights", model.source, device, model.dtype, quant,
-                model.weight_bytes() / 1e6)
+    logger.info(
+        "loaded %s on %s (%s%s): %.1f MB of weights",
+        model.source,
+        device,
+        model.dtype,
+        quant,
+        model.weight_bytes() / 1e6,
+    )
     return model

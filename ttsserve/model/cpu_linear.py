@@ -91,8 +91,13 @@ def can_pack_int8(device: torch.device) -> bool:
     choice = os.environ.get(INT8_KERNEL_ENV, "w8a8")
     if choice not in ("w8a8", "weight-only"):
         raise ValueError(f"${INT8_KERNEL_ENV} must be w8a8 or weight-only, got {choice!r}")
-    return (choice == "w8a8" and device.type == "cpu" and torch.backends.quantized.engine in ("x86", "fbgemm")
-            and hasattr(torch.ops.quantized, "linear_dynamic") and cpu_has_int8_dot())
+    return (
+        choice == "w8a8"
+        and device.type == "cpu"
+        and torch.backends.quantized.engine in ("x86", "fbgemm")
+        and hasattr(torch.ops.quantized, "linear_dynamic")
+        and cpu_has_int8_dot()
+    )
 
 
 @functools.cache
@@ -121,8 +126,9 @@ class DynamicInt8Linear(DenseSize, nn.Module):
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # the quantized-tensor constructors warn of their deprecation
             warnings.simplefilter("ignore", UserWarning)
-            qw = torch._make_per_channel_quantized_tensor(layer.qweight.cpu(), layer.scales.double().cpu(),
-                                                          zero_points, 0)
+            qw = torch._make_per_channel_quantized_tensor(
+                layer.qweight.cpu(), layer.scales.double().cpu(), zero_points, 0
+            )
             self.packed = torch.ops.quantized.linear_prepack(qw, None)  # not a buffer: never saved
         self.nbytes = layer.qweight.numel() + layer.scales.numel() * layer.scales.element_size()
 
@@ -139,8 +145,11 @@ class DynamicInt8Linear(DenseSize, nn.Module):
 # ---- int4 weights (awq-int4), bf16 / fp32 activations ---------------------------------------------------------
 def can_pack_int4(layer) -> bool:
     """torch's CPU int4 GEMM exists and takes this layer's group size."""
-    return (layer.qweight.device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-            and layer.group_size in (32, 64, 128, 256))
+    return (
+        layer.qweight.device.type == "cpu"
+        and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+        and layer.group_size in (32, 64, 128, 256)
+    )
 
 
 class PackedInt4Linear(DenseSize, nn.Module):
@@ -173,8 +182,7 @@ class PackedInt4Linear(DenseSize, nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 group "
-                f"{self.group_size}, packed")
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}, packed"
 
 
 def stored_weight_bytes(module: nn.Module) -> int:

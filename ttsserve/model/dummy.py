@@ -21,10 +21,31 @@ from ttsserve.model.dummy_eos import add_eos_clock
 from ttsserve.model.loader import Checkpoint
 
 SPECIAL_TOKENS = (
-    ["[Sasr]", "[Pasr]", "[Easr]", "[Stts]", "[Ptts]", "[Etts]", "[Sbreak]", "[Pbreak]", "[Ebreak]", "[uv_break]",
-     "[v_break]", "[lbreak]", "[llbreak]", "[undefine]", "[laugh]", "[spk_emb]", "[empty_spk]", "[music]", "[pure]"]
-    + [f"[break_{i}]" for i in range(8)] + [f"[laugh_{i}]" for i in range(3)]
-    + [f"[oral_{i}]" for i in range(10)] + [f"[speed_{i}]" for i in range(10)]
+    [
+        "[Sasr]",
+        "[Pasr]",
+        "[Easr]",
+        "[Stts]",
+        "[Ptts]",
+        "[Etts]",
+        "[Sbreak]",
+        "[Pbreak]",
+        "[Ebreak]",
+        "[uv_break]",
+        "[v_break]",
+        "[lbreak]",
+        "[llbreak]",
+        "[undefine]",
+        "[laugh]",
+        "[spk_emb]",
+        "[empty_spk]",
+        "[music]",
+        "[pure]",
+    ]
+    + [f"[break_{i}]" for i in range(8)]
+    + [f"[laugh_{i}]" for i in range(3)]
+    + [f"[oral_{i}]" for i in range(10)]
+    + [f"[speed_{i}]" for i in range(10)]
 )
 
 
@@ -123,8 +144,9 @@ def _convnext(g: torch.Generator, sd: dict, key: str, dim: int, inter: int, scal
     sd[key + "." + scale_name] = _uniform(g, dim, lo=0.05, hi=0.2)
 
 
-def _dvae_stack(g: torch.Generator, sd: dict, key: str, idim: int, odim: int, hidden: int, n_layer: int,
-                bn: int) -> None:
+def _dvae_stack(
+    g: torch.Generator, sd: dict, key: str, idim: int, odim: int, hidden: int, n_layer: int, bn: int
+) -> None:
     _conv(g, sd, key + ".conv_in.0", bn, idim, 3)
     _conv(g, sd, key + ".conv_in.2", hidden, bn, 3)
     for k in range(n_layer):
@@ -138,6 +160,7 @@ def hann_window(n: int = 1024) -> torch.Tensor:
 
 def htk_mel_filterbank(n_freqs: int = 513, n_mels: int = 100, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
     """Triangular HTK-scale filters without area normalisation, [n_freqs, n_mels] (torchaudio's convention)."""
+
     def hz_to_mel(f: torch.Tensor) -> torch.Tensor:
         return 2595.0 * torch.log10(1.0 + f / 700.0)
 
@@ -179,8 +202,10 @@ def _dvae(g: torch.Generator, s: DummySize) -> dict[str, torch.Tensor]:
 
 def _vocos(g: torch.Generator, s: DummySize) -> dict[str, torch.Tensor]:
     dim, inter, n_layer = s.vocos
-    sd = {"feature_extractor.mel_spec.spectrogram.window": hann_window(),
-          "feature_extractor.mel_spec.mel_scale.fb": htk_mel_filterbank()}
+    sd = {
+        "feature_extractor.mel_spec.spectrogram.window": hann_window(),
+        "feature_extractor.mel_spec.mel_scale.fb": htk_mel_filterbank(),
+    }
     _conv(g, sd, "backbone.embed", dim, 100, 7)
     _layer_norm(g, sd, "backbone.norm", dim)
     for k in range(n_layer):
@@ -194,14 +219,34 @@ def _vocos(g: torch.Generator, s: DummySize) -> dict[str, torch.Tensor]:
 def gpt_config_json(s: DummySize) -> dict:
     """`asset/gpt/config.json` with the published keys (MODEL.md §1.3), sized for `s`."""
     return {
-        "architectures": ["LlamaModel"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
-        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": s.hidden, "initializer_range": 0.02,
-        "intermediate_size": s.intermediate, "max_position_embeddings": 4096, "mlp_bias": False,
-        "model_type": "llama", "num_attention_heads": s.heads, "num_hidden_layers": s.layers,
-        "num_key_value_heads": s.heads, "pretraining_tp": 1, "rms_norm_eps": 1e-06, "rope_scaling": None,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32",
-        "transformers_version": "4.41.2", "use_cache": False, "vocab_size": 32000, "num_audio_tokens": 626,
-        "num_text_tokens": s.num_wordpiece + len(SPECIAL_TOKENS), "num_vq": 4, "spk_emb_dim": 192,
+        "architectures": ["LlamaModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": s.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": s.intermediate,
+        "max_position_embeddings": 4096,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": s.heads,
+        "num_hidden_layers": s.layers,
+        "num_key_value_heads": s.heads,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "transformers_version": "4.41.2",
+        "use_cache": False,
+        "vocab_size": 32000,
+        "num_audio_tokens": 626,
+        "num_text_tokens": s.num_wordpiece + len(SPECIAL_TOKENS),
+        "num_vq": 4,
+        "spk_emb_dim": 192,
         "spk_KL": False,
     }
 
@@ -223,13 +268,31 @@ def make_dummy_checkpoint(size: str = "real", seed: int = 0, tokenizer_dir: Path
     from ttsserve.text.speaker import encode_spk_stat
 
     gpt, embed = _gpt(g, s), _embed(g, s)
-    add_eos_clock(gpt, embed, s.hidden, s.layers, s.heads, s.eos_gain, s.eos_rho,
-                  text_eos_id=s.num_wordpiece + SPECIAL_TOKENS.index("[Ebreak]"), text_gain=s.text_eos_gain)
+    add_eos_clock(
+        gpt,
+        embed,
+        s.hidden,
+        s.layers,
+        s.heads,
+        s.eos_gain,
+        s.eos_rho,
+        text_eos_id=s.num_wordpiece + SPECIAL_TOKENS.index("[Ebreak]"),
+        text_gain=s.text_eos_gain,
+    )
     return Checkpoint(
-        gpt_config=gpt_config_json(s), gpt=gpt, embed=embed, decoder=_decoder(g, s),
-        dvae=_dvae(g, s), vocos=_vocos(g, s), tokenizer_dir=tok_dir,
-        extra_config={"size": size, "seed": seed, "recipe": recipe_id(size),
-                      "spk_stat": encode_spk_stat(std.numpy(), mean.numpy())},
+        gpt_config=gpt_config_json(s),
+        gpt=gpt,
+        embed=embed,
+        decoder=_decoder(g, s),
+        dvae=_dvae(g, s),
+        vocos=_vocos(g, s),
+        tokenizer_dir=tok_dir,
+        extra_config={
+            "size": size,
+            "seed": seed,
+            "recipe": recipe_id(size),
+            "spk_stat": encode_spk_stat(std.numpy(), mean.numpy()),
+        },
         source=f"dummy ({size}, seed {seed})",
     )
 

@@ -50,8 +50,18 @@ _READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gat
 _WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def add_eos_clock(gpt: dict[str, torch.Tensor], embed: dict[str, torch.Tensor], hidden: int, layers: int,
-                  heads: int, gain: float, rho: float, text_eos_id: int, text_gain: float, num_vq: int = 4) -> None:
+def add_eos_clock(
+    gpt: dict[str, torch.Tensor],
+    embed: dict[str, torch.Tensor],
+    hidden: int,
+    layers: int,
+    heads: int,
+    gain: float,
+    rho: float,
+    text_eos_id: int,
+    text_gain: float,
+    num_vq: int = 4,
+) -> None:
     """Rewrite random GPT and Embed state dicts (published key names) in place to carry the clock above.
 
     gain: codebook 0's EOS logit per unit of normalized BIAS (so K = gain * c / RMS of the last hidden state).

@@ -43,8 +43,15 @@ def _vocab(num_wordpiece: int) -> list[str]:
 
 
 def _added(token_id: int, content: str) -> dict:
-    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": True}
+    return {
+        "id": token_id,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": True,
+    }
 
 
 def write_tokenizer(out_dir: Path, num_wordpiece: int, specials: list[str]) -> None:
@@ -58,29 +65,66 @@ def write_tokenizer(out_dir: Path, num_wordpiece: int, specials: list[str]) -> N
     tok = {
         "version": "1.0",
         "truncation": {"direction": "Right", "max_length": 256, "strategy": "LongestFirst", "stride": 0},
-        "padding": {"strategy": {"Fixed": 256}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
-                    "pad_type_id": 0, "pad_token": "[PAD]"},
+        "padding": {
+            "strategy": {"Fixed": 256},
+            "direction": "Right",
+            "pad_to_multiple_of": None,
+            "pad_id": 0,
+            "pad_type_id": 0,
+            "pad_token": "[PAD]",
+        },
         "added_tokens": added,
-        "normalizer": {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
-                       "strip_accents": None, "lowercase": True},
+        "normalizer": {
+            "type": "BertNormalizer",
+            "clean_text": True,
+            "handle_chinese_chars": True,
+            "strip_accents": None,
+            "lowercase": True,
+        },
         "pre_tokenizer": {"type": "BertPreTokenizer"},
         "post_processor": None,
         "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": True},
-        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
-                  "max_input_chars_per_word": 100, "vocab": {t: i for i, t in enumerate(vocab)}},
+        "model": {
+            "type": "WordPiece",
+            "unk_token": "[UNK]",
+            "continuing_subword_prefix": "##",
+            "max_input_chars_per_word": 100,
+            "vocab": {t: i for i, t in enumerate(vocab)},
+        },
     }
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False, indent=2))
-    decoder = {str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
-                                                  "special")} for a in added}
-    cfg = {"added_tokens_decoder": decoder, "additional_special_tokens": list(specials),
-           "clean_up_tokenization_spaces": True, "cls_token": "[CLS]", "do_basic_tokenize": True,
-           "do_lower_case": True, "mask_token": "[MASK]", "model_max_length": 1000000000000000019884624838656,
-           "never_split": None, "pad_token": "[PAD]", "padding_side": "right", "sep_token": "[SEP]",
-           "strip_accents": None, "tokenize_chinese_chars": True, "tokenizer_class": "BertTokenizer",
-           "unk_token": "[UNK]"}
+    decoder = {
+        str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+        for a in added
+    }
+    cfg = {
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": list(specials),
+        "clean_up_tokenization_spaces": True,
+        "cls_token": "[CLS]",
+        "do_basic_tokenize": True,
+        "do_lower_case": True,
+        "mask_token": "[MASK]",
+        "model_max_length": 1000000000000000019884624838656,
+        "never_split": None,
+        "pad_token": "[PAD]",
+        "padding_side": "right",
+        "sep_token": "[SEP]",
+        "strip_accents": None,
+        "tokenize_chinese_chars": True,
+        "tokenizer_class": "BertTokenizer",
+        "unk_token": "[UNK]",
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=2))
-    special_map = {"additional_special_tokens": [
-        {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-        for t in specials], "cls_token": "[CLS]", "mask_token": "[MASK]", "pad_token": "[PAD]", "sep_token": "[SEP]",
-        "unk_token": "[UNK]"}
+    special_map = {
+        "additional_special_tokens": [
+            {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+            for t in specials
+        ],
+        "cls_token": "[CLS]",
+        "mask_token": "[MASK]",
+        "pad_token": "[PAD]",
+        "sep_token": "[SEP]",
+        "unk_token": "[UNK]",
+    }
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, ensure_ascii=False, indent=2))

@@ -29,8 +29,9 @@ class Embed(nn.Module):
         self.head_code = nn.Parameter(torch.zeros(num_vq * num_audio_tokens, hidden_size), requires_grad=False)
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                        source: str = "Embed.safetensors") -> Embed:
+    def from_state_dict(
+        cls, sd: dict[str, torch.Tensor], device: torch.device | str = "cpu", source: str = "Embed.safetensors"
+    ) -> Embed:
         """Build from `asset/Embed.safetensors` tensors (MODEL.md §1.5) on `device`, fp32 whatever the file dtype;
         dims are inferred from the shapes. The heads are folded in fp32 on the host.
 
@@ -73,8 +74,9 @@ class Embed(nn.Module):
         q = torch.arange(self.num_vq, device=codes.device)
         return self.emb_code[q, codes].sum(dim=1)
 
-    def embed_prompt(self, ids: torch.Tensor, text_mask: torch.Tensor, spk_emb: torch.Tensor | None,
-                     spk_emb_id: int) -> torch.Tensor:
+    def embed_prompt(
+        self, ids: torch.Tensor, text_mask: torch.Tensor, spk_emb: torch.Tensor | None, spk_emb_id: int
+    ) -> torch.Tensor:
         """Prefill embeddings of one prompt (MODEL.md §3.2).
 
         ids: [T, Q] int64 (text positions hold the text id in every column); text_mask: [T] bool;
@@ -113,9 +115,11 @@ class Embed(nn.Module):
 
 
 def _expected_shapes(v_text: int, v_audio: int, num_vq: int, h: int) -> dict[str, tuple[int, ...]]:
-    shapes = {"emb_text.weight": (v_text, h),
-              "head_text.parametrizations.weight.original0": (v_text, 1),
-              "head_text.parametrizations.weight.original1": (v_text, h)}
+    shapes = {
+        "emb_text.weight": (v_text, h),
+        "head_text.parametrizations.weight.original0": (v_text, 1),
+        "head_text.parametrizations.weight.original1": (v_text, h),
+    }
     for q in range(num_vq):
         shapes[f"emb_code.{q}.weight"] = (v_audio, h)
         shapes[f"head_code.{q}.parametrizations.weight.original0"] = (v_audio, 1)

@@ -7,8 +7,8 @@ from torch import nn
 
 from ttsserve.attention.backend import AttentionContext
 from ttsserve.config import GPTConfig
-from ttsserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from ttsserve.layers.quant.quantize import QuantConfig
+from ttsserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
 # Keys of the HF checkpoint that the engine does not use.
 _IGNORED_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")
@@ -28,8 +28,9 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
-                layer_idx: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext, layer_idx: int
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -68,9 +69,15 @@ class GPT(nn.Module):
         return self.norm(h)
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, torch.Tensor], cfg: GPTConfig, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu",
-                        source: str = "gpt/model.safetensors", quant: QuantConfig | None = None) -> GPT:
+    def from_state_dict(
+        cls,
+        sd: dict[str, torch.Tensor],
+        cfg: GPTConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        source: str = "gpt/model.safetensors",
+        quant: QuantConfig | None = None,
+    ) -> GPT:
         """Build from an HF LlamaModel state dict (MODEL.md §1.4), keys with or without a `model.` prefix.
 
         `embed_tokens.weight` and `rotary_emb.inv_freq` are ignored. Raises ValueError naming the tensor
@@ -81,8 +88,10 @@ class GPT(nn.Module):
         tensors = _strip_prefix(sd)
         packed = [k for k in tensors if k.endswith(".qweight")]
         if quant is None and packed:
-            raise ValueError(f"{source}: holds quantized tensors ({packed[0]}, ...) but no quantization_config "
-                             f"(asset/gpt/config.json or quantization_config.json) says how to read them")
+            raise ValueError(
+                f"{source}: holds quantized tensors ({packed[0]}, ...) but no quantization_config "
+                f"(asset/gpt/config.json or quantization_config.json) says how to read them"
+            )
         expected = _expected_shapes(cfg, quant)
         missing = [k for k in expected if k not in tensors]
         if missing:
@@ -95,8 +104,9 @@ class GPT(nn.Module):
             if got != shape:
                 raise ValueError(f"{source}: {name} has shape {got} but config implies {shape}")
             if want_dtype is not None and tensors[name].dtype != want_dtype:
-                raise ValueError(f"{source}: {name} has dtype {tensors[name].dtype}, the {quant.method} format "
-                                 f"stores {want_dtype}")
+                raise ValueError(
+                    f"{source}: {name} has dtype {tensors[name].dtype}, the {quant.method} format stores {want_dtype}"
+                )
         with torch.device("meta"):
             model = cls(cfg)
             if quant is not None:
@@ -118,19 +128,27 @@ class GPT(nn.Module):
 def _strip_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in sd.items():
-        name = k[len("model."):] if k.startswith("model.") else k
+        name = k[len("model.") :] if k.startswith("model.") else k
         if not name.endswith(_IGNORED_SUFFIXES):
             out[name] = v
     return out
 
 
-def _expected_shapes(cfg: GPTConfig, quant: QuantConfig | None = None
-                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+def _expected_shapes(
+    cfg: GPTConfig, quant: QuantConfig | None = None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """name -> (shape, dtype or None for "any float") of every tensor the checkpoint must hold."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    linears = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-               "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    linears = {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
     for n in range(cfg.num_layers):
         p = f"layers.{n}."
@@ -146,8 +164,9 @@ def _expected_shapes(cfg: GPTConfig, quant: QuantConfig | None = None
     return shapes
 
 
-def _fuse(t: dict[str, torch.Tensor], cfg: GPTConfig, suffixes: tuple[str, ...] = ("weight",)
-          ) -> dict[str, torch.Tensor]:
+def _fuse(
+    t: dict[str, torch.Tensor], cfg: GPTConfig, suffixes: tuple[str, ...] = ("weight",)
+) -> dict[str, torch.Tensor]:
     """HF names -> this module's names, with q/k/v and gate/up concatenated along the output dim (dim 0 of
     every stored tensor of a linear: weight, or qweight / scales / qzeros)."""
     out = {"norm.weight": t["norm.weight"]}

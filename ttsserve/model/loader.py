@@ -57,8 +57,13 @@ class Checkpoint:
     source: str = ""  # a human-readable origin ("/path/asset", "dummy real seed 0")
 
     def state_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {"gpt/model": self.gpt, "Embed": self.embed, "Decoder": self.decoder, "DVAE": self.dvae,
-                "Vocos": self.vocos}
+        return {
+            "gpt/model": self.gpt,
+            "Embed": self.embed,
+            "Decoder": self.decoder,
+            "DVAE": self.dvae,
+            "Vocos": self.vocos,
+        }
 
 
 def sha256_key(rel_path: str) -> str:
@@ -98,8 +103,10 @@ def resolve_checkpoint_root(model: str | os.PathLike | None) -> Path | None:
             return path
         if path.name == "asset" and (path / "gpt").is_dir():
             return path.parent
-        raise ValueError(f"{path}: not a ChatTTS checkpoint (expected an 'asset/' folder with gpt/, tokenizer/ "
-                         f"and the Embed/Decoder/DVAE/Vocos safetensors)")
+        raise ValueError(
+            f"{path}: not a ChatTTS checkpoint (expected an 'asset/' folder with gpt/, tokenizer/ "
+            f"and the Embed/Decoder/DVAE/Vocos safetensors)"
+        )
     if "/" in str(model) and not str(model).startswith((".", "/")):
         root = _hub_snapshot(str(model), local_only=os.environ.get("HF_HUB_OFFLINE") == "1")
         if root is None:

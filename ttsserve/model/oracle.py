@@ -12,9 +12,16 @@ from ttsserve.sample.sampler import make_sampling_batch, sample
 
 
 @torch.no_grad()
-def generate_dense(gpt: GPT, embed: Embed, prompt_embeds: torch.Tensor, mode: str, params: SamplingParams,
-                   max_new_tokens: int | None = None, eos_id: int | None = None,
-                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_dense(
+    gpt: GPT,
+    embed: Embed,
+    prompt_embeds: torch.Tensor,
+    mode: str,
+    params: SamplingParams,
+    max_new_tokens: int | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate for one prompt, one token (text) or frame (code) per step, until EOS or the cap.
 
     prompt_embeds: [T, H] (Embed.embed_prompt / embed_text output); mode: "code" or "text".

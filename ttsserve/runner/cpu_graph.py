@@ -56,16 +56,20 @@ class CpuDecodeGraph:
         self.gpt, self.kv_layers, self.scale = gpt, kv_layers, scale
         # the handle is id(module), taken inside the traced code, where it is a constant (a stored int would
         # become a symbolic input of the dynamic graph)
-        self.handles = [_register(m) for layer in gpt.layers
-                        for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        self.handles = [
+            _register(m)
+            for layer in gpt.layers
+            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
         self.block_size = kv_layers[0].shape[2]
         self._compiled = None
         self._ready = threading.Event()
         self.compile_s: float | None = None
 
     # ---- the traced step ---------------------------------------------------------------------------------
-    def _step(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
-              caches: list[Tensor]) -> Tensor:
+    def _step(
+        self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor, caches: list[Tensor]
+    ) -> Tensor:
         """x: [B, H] embeddings; positions, slots: [B] int64; tables: [B, nb] int; seq_lens: [B] int (context
         incl. the new token) -> [B, H] final hidden states in the model dtype. Writes each layer's new k / v."""
         gpt, b = self.gpt, x.shape[0]
@@ -74,8 +78,7 @@ class CpuDecodeGraph:
         h = x.to(gpt.dtype)
         cos, sin = gpt.rotary(positions, h.dtype)
         for layer, cache in zip(gpt.layers, caches):
-            q, k, v = cpu_linear(layer.input_layernorm(h), id(layer.qkv_proj)).split([nq * d, nkv * d, nkv * d],
-                                                                                    dim=-1)
+            q, k, v = cpu_linear(layer.input_layernorm(h), id(layer.qkv_proj)).split([nq * d, nkv * d, nkv * d], dim=-1)
             q = apply_rotary(q.reshape(b, nq, d), cos, sin)
             k = apply_rotary(k.reshape(b, nkv, d), cos, sin)
             _, num_blocks, block_size = cache.shape[:3]
@@ -116,8 +119,11 @@ class CpuDecodeGraph:
             self.compile_s = time.perf_counter() - t0
             logger.info("CPU decode step compiled in %.1f s (one graph; eager until then)", self.compile_s)
         except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: the eager path stays
-            logger.warning("torch.compile of the CPU decode step failed (%s: %s); staying eager",
-                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            logger.warning(
+                "torch.compile of the CPU decode step failed (%s: %s); staying eager",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
         finally:
             self._ready.set()
 
@@ -153,8 +159,9 @@ class CpuDecodeGraph:
         tables = md.block_tables[:, :nb].contiguous()
         slots, seq_lens = md.slot_mapping.long(), md.seq_lens
         if b == 1:
-            x, positions, slots, tables, seq_lens = (t.expand(2, *t.shape[1:]).contiguous()
-                                                     for t in (x, positions, slots, tables, seq_lens))
+            x, positions, slots, tables, seq_lens = (
+                t.expand(2, *t.shape[1:]).contiguous() for t in (x, positions, slots, tables, seq_lens)
+            )
         try:
             return self._compiled(x, positions, slots, tables, seq_lens, self.kv_layers)[:b]
         except Exception as e:  # noqa: BLE001

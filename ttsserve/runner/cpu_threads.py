@@ -43,9 +43,11 @@ class CpuThreadPolicy:
 
     def describe(self) -> str:
         quota = "" if self.cpu_quota is None else f", cgroup quota {self.cpu_quota:g} CPUs"
-        return (f"CPU threads: {self.intra_op_threads} intra-op ({self.source}), {self.inter_op_threads} "
-                f"inter-op; {self.physical_cores} physical cores available{quota}; OMP_WAIT_POLICY="
-                f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+        return (
+            f"CPU threads: {self.intra_op_threads} intra-op ({self.source}), {self.inter_op_threads} "
+            f"inter-op; {self.physical_cores} physical cores available{quota}; OMP_WAIT_POLICY="
+            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        )
 
 
 def physical_cores(cpus: set[int] | None = None, sys_cpu: str | Path = "/sys/devices/system/cpu") -> int:
@@ -57,8 +59,9 @@ def physical_cores(cpus: set[int] | None = None, sys_cpu: str | Path = "/sys/dev
     for cpu in cpus:
         topo = Path(sys_cpu) / f"cpu{cpu}" / "topology"
         try:
-            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
-                       topo.joinpath("core_id").read_text().strip()))
+            cores.add(
+                (topo.joinpath("physical_package_id").read_text().strip(), topo.joinpath("core_id").read_text().strip())
+            )
         except OSError:
             cores.add(("cpu", str(cpu)))
     return max(len(cores), 1)
@@ -78,8 +81,12 @@ def cgroup_cpu_quota(cpu_max: str | Path = "/sys/fs/cgroup/cpu.max") -> float | 
         return None
 
 
-def plan_cpu_threads(num_threads: int | None = None, environ: MutableMapping[str, str] | None = None,
-                     cores: int | None = None, quota: float | None = None) -> CpuThreadPolicy:
+def plan_cpu_threads(
+    num_threads: int | None = None,
+    environ: MutableMapping[str, str] | None = None,
+    cores: int | None = None,
+    quota: float | None = None,
+) -> CpuThreadPolicy:
     """The policy, computed without touching torch. num_threads (e.g. a --threads flag) beats
     OMP_NUM_THREADS, which beats the physical cores (capped by the cgroup quota, rounded up)."""
     env = os.environ if environ is None else environ

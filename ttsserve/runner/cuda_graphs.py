@@ -35,13 +35,15 @@ _ROW, _POS, _SLOT, _STEP = range(4)
 # below are the same arithmetic as GPT.forward / the sampler, written so torch.compile fuses each chain into one
 # kernel; the linears (dense or quantized modules) and the paged attention are called as they are.
 
+
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + x), residual + x): the residual add of one block fused with the next norm."""
     s = residual + x
     return _rmsnorm(s, weight, eps), s
@@ -52,8 +54,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_rotary(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = _rotate(q.reshape(t, num_heads, head_dim), cos, sin)
@@ -74,8 +77,13 @@ class DecodeOps:
     def __init__(self, compile: bool) -> None:
         from ttsserve.sample.sampler import sample
 
-        fns = {"rmsnorm": _rmsnorm, "add_rmsnorm": _add_rmsnorm, "qkv_rotary": _qkv_rotary,
-               "silu_mul": _silu_mul, "sample": sample}
+        fns = {
+            "rmsnorm": _rmsnorm,
+            "add_rmsnorm": _add_rmsnorm,
+            "qkv_rotary": _qkv_rotary,
+            "silu_mul": _silu_mul,
+            "sample": sample,
+        }
         if compile:
             for name, fn in fns.items():
                 if name not in DecodeOps._compiled:
@@ -137,8 +145,9 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Bucketed decode-step graphs of one ModelRunner (CUDA only; `capture()` before `run()`)."""
 
-    def __init__(self, runner, sizes: list[int], fused: bool = True, compile: bool | None = None,
-                 max_steps: int = 1) -> None:
+    def __init__(
+        self, runner, sizes: list[int], fused: bool = True, compile: bool | None = None, max_steps: int = 1
+    ) -> None:
         """fused: run fused_gpt_forward and DecodeOps (compiled where `compile`, default: on CUDA); max_steps:
         the longest decode burst run() replays (multi-step scheduling)."""
         if not sizes or min(sizes) < 1:
@@ -154,8 +163,9 @@ class DecodeGraphs:
         # still be queued when the next run is prepared (the engine's async scheduling queues step n + 1 before
         # it waits for step n, and a mixed step may run twice: a burst and single steps); it has run by the
         # time the buffer comes round again, after the wait for step n.
-        self._meta_hosts = [torch.zeros(max_steps, max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
-                            for _ in range(4)]
+        self._meta_hosts = [
+            torch.zeros(max_steps, max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda") for _ in range(4)
+        ]
         self._turn = 0
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(max_bs, runner.cfg.num_vq, dtype=torch.int64, device=dev)
@@ -201,9 +211,15 @@ class DecodeGraphs:
             lens_cpu = np.where(m[:, _SLOT] >= 0, m[:, _POS] + 1, 0).tolist()
             max_len = max(lens_cpu)
         md = AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens[:bs + 1], seq_lens=seq_lens, block_tables=r.input_batch.block_table[rows],
-            slot_mapping=slots, max_query_len=1, max_seq_len=max_len, block_size=r.block_size,
-            cu_seqlens_q_cpu=list(range(bs + 1)), seq_lens_cpu=lens_cpu,
+            cu_seqlens_q=self.cu_seqlens[: bs + 1],
+            seq_lens=seq_lens,
+            block_tables=r.input_batch.block_table[rows],
+            slot_mapping=slots,
+            max_query_len=1,
+            max_seq_len=max_len,
+            block_size=r.block_size,
+            cu_seqlens_q_cpu=list(range(bs + 1)),
+            seq_lens_cpu=lens_cpu,
         )
         x = r.model.embed.embed_codes(r.sampling.last_tokens[rows])
         if self.ops is None:
@@ -249,8 +265,13 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.generation = self.runner.generation
         self.capture_s = time.perf_counter() - t0
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
-                    self.sizes[0], self.sizes[-1], self.capture_s)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
+            len(self.graphs),
+            self.sizes[0],
+            self.sizes[-1],
+            self.capture_s,
+        )
 
     def _warm_up(self, bs: int) -> None:
         """Run the body once outside the capture (Triton / torch.compile compile, cuBLAS picks its kernels). A
@@ -260,8 +281,9 @@ class DecodeGraphs:
     def _or_uncompiled(self, fn, what: str) -> None:
         or_uncompiled(self, fn, what)
 
-    def run(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray,
-            num_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray, num_steps: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay num_steps decode steps for B = len(rows) rows -> (tokens [B, num_steps, num_vq] int64,
         hidden [num_steps, B, H] fp32). rows / starts / steps: int64 [B] (starts = position) of the first step;
         step j runs at starts + j, steps + j on the frame step j - 1 sampled. One step returns views of the

@@ -44,8 +44,9 @@ class StepArrays:
 class InputBatch:
     """Row allocation and block tables for up to `max_rows` running sequences (grows if ever exceeded)."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
-                 mirror: bool | None = None) -> None:
+    def __init__(
+        self, max_rows: int, max_blocks_per_seq: int, block_size: int, device: torch.device, mirror: bool | None = None
+    ) -> None:
         """mirror: keep block_table a separate copy of the host table (default: off CPU only; on CPU the table
         is the host array itself, no copies at all). mirror=True on CPU exercises the device path in tests."""
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
@@ -161,14 +162,21 @@ class InputBatch:
             self._copy_pending[i] = False
 
     # ---- step arrays ---------------------------------------------------------------------------------------
-    def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
-                    steps: np.ndarray) -> StepArrays:
+    def step_arrays(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray, steps: np.ndarray) -> StepArrays:
         """Positions, slots and offsets of one step: sequence b computes positions [starts[b], +num_new[b])."""
         bs = self.block_size
         if len(num_new) == int(num_new.sum()):  # decode: one token per sequence (the common step)
             slots = self.block_table_np[rows, starts // bs].astype(np.int64) * bs + starts % bs
-            return StepArrays(rows, starts, num_new, steps, starts, slots,
-                              np.arange(len(rows) + 1, dtype=np.int32), (starts + 1).astype(np.int32))
+            return StepArrays(
+                rows,
+                starts,
+                num_new,
+                steps,
+                starts,
+                slots,
+                np.arange(len(rows) + 1, dtype=np.int32),
+                (starts + 1).astype(np.int32),
+            )
         cu = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(num_new, out=cu[1:])
         total = int(cu[-1])

@@ -19,7 +19,6 @@ from ttsserve.layers.quant.kv_fp8 import FP8KVCache, check_kv_cache_dtype, fp8_b
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_blocks: int
@@ -41,10 +40,12 @@ class KVCacheSpec:
     def report(self) -> str:
         gib = self.num_tokens * self.bytes_per_token / 2**30
         kind = " fp8" if self.kv_cache_dtype == "fp8" else ""
-        return (f"KV cache{kind}: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} frames "
-                f"({gib:.2f} GiB, {self.bytes_per_token / 1024:.0f} KiB per frame); fits "
-                f"{self.concurrent_utterances(30.0)} concurrent 30-s utterances "
-                f"({self.concurrent_utterances(10.0)} of 10 s); swap space {self.num_cpu_blocks} blocks")
+        return (
+            f"KV cache{kind}: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} frames "
+            f"({gib:.2f} GiB, {self.bytes_per_token / 1024:.0f} KiB per frame); fits "
+            f"{self.concurrent_utterances(30.0)} concurrent 30-s utterances "
+            f"({self.concurrent_utterances(10.0)} of 10 s); swap space {self.num_cpu_blocks} blocks"
+        )
 
 
 def kv_bytes_per_token(cfg: GPTConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -55,15 +56,23 @@ def kv_bytes_per_token(cfg: GPTConfig, dtype: torch.dtype, kv_cache_dtype: str =
     return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
 
 
-def plan_kv_cache(cfg: GPTConfig, dtype: torch.dtype, block_size: int, budget_bytes: int,
-                  swap_bytes: int, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+def plan_kv_cache(
+    cfg: GPTConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    budget_bytes: int,
+    swap_bytes: int,
+    kv_cache_dtype: str = "auto",
+) -> KVCacheSpec:
     """How many blocks of `block_size` frames fit in `budget_bytes` (device) and `swap_bytes` (host)."""
     per_token = kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
     per_block = per_token * block_size
     num_blocks = int(budget_bytes // per_block)
     if num_blocks < 2:
-        raise ValueError(f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 blocks "
-                         f"({per_block / 2**20:.2f} MiB each): raise --kv-cache-memory / --gpu-memory-utilization")
+        raise ValueError(
+            f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 blocks "
+            f"({per_block / 2**20:.2f} MiB each): raise --kv-cache-memory / --gpu-memory-utilization"
+        )
     return KVCacheSpec(num_blocks, int(swap_bytes // per_block), block_size, per_token, kv_cache_dtype)
 
 

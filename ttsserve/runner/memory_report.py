@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ttsserve.model.cpu_linear import DynamicInt8Linear, PackedInt4Linear, stored_weight_bytes
 from ttsserve.layers.quant.linear import quant_linears
+from ttsserve.model.cpu_linear import DynamicInt8Linear, PackedInt4Linear, stored_weight_bytes
 from ttsserve.runner.kv_cache import KVCacheSpec, kv_bytes_per_token
 
 
@@ -41,10 +41,17 @@ def quantization_savings(model, kv_spec: KVCacheSpec, weights_share_budget: bool
     budget = kv_spec.num_tokens * kv_spec.bytes_per_token
     if weights_share_budget:
         budget -= dense - gpt_bytes
-    dense_spec = KVCacheSpec(max(int(budget // (per_token_dense * kv_spec.block_size)), 0), 0, kv_spec.block_size,
-                             per_token_dense)
-    return QuantMemorySavings(gpt_bytes, dense, kv_spec.bytes_per_token, per_token_dense,
-                              kv_spec.concurrent_utterances(30.0), dense_spec.concurrent_utterances(30.0))
+    dense_spec = KVCacheSpec(
+        max(int(budget // (per_token_dense * kv_spec.block_size)), 0), 0, kv_spec.block_size, per_token_dense
+    )
+    return QuantMemorySavings(
+        gpt_bytes,
+        dense,
+        kv_spec.bytes_per_token,
+        per_token_dense,
+        kv_spec.concurrent_utterances(30.0),
+        dense_spec.concurrent_utterances(30.0),
+    )
 
 
 def quantization_memory_report(model, kv_spec: KVCacheSpec, weights_share_budget: bool) -> str | None:
@@ -53,13 +60,20 @@ def quantization_memory_report(model, kv_spec: KVCacheSpec, weights_share_budget
         return None
     s = quantization_savings(model, kv_spec, weights_share_budget)
     mib = 2**20
-    weights = (f"GPT weights {model.quantization}: {s.gpt_bytes / mib:.0f} MiB instead of "
-               f"{s.gpt_dense_bytes / mib:.0f} MiB ({s.weight_bytes_saved / mib:.0f} MiB saved"
-               + (", given to the KV cache)" if weights_share_budget else ")")
-               if model.quant is not None else "GPT weights dense")
-    kv = (f"KV cache {kv_spec.kv_cache_dtype}: {s.kv_bytes_per_token / 1024:.1f} KiB per frame instead of "
-          f"{s.kv_dense_bytes_per_token / 1024:.1f} KiB" if kv_spec.kv_cache_dtype != "auto" else
-          "KV cache in the model dtype")
+    weights = (
+        f"GPT weights {model.quantization}: {s.gpt_bytes / mib:.0f} MiB instead of "
+        f"{s.gpt_dense_bytes / mib:.0f} MiB ({s.weight_bytes_saved / mib:.0f} MiB saved"
+        + (", given to the KV cache)" if weights_share_budget else ")")
+        if model.quant is not None
+        else "GPT weights dense"
+    )
+    kv = (
+        f"KV cache {kv_spec.kv_cache_dtype}: {s.kv_bytes_per_token / 1024:.1f} KiB per frame instead of "
+        f"{s.kv_dense_bytes_per_token / 1024:.1f} KiB"
+        if kv_spec.kv_cache_dtype != "auto"
+        else "KV cache in the model dtype"
+    )
     gain = f" ({s.streams / s.streams_dense:.2f}x)" if s.streams_dense else ""
-    return (f"quantization: {weights}; {kv}; fits {s.streams} concurrent 30-s utterances instead of "
-            f"{s.streams_dense}{gain}")
+    return (
+        f"quantization: {weights}; {kv}; fits {s.streams} concurrent 30-s utterances instead of {s.streams_dense}{gain}"
+    )

@@ -73,8 +73,9 @@ class PrefillGraphs:
     # ---- the pieces --------------------------------------------------------------------------------------
     def _qkv(self, layer, normed: torch.Tensor, t: int) -> None:
         cfg = self.gpt.cfg
-        q, k, v = self.ops.qkv_rotary(layer.qkv_proj(normed), self.cos[:t], self.sin[:t], cfg.num_heads,
-                                      cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.ops.qkv_rotary(
+            layer.qkv_proj(normed), self.cos[:t], self.sin[:t], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
         self.q[:t].copy_(q)
         self.k[:t].copy_(k)
         self.v[:t].copy_(v)
@@ -92,8 +93,9 @@ class PrefillGraphs:
             return
         layer = gpt.layers[i - 1]
         norm = layer.post_attention_layernorm
-        normed, residual = ops.add_rmsnorm(layer.o_proj(self.attn[:t].reshape(t, -1)), self.residual[:t],
-                                           norm.weight, norm.eps)
+        normed, residual = ops.add_rmsnorm(
+            layer.o_proj(self.attn[:t].reshape(t, -1)), self.residual[:t], norm.weight, norm.eps
+        )
         h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
         if i == self.num_layers:
             self.out[:t].copy_(ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0])
@@ -134,9 +136,14 @@ class PrefillGraphs:
                 g.replay()
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
-        logger.info("captured %d piecewise prefill CUDA graphs (%d token buckets, %d..%d) in %.1f s",
-                    sum(len(v) for v in self.graphs.values()), len(self.sizes), self.sizes[0], self.sizes[-1],
-                    self.capture_s)
+        logger.info(
+            "captured %d piecewise prefill CUDA graphs (%d token buckets, %d..%d) in %.1f s",
+            sum(len(v) for v in self.graphs.values()),
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            self.capture_s,
+        )
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """GPT forward of x [T, H] at positions [T] with attention context ctx -> hidden [T, H] in the GPT

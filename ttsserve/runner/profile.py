@@ -44,13 +44,23 @@ def kv_budget_after_profiling(model, cfg: EngineConfig) -> int:
     graph_pools = 0 if cfg.enforce_eager else profile_vocoder_call_bytes(model, cfg) + activations
     reserve = GRAPH_RESERVE_BYTES + graph_pools
     budget = int(cfg.gpu_memory_utilization * total - others - weights - activations - reserve)
-    logger.info("memory: %.2f GiB total x %.2f utilization; %.2f GiB used by others (context, processes), "
-                "%.2f GiB weights, %.2f GiB peak activations of a max-size step, %.2f GiB graph reserve "
-                "-> %.2f GiB for the KV cache", total / 2**30, cfg.gpu_memory_utilization, others / 2**30,
-                weights / 2**30, activations / 2**30, reserve / 2**30, budget / 2**30)
+    logger.info(
+        "memory: %.2f GiB total x %.2f utilization; %.2f GiB used by others (context, processes), "
+        "%.2f GiB weights, %.2f GiB peak activations of a max-size step, %.2f GiB graph reserve "
+        "-> %.2f GiB for the KV cache",
+        total / 2**30,
+        cfg.gpu_memory_utilization,
+        others / 2**30,
+        weights / 2**30,
+        activations / 2**30,
+        reserve / 2**30,
+        budget / 2**30,
+    )
     if budget <= 0:
-        raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                         f"{cfg.gpu_memory_utilization} ({budget / 2**30:.2f} GiB): raise it or free the GPU")
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization="
+            f"{cfg.gpu_memory_utilization} ({budget / 2**30:.2f} GiB): raise it or free the GPU"
+        )
     return budget
 
 
@@ -74,7 +84,7 @@ def profile_max_step(model, cfg: EngineConfig) -> int:
     md = make_metadata(tables, [0] * len(lens), lens, bs, device=dev)
     x = torch.randn(tokens, gcfg.hidden_size, device=dev, dtype=dtype)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-    scale = gcfg.head_dim ** -0.5
+    scale = gcfg.head_dim**-0.5
     from ttsserve.runner.model_runner import runner_backend
 
     backend, _ = runner_backend(dev, gcfg.head_dim)
@@ -101,9 +111,17 @@ def _profile_sampler(model, cfg: EngineConfig, h: torch.Tensor) -> None:
 def _profile_vocoder(model, cfg: EngineConfig, net_dtype: torch.dtype | None = None) -> None:
     from ttsserve.audio.incremental_stage import make_audio_stage
 
-    stage = make_audio_stage(model.decoder, None, model.vocos, first_chunk_frames=cfg.first_chunk_frames,
-                             max_chunk_frames=cfg.max_chunk_frames, lookahead_frames=cfg.lookahead_frames,
-                             device=model.device, deferred=False, net_dtype=net_dtype)
+    stage = make_audio_stage(
+        model.decoder,
+        None,
+        model.vocos,
+        first_chunk_frames=cfg.first_chunk_frames,
+        max_chunk_frames=cfg.max_chunk_frames,
+        lookahead_frames=cfg.lookahead_frames,
+        device=model.device,
+        deferred=False,
+        net_dtype=net_dtype,
+    )
     stage.profile_max_call()
 
 

@@ -35,8 +35,9 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-def gather_input_rows(scheduled: list, cu_seqlens_q: np.ndarray, states: dict, requests: dict,
-                      num_vq: int) -> InputRows:
+def gather_input_rows(
+    scheduled: list, cu_seqlens_q: np.ndarray, states: dict, requests: dict, num_vq: int
+) -> InputRows:
     """scheduled[b] fills rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) with its positions
     [num_computed_tokens, + num_new_tokens): prompt positions from states[id] (SequenceState), later ones
     from requests[id].output_token_ids. Every row is exactly one text or one code row."""
@@ -58,7 +59,7 @@ def gather_input_rows(scheduled: list, cu_seqlens_q: np.ndarray, states: dict, r
                 spk_vecs += [st.spk] * len(rows)
         if end > num_prompt:
             first = max(start, num_prompt)
-            items = requests[s.request_id].output_token_ids[first - num_prompt:end - num_prompt]
+            items = requests[s.request_id].output_token_ids[first - num_prompt : end - num_prompt]
             dst = np.arange(off + first - start, off + end - start)
             if st.mode == "code":
                 code_ids.append(np.asarray(items, dtype=np.int64).reshape(-1, num_vq))

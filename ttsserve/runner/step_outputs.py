@@ -17,7 +17,7 @@ def runner_output(groups: list[StepGroup], host: np.ndarray, audio_eos_id: int, 
     offset = 0
     for g in groups:
         n, k, width = g.tokens.shape
-        rows = host[offset:offset + n * k * width].reshape(n, k, width)
+        rows = host[offset : offset + n * k * width].reshape(n, k, width)
         offset += n * k * width
         ids = [s.request_id for s in g.scheduled]
         if g.mode == "text":
@@ -33,7 +33,7 @@ def runner_output(groups: list[StepGroup], host: np.ndarray, audio_eos_id: int, 
         else:  # a burst's frames end before its first EOS
             num_frames = np.where(eos.any(axis=1), eos.argmax(axis=1), k)
             flat = list(map(tuple, rows.reshape(n * k, width).tolist()))  # C-level: one tuple per frame
-            out.sampled.update(zip(ids, [flat[i * k:i * k + m] for i, m in enumerate(num_frames.tolist())]))
+            out.sampled.update(zip(ids, [flat[i * k : i * k + m] for i, m in enumerate(num_frames.tolist())]))
             out.stopped.update(zip(ids, (num_frames < k).tolist()))
         _add_frames(frames, ids, g.hidden, num_frames)
     for (j, _), batches in sorted(frames.items()):  # a mixed step's code groups: one batch per (j, m)
@@ -57,7 +57,7 @@ def _add_frames(frames: dict, ids: list[str], hidden: torch.Tensor, num_frames: 
     for j in range(int(num_frames.max(initial=0))):
         idx = np.flatnonzero((num_frames > j) & ~full)
         if len(idx):
-            frames.setdefault((j, 1), []).append(([ids[i] for i in idx], hidden[j:j + 1, _to(idx, hidden)]))
+            frames.setdefault((j, 1), []).append(([ids[i] for i in idx], hidden[j : j + 1, _to(idx, hidden)]))
 
 
 def _to(idx: np.ndarray, like: torch.Tensor) -> torch.Tensor:

@@ -50,4 +50,4 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, num_rows: int, vocab_
     v = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     h = mix32(keys[:, :, None] ^ v[None, None, :])
     h = mix32(h ^ _GOLDEN)  # a second round: v only perturbs the low bits of the first round's input
-    return ((h >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)

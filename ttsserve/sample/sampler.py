@@ -52,9 +52,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.greedy[:, None], x.argmax(dim=-1), sampled)
 
 
-def make_sampling_batch(params: Sequence[SamplingParams], seeds: Sequence[int], num_generated: Sequence[int],
-                        histories: Sequence[torch.Tensor | Sequence], num_rows: int, eos_id: int,
-                        device: torch.device | str = "cpu") -> SamplingBatch:
+def make_sampling_batch(
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    num_generated: Sequence[int],
+    histories: Sequence[torch.Tensor | Sequence],
+    num_rows: int,
+    eos_id: int,
+    device: torch.device | str = "cpu",
+) -> SamplingBatch:
     """Build a SamplingBatch from Python-side request state (a convenience; loops over requests).
 
     histories[i]: request i's generated tokens so far, oldest first: [n, num_rows] (code frames) or [n]
@@ -67,19 +73,20 @@ def make_sampling_batch(params: Sequence[SamplingParams], seeds: Sequence[int], 
     window = max((p.repetition_window for p in params), default=1)
     hist = torch.full((n, num_rows, window), -1, dtype=torch.int64)
     for i, (p, h) in enumerate(zip(params, histories)):
-        h = torch.as_tensor(h, dtype=torch.int64).reshape(-1, num_rows)[-p.repetition_window:]
+        h = torch.as_tensor(h, dtype=torch.int64).reshape(-1, num_rows)[-p.repetition_window :]
         if h.shape[0]:
-            hist[i, :, window - h.shape[0]:] = h.T
+            hist[i, :, window - h.shape[0] :] = h.T
     return SamplingBatch(
-        temperature=torch.tensor([p.temperatures(num_rows) for p in params], dtype=torch.float32,
-                                 device=device).reshape(n, num_rows),
+        temperature=torch.tensor(
+            [p.temperatures(num_rows) for p in params], dtype=torch.float32, device=device
+        ).reshape(n, num_rows),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-        repetition_penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
-                                        device=device),
+        repetition_penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
         history=hist.to(device),
-        eos_banned=torch.tensor([g < p.min_new_tokens for p, g in zip(params, num_generated)], dtype=torch.bool,
-                                device=device),
+        eos_banned=torch.tensor(
+            [g < p.min_new_tokens for p, g in zip(params, num_generated)], dtype=torch.bool, device=device
+        ),
         greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
         seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
         steps=torch.tensor(list(num_generated), dtype=torch.int64, device=device),

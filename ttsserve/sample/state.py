@@ -65,8 +65,14 @@ class SamplingState:
         self.last_tokens[:n_old] = old[3][:n_old]
 
     # ---- host side: set up rows (once per admission / resume, batched) ------------------------------------
-    def set_rows(self, rows: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int],
-                 modes: Sequence[str], outputs: Sequence[Sequence]) -> None:
+    def set_rows(
+        self,
+        rows: Sequence[int],
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        modes: Sequence[str],
+        outputs: Sequence[Sequence],
+    ) -> None:
         """Initialise rows for requests entering the running batch.
 
         outputs[i]: request i's generated items so far (4-tuples for code, ints for text); the ring gets the
@@ -83,7 +89,7 @@ class SamplingState:
             width = q if mode == "code" else 1
             temps = p.temperatures(width)
             # fp32 first: the temperature of the batch is fp32 (exactly what torch.tensor(float32) rounds to)
-            fp[i, 2:2 + width] = torch.tensor(temps, dtype=torch.float32).double()
+            fp[i, 2 : 2 + width] = torch.tensor(temps, dtype=torch.float32).double()
             fp[i, _TOP_P], fp[i, _PENALTY] = p.top_p, float(torch.tensor(p.repetition_penalty, dtype=torch.float32))
             ip[i] = torch.tensor([p.top_k, int(p.greedy), seed, p.min_new_tokens, p.repetition_window])
             g = len(outs)
@@ -103,7 +109,7 @@ class SamplingState:
         """The SamplingBatch of `rows` ([B] int64 device) at `steps` ([B] int64: tokens generated so far)."""
         fp, ip = self.fparams[rows], self.iparams[rows]
         return SamplingBatch(
-            temperature=fp[:, 2:2 + num_rows].float(),
+            temperature=fp[:, 2 : 2 + num_rows].float(),
             top_p=fp[:, _TOP_P],
             top_k=ip[:, _TOP_K],
             repetition_penalty=fp[:, _PENALTY].float(),

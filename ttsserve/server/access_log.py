@@ -72,7 +72,14 @@ class RequestContextMiddleware:
         state["logged"] = True
         self.metrics.observe_request(_endpoint_label(scope["path"]), status)
         client = scope.get("client")
-        line = {"event": "access", "request_id": rid, "method": scope["method"], "path": scope["path"],
-                "status": status, "ms": round((time.perf_counter() - started) * 1000, 1),
-                "client": client[0] if client else None, **state["log"]}
+        line = {
+            "event": "access",
+            "request_id": rid,
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "ms": round((time.perf_counter() - started) * 1000, 1),
+            "client": client[0] if client else None,
+            **state["log"],
+        }
         access_logger.info(json.dumps(line, default=str))

@@ -98,14 +98,22 @@ class ServerState:
     def admit_text(self, text: str, ident: str, param: str) -> Callable[[], None]:
         """413 for text over the limit, 429 over the rate limits; returns the rate-limit refund."""
         if len(text) > self.cfg.max_input_chars:
-            raise ApiError(413, f"{param} has {len(text)} characters; the limit is {self.cfg.max_input_chars}",
-                           param=param, code="input_too_long")
+            raise ApiError(
+                413,
+                f"{param} has {len(text)} characters; the limit is {self.cfg.max_input_chars}",
+                param=param,
+                code="input_too_long",
+            )
         return self.rate.check(ident, len(text))
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
-            raise ApiError(404, f"model {model!r} not found; available: {', '.join(self.model_names)}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {model!r} not found; available: {', '.join(self.model_names)}",
+                param="model",
+                code="model_not_found",
+            )
 
     def resolve_voice(self, spec, param: str = "voice"):
         try:
@@ -113,14 +121,30 @@ class ServerState:
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
         if voice is None:
-            raise ApiError(404, f"voice {spec if isinstance(spec, str) else spec.id!r} not found",
-                           param=param, code="voice_not_found")
+            raise ApiError(
+                404,
+                f"voice {spec if isinstance(spec, str) else spec.id!r} not found",
+                param=param,
+                code="voice_not_found",
+            )
         return voice
 
     # ---- synthesis -------------------------------------------------------------------------------
-    async def synthesize(self, request: Request, *, endpoint: str, text: str, text_param: str, voice,
-                         opts: ChatTTSOptions, speed: float, instructions: str | None, fmt: str, mode: str,
-                         refund: Callable[[], None]):
+    async def synthesize(
+        self,
+        request: Request,
+        *,
+        endpoint: str,
+        text: str,
+        text_param: str,
+        voice,
+        opts: ChatTTSOptions,
+        speed: float,
+        instructions: str | None,
+        fmt: str,
+        mode: str,
+        refund: Callable[[], None],
+    ):
         """mode: "audio" (chunked stream), "sse", or "file" (whole file, real status on late failure).
 
         refund: gives back the client's rate-limit quota; called when the request is refused with 503
@@ -132,8 +156,14 @@ class ServerState:
             raise bad_request(str(e), param=_fmt_param(endpoint)) from None
         try:
             req, stretch = build_synthesis_request(
-                text, voice, opts, speed=speed, instructions=instructions,
-                max_new_tokens_cap=self.cfg.max_new_tokens, request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}")
+                text,
+                voice,
+                opts,
+                speed=speed,
+                instructions=instructions,
+                max_new_tokens_cap=self.cfg.max_new_tokens,
+                request_id=f"{request.state.request_id}-{uuid.uuid4().hex[:8]}",
+            )
         except ValueError as e:
             raise bad_request(str(e), param=_http_param(e, text_param)) from None
         rate = opts.sample_rate or SAMPLE_RATE
@@ -141,8 +171,9 @@ class ServerState:
             release = self.gate.acquire()
         except ApiError as e:
             raise _refunded_if_refused(e, refund) from None
-        job = SynthesisJob(request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate,
-                           stretch=stretch)
+        job = SynthesisJob(
+            request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate, stretch=stretch
+        )
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
         gen = self.engine.generate(req)
         try:
@@ -158,8 +189,11 @@ class ServerState:
             await gen.aclose()
             release()
             self._settle(job, request)
-            headers = {"X-Finish-Reason": job.finish_reason or "stop", "X-Audio-Duration": f"{job.audio_seconds:.3f}",
-                       "X-Truncated-Segments": ",".join(map(str, job.truncated_segments))}
+            headers = {
+                "X-Finish-Reason": job.finish_reason or "stop",
+                "X-Audio-Duration": f"{job.audio_seconds:.3f}",
+                "X-Truncated-Segments": ",".join(map(str, job.truncated_segments)),
+            }
             return Response(data, media_type=content_type(fmt), headers=headers)
         pipe = AudioPipeline(fmt, rate, self.engine.sample_rate, stretch)
         body = (sse_body if mode == "sse" else audio_body)(first, gen, pipe, job)
@@ -179,20 +213,35 @@ class ServerState:
         total = time.perf_counter() - job.started
         self.metrics.observe_synthesis(job.endpoint, job.first_audio_s, total, job.audio_seconds, job.finish_reason)
         request.state.log.update(
-            finish_reason=job.finish_reason, audio_s=round(job.audio_seconds, 3), frames=job.num_frames,
+            finish_reason=job.finish_reason,
+            audio_s=round(job.audio_seconds, 3),
+            frames=job.num_frames,
             ttfa_ms=None if job.first_audio_s is None else round(job.first_audio_s * 1000, 1),
-            total_ms=round(total * 1000, 1))
+            total_ms=round(total * 1000, 1),
+        )
         # For streams the access line was written when the handler returned; log the synthesis outcome too.
         if getattr(request.state, "logged", False):
-            access_logger.info(json.dumps({"event": "synthesis_done", "request_id": job.request_id,
-                                           **{k: request.state.log.get(k) for k in
-                                              ("finish_reason", "audio_s", "frames", "ttfa_ms", "total_ms")}}))
+            access_logger.info(
+                json.dumps(
+                    {
+                        "event": "synthesis_done",
+                        "request_id": job.request_id,
+                        **{
+                            k: request.state.log.get(k)
+                            for k in ("finish_reason", "audio_s", "frames", "ttfa_ms", "total_ms")
+                        },
+                    }
+                )
+            )
 
 
 def _unfinished_reason(error: BaseException | None) -> str:
     """Why a synthesis ended without a final output: the client left, its input was refused, or a failure."""
-    if error is None or isinstance(error, (ClientGone, OSError)) or type(error).__name__ in (
-            "CancelledError", "ClientDisconnect"):
+    if (
+        error is None
+        or isinstance(error, (ClientGone, OSError))
+        or type(error).__name__ in ("CancelledError", "ClientDisconnect")
+    ):
         return "abort"
     if isinstance(error, (ValueError, EngineOverloadedError)) or (isinstance(error, ApiError) and error.status < 500):
         return "rejected"
@@ -265,8 +314,12 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
             await engine.shutdown(cfg.drain_timeout_s)
             st.store.close()
 
-    app = FastAPI(title="ttsserve", version="0.1.0", lifespan=lifespan,
-                  description="ChatTTS serving: OpenAI-compatible speech API, voices, streaming audio.")
+    app = FastAPI(
+        title="ttsserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="ChatTTS serving: OpenAI-compatible speech API, voices, streaming audio.",
+    )
     app.state.server = st
     install_error_handlers(app)
     bearer = HTTPBearer(auto_error=False, description="API key (only when the server has --api-key)")
@@ -274,25 +327,49 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     async def identity(request: Request, _=Depends(bearer)) -> str:  # async: a sync one runs in a worker thread
         return st.identity(request)
 
-    @app.post("/v1/audio/speech", responses={200: _AUDIO_200 | {"content": {**_AUDIO_TYPES, "text/event-stream": {}}},
-                                             **_ERRORS}, response_class=Response, tags=["speech"])
+    @app.post(
+        "/v1/audio/speech",
+        responses={200: _AUDIO_200 | {"content": {**_AUDIO_TYPES, "text/event-stream": {}}}, **_ERRORS},
+        response_class=Response,
+        tags=["speech"],
+    )
     async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
         refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
         voice = st.resolve_voice(body.voice)
-        return await st.synthesize(request, endpoint="speech", text=body.input, text_param="input", voice=voice,
-                                   opts=body, speed=body.speed, instructions=body.instructions,
-                                   fmt=body.response_format, mode=body.stream_format, refund=refund)
+        return await st.synthesize(
+            request,
+            endpoint="speech",
+            text=body.input,
+            text_param="input",
+            voice=voice,
+            opts=body,
+            speed=body.speed,
+            instructions=body.instructions,
+            fmt=body.response_format,
+            mode=body.stream_format,
+            refund=refund,
+        )
 
     @app.post("/synthesize", responses={200: _AUDIO_200, **_ERRORS}, response_class=Response, tags=["speech"])
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
         refund = st.admit_text(body.text, ident, "text")
         voice = st.resolve_voice(body.voice)
-        return await st.synthesize(request, endpoint="synthesize", text=body.text, text_param="text", voice=voice,
-                                   opts=body, speed=body.speed, instructions=None, fmt=body.format,
-                                   mode="audio" if body.stream else "file", refund=refund)
+        return await st.synthesize(
+            request,
+            endpoint="synthesize",
+            text=body.text,
+            text_param="text",
+            voice=voice,
+            opts=body,
+            speed=body.speed,
+            instructions=None,
+            fmt=body.format,
+            mode="audio" if body.stream else "file",
+            refund=refund,
+        )
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["models"])
     async def list_models(_: str = Depends(identity)):
@@ -322,8 +399,11 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     _drop_422_from_openapi(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.max_body_bytes,
-                       max_upload_bytes=cfg.max_upload_bytes, upload_paths=("/v1/audio/voices",))
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=cfg.max_body_bytes,
+        max_upload_bytes=cfg.max_upload_bytes,
+        upload_paths=("/v1/audio/voices",),
+    )
     app.add_middleware(RequestContextMiddleware, metrics=st.metrics)
     return app
-

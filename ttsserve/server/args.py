@@ -54,15 +54,22 @@ class ServerConfig:
     max_input_chars: int = field(default=4096, metadata=_flag("longer input gets 413"))
     max_body_bytes: int = field(default=1 << 20, metadata=_flag("JSON bodies over this get 413", parse_size))
     max_upload_bytes: int = field(default=25 << 20, metadata=_flag("voice uploads over this get 413", parse_size))
-    max_in_flight: int = field(default=1024, metadata=_flag(
-        "syntheses admitted at once, more get 503 (default: --max-queue-len)", cli_default=None))
-    voices_db: str = field(default=":memory:", metadata=_flag(
-        "SQLite file of named voices (default: ~/.local/share/ttsserve/voices.db; ':memory:' = none)",
-        cli_default=None))
+    max_in_flight: int = field(
+        default=1024,
+        metadata=_flag("syntheses admitted at once, more get 503 (default: --max-queue-len)", cli_default=None),
+    )
+    voices_db: str = field(
+        default=":memory:",
+        metadata=_flag(
+            "SQLite file of named voices (default: ~/.local/share/ttsserve/voices.db; ':memory:' = none)",
+            cli_default=None,
+        ),
+    )
     served_model_names: tuple[str, ...] = ()
     max_new_tokens: int | None = field(default=2048, metadata=_flag("server-wide cap on frames per text segment"))
-    drain_timeout_s: float = field(default=30.0, metadata=_flag("seconds to let streams finish on shutdown",
-                                                                flag="--drain-timeout"))
+    drain_timeout_s: float = field(
+        default=30.0, metadata=_flag("seconds to let streams finish on shutdown", flag="--drain-timeout")
+    )
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "chars_per_minute"):
@@ -99,14 +106,24 @@ def _server_flags() -> list[tuple[str, str, object, object, str]]:
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv = parser.add_argument_group("server (each flag also reads TTSSERVE_<NAME>)")
     for dest, flag, _conv, default, helptext in _server_flags():
-        srv.add_argument(flag, dest=dest, default=None,
-                         help=f"{helptext} [env {ENV_PREFIX + dest.upper()}; default {default!r}]")
-    srv.add_argument("--api-key", dest="api_key", action="append", default=None,
-                     help="accepted Bearer key; repeat or comma-separate for several; a blank one is refused "
-                          "[env TTSSERVE_API_KEY]")
-    srv.add_argument("--served-model-name", dest="served_model_name", action="append", default=None,
-                     help="accepted `model` names (repeatable; default: the model's name + tts-1, tts-1-hd, "
-                          "gpt-4o-mini-tts) [env TTSSERVE_SERVED_MODEL_NAME, comma list]")
+        srv.add_argument(
+            flag, dest=dest, default=None, help=f"{helptext} [env {ENV_PREFIX + dest.upper()}; default {default!r}]"
+        )
+    srv.add_argument(
+        "--api-key",
+        dest="api_key",
+        action="append",
+        default=None,
+        help="accepted Bearer key; repeat or comma-separate for several; a blank one is refused [env TTSSERVE_API_KEY]",
+    )
+    srv.add_argument(
+        "--served-model-name",
+        dest="served_model_name",
+        action="append",
+        default=None,
+        help="accepted `model` names (repeatable; default: the model's name + tts-1, tts-1-hd, "
+        "gpt-4o-mini-tts) [env TTSSERVE_SERVED_MODEL_NAME, comma list]",
+    )
     return parser
 
 
@@ -139,8 +156,10 @@ def _api_keys(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, ...]:
     keys = [x.strip() for item in items for x in item.split(",")]
     if not all(keys):  # the message never echoes keys: they are secrets, and stderr ends up in logs
         blank = ", ".join(str(i + 1) for i, k in enumerate(keys) if not k)
-        raise ValueError(f"{source}: key {blank} of {len(keys)} is blank; every API key must be non-empty "
-                         f"(leave {source} out to serve without authentication)")
+        raise ValueError(
+            f"{source}: key {blank} of {len(keys)} is blank; every API key must be non-empty "
+            f"(leave {source} out to serve without authentication)"
+        )
     return tuple(keys)
 
 
@@ -180,5 +199,8 @@ def server_cpu_defaults(engine_cfg) -> None:
     on_cpu = engine_cfg.device == "cpu" or (engine_cfg.device == "auto" and not torch.cuda.is_available())
     if on_cpu and COMPILE_ENV not in os.environ:
         os.environ[COMPILE_ENV] = "1"
-        logger.info("the CPU decode step will be compiled with torch.compile in the background (%s=0 turns it "
-                    "off, =attention keeps it to the attention)", COMPILE_ENV)
+        logger.info(
+            "the CPU decode step will be compiled with torch.compile in the background (%s=0 turns it "
+            "off, =attention keeps it to the attention)",
+            COMPILE_ENV,
+        )

@@ -167,7 +167,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         name = _field_name(tuple(err.get("loc", ()))) or "body"
         msgs.append(f"{name}: {err.get('msg', 'invalid value')}")
     code = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}.get(
-        first.get("type"), "invalid_value")
+        first.get("type"), "invalid_value"
+    )
     return bad_request("; ".join(msgs), param=param, code=code)
 
 

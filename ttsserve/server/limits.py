@@ -39,8 +39,12 @@ class ApiKeyAuth:
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         tok = token.encode()
         # Compare with every key (no early exit) so timing does not tell which prefix matched.
         ok = False
@@ -69,18 +73,27 @@ class RateLimiter:
 
     def check(self, identity: str, num_chars: int) -> Callable[[], None]:
         if self._chars is not None and num_chars > self._chars.amount:
-            raise ApiError(429, f"input of {num_chars} characters exceeds the limit of {self._chars.amount} "
-                           "characters per minute", code="rate_limit_exceeded", headers={"Retry-After": "60"})
-        checks = [(item, cost) for item, cost in ((self._req, 1), (self._chars, num_chars))
-                  if item is not None and cost > 0]
+            raise ApiError(
+                429,
+                f"input of {num_chars} characters exceeds the limit of {self._chars.amount} characters per minute",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "60"},
+            )
+        checks = [
+            (item, cost) for item, cost in ((self._req, 1), (self._chars, num_chars)) if item is not None and cost > 0
+        ]
         # Test all before hitting any, so a request refused on characters does not use up a request slot.
         for item, cost in checks:
             if not self._limiter.test(item, identity, cost=cost):
                 stats = self._limiter.get_window_stats(item, identity)
                 retry = max(1, math.ceil(stats.reset_time - time.time()))
                 what = "requests" if item is self._req else "characters"
-                raise ApiError(429, f"rate limit exceeded: {item.amount} {what} per minute",
-                               code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+                raise ApiError(
+                    429,
+                    f"rate limit exceeded: {item.amount} {what} per minute",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(retry)},
+                )
         hits = []
         for item, cost in checks:
             # The counter of the window this hit lands in: a refund must take it back from there even if
@@ -113,11 +126,16 @@ class AdmissionGate:
 
     def acquire(self):
         if self.closed:
-            raise ApiError(503, "server is shutting down", code="shutting_down",
-                           headers={"Retry-After": str(self.retry_after_s)})
+            raise ApiError(
+                503, "server is shutting down", code="shutting_down", headers={"Retry-After": str(self.retry_after_s)}
+            )
         if self.in_flight >= self.limit:
-            raise ApiError(503, f"server is at capacity ({self.limit} requests in flight); retry later",
-                           code="server_overloaded", headers={"Retry-After": str(self.retry_after_s)})
+            raise ApiError(
+                503,
+                f"server is at capacity ({self.limit} requests in flight); retry later",
+                code="server_overloaded",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         self.in_flight += 1
         released = False
 
@@ -183,9 +201,17 @@ class BodyLimitMiddleware:
     async def _reject(send, limit: int) -> None:
         err = ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         body = _error_bytes(err)
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -44,13 +44,23 @@ _ENGINE_GAUGES = {
     "num_preemptions_total": ("ttsserve_num_preemptions", "Preemptions since start", "counter"),
     "num_swaps_total": ("ttsserve_num_swaps", "Swap-outs since start", "counter"),
     "steps_total": ("ttsserve_engine_steps", "Engine steps since start", "counter"),
-    "slow_steps_total": ("ttsserve_engine_slow_steps", "Engine steps over 4x the moving average (and 20 ms); "
-                         "the core logs one a while with what it held", "counter"),
+    "slow_steps_total": (
+        "ttsserve_engine_slow_steps",
+        "Engine steps over 4x the moving average (and 20 ms); the core logs one a while with what it held",
+        "counter",
+    ),
     "audio_collects_total": ("ttsserve_vocoder_results", "Vocoder calls whose audio was read back", "counter"),
-    "audio_polled_total": ("ttsserve_vocoder_results_polled", "Of those, the ones handed out in mid-step "
-                           "(done by the time the next GPT step was queued)", "counter"),
-    "warm": ("ttsserve_engine_warm", "1 once the start-up work left to the background (the CPU server's "
-             "compilation) is done: the steady speed; 0 while it runs", "gauge"),
+    "audio_polled_total": (
+        "ttsserve_vocoder_results_polled",
+        "Of those, the ones handed out in mid-step (done by the time the next GPT step was queued)",
+        "counter",
+    ),
+    "warm": (
+        "ttsserve_engine_warm",
+        "1 once the start-up work left to the background (the CPU server's "
+        "compilation) is done: the steady speed; 0 while it runs",
+        "gauge",
+    ),
 }
 
 
@@ -82,8 +92,9 @@ class _EngineCollector:
         steps = stats.get("steps_total")
         if not isinstance(steps, (int, float)):
             return
-        family = CounterMetricFamily("ttsserve_engine_phase_seconds",
-                                     "Engine host time per step phase since start (s)", labels=["phase"])
+        family = CounterMetricFamily(
+            "ttsserve_engine_phase_seconds", "Engine host time per step phase since start (s)", labels=["phase"]
+        )
         for group in ("step_breakdown_ms", "runner_breakdown_ms"):
             for name, per_step_ms in (stats.get(group) or {}).items():
                 prefix = "runner_" if group == "runner_breakdown_ms" else ""
@@ -95,9 +106,13 @@ class _EngineCollector:
         """The engine steps' wall times and the engine's share of time to first audio: a tail of first audio
         that is not in the engine's is the API servers' or the network's; one in it shows as long steps."""
         for key, name, help_ in (
-                ("step_time_histogram", "ttsserve_engine_step_seconds", "Engine step wall time (s)"),
-                ("first_audio_histogram", "ttsserve_engine_time_to_first_audio_seconds",
-                 "Time from a request reaching the engine to its first audio leaving it (s)")):
+            ("step_time_histogram", "ttsserve_engine_step_seconds", "Engine step wall time (s)"),
+            (
+                "first_audio_histogram",
+                "ttsserve_engine_time_to_first_audio_seconds",
+                "Time from a request reaching the engine to its first audio leaving it (s)",
+            ),
+        ):
             hist = stats.get(key)
             if not isinstance(hist, dict):
                 continue
@@ -111,8 +126,11 @@ class _EngineCollector:
             yield longest
         pauses = stats.get("gc_pause_seconds_total")
         if isinstance(pauses, list):
-            family = CounterMetricFamily("ttsserve_engine_gc_pause_seconds", "The engine process's garbage "
-                                         "collector pauses since start (s)", labels=["generation"])
+            family = CounterMetricFamily(
+                "ttsserve_engine_gc_pause_seconds",
+                "The engine process's garbage collector pauses since start (s)",
+                labels=["generation"],
+            )
             for g, seconds in enumerate(pauses):
                 family.add_metric([str(g)], seconds)
             yield family
@@ -132,25 +150,42 @@ class ServerMetrics:
     def __init__(self, engine_stats: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("ttsserve_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.ttfa = Histogram("ttsserve_time_to_first_audio_seconds", "Time from request to first audio bytes",
-                              ["endpoint"], buckets=_TTFA_BUCKETS, registry=r)
-        self.latency = Histogram("ttsserve_request_latency_seconds", "Time from request to the last audio byte",
-                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "ttsserve_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.ttfa = Histogram(
+            "ttsserve_time_to_first_audio_seconds",
+            "Time from request to first audio bytes",
+            ["endpoint"],
+            buckets=_TTFA_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ttsserve_request_latency_seconds",
+            "Time from request to the last audio byte",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.audio_seconds = Counter("ttsserve_audio_seconds", "Seconds of audio produced", registry=r)
-        self.rtf = Histogram("ttsserve_real_time_factor", "Wall time / audio duration of finished syntheses",
-                             buckets=_RTF_BUCKETS, registry=r)
-        self.aborted = Counter("ttsserve_requests_aborted", "Syntheses aborted because the client went away",
-                               registry=r)
+        self.rtf = Histogram(
+            "ttsserve_real_time_factor",
+            "Wall time / audio duration of finished syntheses",
+            buckets=_RTF_BUCKETS,
+            registry=r,
+        )
+        self.aborted = Counter(
+            "ttsserve_requests_aborted", "Syntheses aborted because the client went away", registry=r
+        )
         self._engine = _EngineCollector(engine_stats)
         r.register(self._engine)
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def observe_synthesis(self, endpoint: str, ttfa_s: float | None, total_s: float, audio_s: float,
-                          finish_reason: str | None) -> None:
+    def observe_synthesis(
+        self, endpoint: str, ttfa_s: float | None, total_s: float, audio_s: float, finish_reason: str | None
+    ) -> None:
         if ttfa_s is not None:
             self.ttfa.labels(endpoint=endpoint).observe(ttfa_s)
         if finish_reason == "abort":

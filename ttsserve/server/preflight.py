@@ -19,8 +19,8 @@ def check_engine_config(cfg: EngineConfig) -> None:
     cache off CUDA, $TTSSERVE_CPU_COMPILE, $OMP_NUM_THREADS on the CPU, and a --kv-cache-memory too small
     for two blocks. EngineConfig itself has already checked each value's range."""
     from ttsserve.attention.torch_ref import compile_level
-    from ttsserve.model.chattts import locate_checkpoint, resolve_device, resolve_dtype
     from ttsserve.layers.quant.kv_fp8 import check_kv_cache_dtype
+    from ttsserve.model.chattts import locate_checkpoint, resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
     check_kv_cache_dtype(cfg.kv_cache_dtype, device)
@@ -33,8 +33,14 @@ def check_engine_config(cfg: EngineConfig) -> None:
     if cfg.kv_cache_memory is not None:
         from ttsserve.runner.kv_cache import plan_kv_cache
 
-        plan_kv_cache(_gpt_config(cfg, root), resolve_dtype(cfg.dtype, device), cfg.block_size,
-                      cfg.kv_cache_memory, 0, kv_cache_dtype=cfg.kv_cache_dtype)
+        plan_kv_cache(
+            _gpt_config(cfg, root),
+            resolve_dtype(cfg.dtype, device),
+            cfg.block_size,
+            cfg.kv_cache_memory,
+            0,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+        )
 
 
 def _gpt_config(cfg: EngineConfig, root) -> GPTConfig:

@@ -111,8 +111,13 @@ class VoiceCreateJSON(_Strict):
     """`POST /v1/audio/voices` as JSON: a named voice from a speaker seed or a ChatTTS speaker string.
     (A reference recording is uploaded as multipart/form-data instead: name, audio_sample, transcript.)"""
 
-    name: str = Field(..., min_length=1, max_length=64, pattern=VOICE_NAME_PATTERN,
-                      description="letters, digits, space, '_', '.', '-'; not a built-in voice name")
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=64,
+        pattern=VOICE_NAME_PATTERN,
+        description="letters, digits, space, '_', '.', '-'; not a built-in voice name",
+    )
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
     speaker: str | None = Field(None, min_length=1, max_length=16384)
 

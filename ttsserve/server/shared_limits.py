@@ -110,8 +110,12 @@ class SharedRateLimiter:
             self._sock.send(_encoder.encode(RateCheck(seq, identity, num_chars)))
             while True:
                 if not self._sock.poll(self.timeout_ms):
-                    raise ApiError(503, "rate limiter unavailable; retry later", code="rate_limiter_unavailable",
-                                   headers={"Retry-After": "1"})
+                    raise ApiError(
+                        503,
+                        "rate limiter unavailable; retry later",
+                        code="rate_limiter_unavailable",
+                        headers={"Retry-After": "1"},
+                    )
                 verdict = _verdict_decoder.decode(self._sock.recv())
                 if verdict.seq == seq:
                     break

@@ -69,8 +69,11 @@ class SynthesisJob:
 
     def usage(self) -> dict:
         # The engine does not report text tokens; input_tokens counts characters (documented).
-        return {"input_tokens": self.num_chars, "output_tokens": self.num_frames,
-                "total_tokens": self.num_chars + self.num_frames}
+        return {
+            "input_tokens": self.num_chars,
+            "output_tokens": self.num_frames,
+            "total_tokens": self.num_chars + self.num_frames,
+        }
 
 
 class AudioPipeline:
@@ -132,8 +135,12 @@ def no_audio_error(job: SynthesisJob) -> ApiError:
     output; clients (the openai SDK among them) retry a 500, and an unseeded retry draws a new seed."""
     job.finish_reason = "error"  # metrics and the access log count it as a failed synthesis
     where = "at the first step" if job.num_frames == 0 else f"after {job.num_frames} frames"
-    return ApiError(500, f"the model produced no audio (EOS {where}); retry, with another seed if you set one, or "
-                         f"set min_new_tokens >= 1 to forbid an immediate EOS", code="no_audio")
+    return ApiError(
+        500,
+        f"the model produced no audio (EOS {where}); retry, with another seed if you set one, or "
+        f"set min_new_tokens >= 1 to forbid an immediate EOS",
+        code="no_audio",
+    )
 
 
 async def until_disconnect(aw: Awaitable, request: Request | None):
@@ -205,8 +212,17 @@ async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: Sy
     """OpenAI speech SSE: `speech.audio.delta` events (base64 of the encoded stream), then `speech.audio.done`."""
     async for out in _outputs(first, gen, job):
         if out.finished and out.finish_reason == "error":
-            yield sse_event({"type": "error", "error": {"message": f"synthesis failed: {out.error}",
-                                                        "type": "server_error", "param": None, "code": "engine_error"}})
+            yield sse_event(
+                {
+                    "type": "error",
+                    "error": {
+                        "message": f"synthesis failed: {out.error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "engine_error",
+                    },
+                }
+            )
             _check_final(out, job)
         data = pipe.push(out.samples)
         if data:
@@ -216,12 +232,19 @@ async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: Sy
     if tail:
         job.mark_first_audio()
         yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
-    yield sse_event({"type": "speech.audio.done", "usage": job.usage(),
-                     "finish_reason": job.finish_reason, "truncated_segments": job.truncated_segments})
+    yield sse_event(
+        {
+            "type": "speech.audio.done",
+            "usage": job.usage(),
+            "finish_reason": job.finish_reason,
+            "truncated_segments": job.truncated_segments,
+        }
+    )
 
 
-async def collect_audio(first: list, gen: AsyncIterator, job: SynthesisJob, fmt: str, sample_rate: int,
-                        stretch: float) -> bytes:
+async def collect_audio(
+    first: list, gen: AsyncIterator, job: SynthesisJob, fmt: str, sample_rate: int, stretch: float
+) -> bytes:
     """The whole file (non-streamed): real sizes in the headers. ApiError(500) if the engine fails."""
     chunks = []
     async for out in _outputs(first, gen, job):
@@ -243,7 +266,9 @@ class EngineStreamResponse(StreamingResponse):
     body never started, so the engine request, admission slot and metrics are settled on every path.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[BaseException | None], Awaitable[None]], **kw):
+    def __init__(
+        self, content: AsyncIterator[bytes], *, on_close: Callable[[BaseException | None], Awaitable[None]], **kw
+    ):
         super().__init__(content, **kw)
         self._on_close = on_close
 

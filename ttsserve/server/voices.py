@@ -37,8 +37,19 @@ from ttsserve.server.protocol import (
 
 # OpenAI's voice names (the SDK's list) -> fixed speaker seeds.
 BUILTIN_VOICES: dict[str, int] = {
-    "alloy": 1384, "ash": 4099, "ballad": 5099, "coral": 6653, "echo": 2443, "fable": 7869, "onyx": 9041,
-    "nova": 1089, "sage": 2222, "shimmer": 3331, "verse": 4447, "marin": 5557, "cedar": 6661,
+    "alloy": 1384,
+    "ash": 4099,
+    "ballad": 5099,
+    "coral": 6653,
+    "echo": 2443,
+    "fable": 7869,
+    "onyx": 9041,
+    "nova": 1089,
+    "sage": 2222,
+    "shimmer": 3331,
+    "verse": 4447,
+    "marin": 5557,
+    "cedar": 6661,
 }
 DEFAULT_VOICE = "alloy"
 NAME_RE = re.compile(VOICE_NAME_PATTERN)
@@ -72,8 +83,14 @@ class VoiceRecord:
 
     def public(self) -> dict:
         """The API's voice object (no vectors)."""
-        return {"id": self.id, "object": "audio.voice", "name": self.name, "type": self.type,
-                "created_at": self.created_at, "seed": self.seed}
+        return {
+            "id": self.id,
+            "object": "audio.voice",
+            "name": self.name,
+            "type": self.type,
+            "created_at": self.created_at,
+            "seed": self.seed,
+        }
 
 
 class VoiceConflictError(ValueError):
@@ -116,8 +133,17 @@ class VoiceStore:
         if smp is not None and smp.ndim != 2:
             raise ValueError(f"spk_smp must be [num_vq, P], got shape {smp.shape}")
         rec = VoiceRecord(f"voice_{uuid.uuid4().hex[:24]}", name, type, int(time.time()), seed, emb, smp, txt_smp)
-        row = (rec.id, name, type, rec.created_at, seed, None if emb is None else emb.tobytes(),
-               None if smp is None else smp.tobytes(), None if smp is None else smp.shape[0], txt_smp)
+        row = (
+            rec.id,
+            name,
+            type,
+            rec.created_at,
+            seed,
+            None if emb is None else emb.tobytes(),
+            None if smp is None else smp.tobytes(),
+            None if smp is None else smp.shape[0],
+            txt_smp,
+        )
         with self._lock:
             try:
                 self._db.execute("INSERT INTO voices VALUES (?,?,?,?,?,?,?,?,?)", row)
@@ -146,8 +172,7 @@ class VoiceStore:
 def check_voice_name(name: str) -> str:
     """`name` unchanged; InvalidRequestError (param "name") for a malformed or built-in name."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidRequestError("voice name must be 1-64 characters of letters, digits, space, '_', '.', '-'",
-                                  "name")
+        raise InvalidRequestError("voice name must be 1-64 characters of letters, digits, space, '_', '.', '-'", "name")
     if name.lower() in BUILTIN_VOICES:
         raise InvalidRequestError(f"{name!r} is a built-in voice name", "name")
     return name
@@ -242,20 +267,39 @@ def max_reference_seconds() -> float:
 
 
 def _voice_create_doc(max_s: float) -> dict:
-    audio = {"type": "string", "format": "binary",
-             "description": f"reference recording (wav, flac, ogg, mp3, ...), {MIN_REFERENCE_S:g}-{max_s:g} s"}
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/VoiceCreateJSON"}},
-        "multipart/form-data": {"schema": {
-            "type": "object", "required": ["name", "audio_sample", "transcript"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": VOICE_NAME_PATTERN},
-                "audio_sample": audio,
-                "transcript": {"type": "string", "minLength": 1, "maxLength": 2000,
-                               "description": "what is said in the recording"},
-                "consent": {"type": "string", "description": "accepted for OpenAI SDK compatibility; unused"},
-            }}},
-    }}}
+    audio = {
+        "type": "string",
+        "format": "binary",
+        "description": f"reference recording (wav, flac, ogg, mp3, ...), {MIN_REFERENCE_S:g}-{max_s:g} s",
+    }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/VoiceCreateJSON"}},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["name", "audio_sample", "transcript"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": VOICE_NAME_PATTERN},
+                            "audio_sample": audio,
+                            "transcript": {
+                                "type": "string",
+                                "minLength": 1,
+                                "maxLength": 2000,
+                                "description": "what is said in the recording",
+                            },
+                            "consent": {
+                                "type": "string",
+                                "description": "accepted for OpenAI SDK compatibility; unused",
+                            },
+                        },
+                    }
+                },
+            },
+        }
+    }
 
 
 def _reference_voice(st, name: str, data: bytes, transcript: str) -> VoiceRecord:
@@ -281,11 +325,16 @@ async def _create_from_upload(st, request) -> VoiceRecord:
     if not isinstance(name, str) or not name:
         raise ApiError(400, "name is required", param="name", code="missing_required_parameter")
     if audio is None or isinstance(audio, str):
-        raise ApiError(400, "audio_sample (a file) is required", param="audio_sample",
-                       code="missing_required_parameter")
+        raise ApiError(
+            400, "audio_sample (a file) is required", param="audio_sample", code="missing_required_parameter"
+        )
     if not isinstance(transcript, str) or not transcript.strip() or len(transcript) > 2000:
-        raise ApiError(400, "transcript (1-2000 characters: what the recording says) is required",
-                       param="transcript", code="missing_required_parameter")
+        raise ApiError(
+            400,
+            "transcript (1-2000 characters: what the recording says) is required",
+            param="transcript",
+            code="missing_required_parameter",
+        )
     data = await audio.read()
     try:
         return await asyncio.to_thread(_reference_voice, st, name, data, transcript.strip())
@@ -325,8 +374,13 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
     async def list_voices(_: str = Depends(identity)):
         return {"object": "list", "data": [r.public() for r in builtin_records() + st.store.list()]}
 
-    @app.post("/v1/audio/voices", response_model=VoiceObject, responses={**errors, 409: errors[400]},
-              openapi_extra=_voice_create_doc(max_reference_seconds()), tags=["voices"])
+    @app.post(
+        "/v1/audio/voices",
+        response_model=VoiceObject,
+        responses={**errors, 409: errors[400]},
+        openapi_extra=_voice_create_doc(max_reference_seconds()),
+        tags=["voices"],
+    )
     async def create_voice(request: Request, ident: str = Depends(identity)):
         """A named voice from a speaker seed or a ChatTTS speaker string (JSON), or from a reference
         recording plus its transcript (multipart: name, audio_sample, transcript)."""
@@ -337,8 +391,11 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
         elif ctype in ("application/json", ""):
             rec = await _create_from_json(st, request)
         else:
-            raise ApiError(415, f"unsupported content type {ctype!r}: send JSON or multipart/form-data",
-                           code="unsupported_media_type")
+            raise ApiError(
+                415,
+                f"unsupported content type {ctype!r}: send JSON or multipart/form-data",
+                code="unsupported_media_type",
+            )
         return rec.public()
 
     @app.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject, responses=errors, tags=["voices"])

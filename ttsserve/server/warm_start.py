@@ -31,8 +31,9 @@ async def warm_up_api_server(state) -> float:
     try:
         await _first_uses(state)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        logger.warning("the API server's warm-up failed (%s: %s); its first requests pay the one-time costs",
-                       type(e).__name__, e)
+        logger.warning(
+            "the API server's warm-up failed (%s: %s); its first requests pay the one-time costs", type(e).__name__, e
+        )
     seconds = time.perf_counter() - t0
     logger.debug("API server request path warmed up in %.3f s", seconds)
     return seconds

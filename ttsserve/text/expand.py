@@ -312,20 +312,39 @@ RULES: tuple[Rule, ...] = (
     # a comma (a pause).
     _r("word_hyphen", r"(?<=[A-Za-z])-(?=[A-Za-z\d])", lambda m, lang: " "),
     _r("iso_date", r"(?<![\d.])(\d{4})([-/.])(\d{1,2})\2(\d{1,2})(?!\d|\.\d)", _iso_date),
-    _r("zh_year_range", r"(?<![\d.])(\d{4})\s?[-~～–—至到]\s?(\d{4})(?=年)",
-       lambda m, lang: nb.zh_digits(m.group(1)) + "到" + nb.zh_digits(m.group(2)), "zh"),  # fmt: skip
+    _r(
+        "zh_year_range",
+        r"(?<![\d.])(\d{4})\s?[-~～–—至到]\s?(\d{4})(?=年)",
+        lambda m, lang: nb.zh_digits(m.group(1)) + "到" + nb.zh_digits(m.group(2)),
+        "zh",
+    ),  # fmt: skip
     _r("zh_year", r"(?<![\d.])(\d{4}|\d{2}(?=年代))(?=年)", lambda m, lang: nb.zh_digits(m.group(1)), "zh"),
-    _r("month_day", r"(?<![A-Za-z])" + _MONTH + r"\s+(\d{1,2})(?:st|nd|rd|th)?(?![\d:])(?:,?\s+(\d{4})(?!\d))?",
-       _month_day, "en"),  # fmt: skip
-    _r("day_month", r"(?<![\d.])(\d{1,2})(?:st|nd|rd|th)?\s+" + _MONTH + r"(?![a-z])(?:,?\s+(\d{4})(?!\d))?",
-       _day_month, "en"),  # fmt: skip
-    _r("clock_range", r"(?<=:\d\d)\s?[-~～–—]\s?(?=[01]?\d:\d\d|2[0-4]:\d\d)",
-       lambda m, lang: "到" if lang == "zh" else "to"),  # fmt: skip
+    _r(
+        "month_day",
+        r"(?<![A-Za-z])" + _MONTH + r"\s+(\d{1,2})(?:st|nd|rd|th)?(?![\d:])(?:,?\s+(\d{4})(?!\d))?",
+        _month_day,
+        "en",
+    ),  # fmt: skip
+    _r(
+        "day_month",
+        r"(?<![\d.])(\d{1,2})(?:st|nd|rd|th)?\s+" + _MONTH + r"(?![a-z])(?:,?\s+(\d{4})(?!\d))?",
+        _day_month,
+        "en",
+    ),  # fmt: skip
+    _r(
+        "clock_range",
+        r"(?<=:\d\d)\s?[-~～–—]\s?(?=[01]?\d:\d\d|2[0-4]:\d\d)",
+        lambda m, lang: "到" if lang == "zh" else "to",
+    ),  # fmt: skip
     _r("clock", r"(?<![\d:.])([01]?\d|2[0-4]):([0-5]\d)(?::([0-5]\d))?(?![\d:])" + _AMPM + "?", _clock),
     _r("hour_ampm", r"(?<![\d.:])(1[0-2]|0?[1-9])" + _AMPM, _hour_ampm),
     _r("ratio", r"(?<![\d:.])(\d+):(\d+)(?![\d:])", _ratio),
-    _r("money", r"([$€£¥￥])\s?(" + NUM + r")(?:\s?(thousand|million|billion|trillion|bn|[kKMB]|万|亿)"
-       r"(?![A-Za-z]))?", _money),  # fmt: skip
+    _r(
+        "money",
+        r"([$€£¥￥])\s?(" + NUM + r")(?:\s?(thousand|million|billion|trillion|bn|[kKMB]|万|亿)"
+        r"(?![A-Za-z]))?",
+        _money,
+    ),  # fmt: skip
     _r("percent_range", r"(" + SNUM + r")\s?%?\s?[-~～–—]\s?(" + NUM + r")\s?%", _percent_range),
     _r("percent", r"(" + SNUM + r")\s?%", _percent),
     _r("phone_intl", r"(?<![A-Za-z0-9_+])\+\d{1,3}(?:[\s-]?\(?\d{1,4}\)?)?(?:[\s-]?\d{2,4}){2,4}(?!\d)", _phone),

@@ -50,7 +50,7 @@ _PAUSES = {
 
 
 def detect_language(text: str) -> str:
-    """"zh" if there are more CJK characters than ASCII words, else "en" (MODEL.md §2.3 step 1.1)."""
+    """ "zh" if there are more CJK characters than ASCII words, else "en" (MODEL.md §2.3 step 1.1)."""
     return "zh" if len(_CJK_RE.findall(text)) > len(_EN_WORD_RE.findall(text)) else "en"
 
 

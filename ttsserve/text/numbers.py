@@ -62,7 +62,7 @@ def _decimal(s: str, cardinal, digits, point: str, minus: str) -> str:
 
 
 def en_decimal(s: str) -> str:
-    """"3.14" -> "three point one four"; integers go to en_cardinal. Trailing zeros are read."""
+    """ "3.14" -> "three point one four"; integers go to en_cardinal. Trailing zeros are read."""
     return _decimal(s, en_cardinal, en_digits, " point ", "minus ")
 
 
@@ -155,7 +155,7 @@ def zh_cardinal(s: str) -> str:
 
 
 def zh_decimal(s: str) -> str:
-    """"3.14" -> "三点一四" (trailing zeros read); integers go to zh_cardinal."""
+    """ "3.14" -> "三点一四" (trailing zeros read); integers go to zh_cardinal."""
     return _decimal(s, zh_cardinal, zh_digits, "点", "负")
 
 
@@ -165,7 +165,7 @@ def zh_fraction(num: int, den: int) -> str:
 
 
 def zh_percent(s: str) -> str:
-    """"50" -> "百分之五十", "-3.5" -> "负百分之三点五"."""
+    """ "50" -> "百分之五十", "-3.5" -> "负百分之三点五"."""
     neg = s.startswith("-")
     words = zh_decimal(s.lstrip("+-"))
     return ("负" if neg else "") + "百分之" + words

@@ -32,8 +32,8 @@ def test_fp8_rule_scale_range_and_error() -> None:
     assert bool((amax[x.abs().amax(-1) > 0] == 448.0).all())
     # e4m3 keeps 3 mantissa bits: elements within the normal range err by at most 2^-4 relative
     deq = fake_quantize_fp8(x)
-    normal = x.abs() >= s[..., None] * 2.0 ** -6
-    assert bool(((deq - x).abs()[normal] <= x.abs()[normal] * 2.0 ** -4 + 1e-12).all())
+    normal = x.abs() >= s[..., None] * 2.0**-6
+    assert bool(((deq - x).abs()[normal] <= x.abs()[normal] * 2.0**-4 + 1e-12).all())
     assert float((deq - x).norm() / x.norm()) < 0.03
 
 

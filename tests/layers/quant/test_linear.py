@@ -7,11 +7,11 @@ import torch
 
 from ttsserve.attention.dense import DenseAttention
 from ttsserve.config import GPTConfig
+from ttsserve.layers.quant.linear import QuantLinear, TorchQuantKernels, quant_kernels, quant_linears, quantize_gpt_
+from ttsserve.layers.quant.quantize import QuantConfig, quantize_gpt_state_dict
 from ttsserve.model.chattts import build_model
 from ttsserve.model.dummy import make_dummy_checkpoint
 from ttsserve.model.gpt import GPT
-from ttsserve.layers.quant.linear import QuantLinear, TorchQuantKernels, quant_kernels, quant_linears, quantize_gpt_
-from ttsserve.layers.quant.quantize import QuantConfig, quantize_gpt_state_dict
 
 CPU = torch.device("cpu")
 

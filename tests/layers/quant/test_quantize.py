@@ -75,13 +75,23 @@ def test_quant_config_json_round_trip_and_errors() -> None:
 
 
 def test_quantize_gpt_state_dict_replaces_only_linears() -> None:
-    sd = {"layers.0.self_attn.q_proj.weight": torch.randn(64, 64), "layers.0.mlp.down_proj.weight": torch.randn(64, 128),
-          "layers.0.input_layernorm.weight": torch.ones(64), "norm.weight": torch.ones(64)}
+    sd = {
+        "layers.0.self_attn.q_proj.weight": torch.randn(64, 64),
+        "layers.0.mlp.down_proj.weight": torch.randn(64, 128),
+        "layers.0.input_layernorm.weight": torch.ones(64),
+        "norm.weight": torch.ones(64),
+    }
     out = quantize_gpt_state_dict(sd, QuantConfig.for_method("awq-int4", 64))
-    assert set(out) == {"layers.0.self_attn.q_proj.qweight", "layers.0.self_attn.q_proj.scales",
-                        "layers.0.self_attn.q_proj.qzeros", "layers.0.mlp.down_proj.qweight",
-                        "layers.0.mlp.down_proj.scales", "layers.0.mlp.down_proj.qzeros",
-                        "layers.0.input_layernorm.weight", "norm.weight"}
+    assert set(out) == {
+        "layers.0.self_attn.q_proj.qweight",
+        "layers.0.self_attn.q_proj.scales",
+        "layers.0.self_attn.q_proj.qzeros",
+        "layers.0.mlp.down_proj.qweight",
+        "layers.0.mlp.down_proj.scales",
+        "layers.0.mlp.down_proj.qzeros",
+        "layers.0.input_layernorm.weight",
+        "norm.weight",
+    }
     assert out["layers.0.mlp.down_proj.qweight"].shape == (64, 64)
     assert out["norm.weight"] is sd["norm.weight"]
     assert is_linear_weight("model.layers.3.mlp.gate_proj.weight")

@@ -7,6 +7,7 @@ import torch
 
 from ttsserve.attention.dense import DenseAttention
 from ttsserve.config import GPTConfig
+from ttsserve.layers.quant.quantize import QuantConfig
 from ttsserve.model.chattts import build_model
 from ttsserve.model.dummy import make_dummy_checkpoint
 from ttsserve.model.gpt import GPT
@@ -19,7 +20,6 @@ from ttsserve.tools.quant.calibrate import (
     search_awq_scale,
     teacher_forced_samples,
 )
-from ttsserve.layers.quant.quantize import QuantConfig
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,12 @@ def random_stats(cfg: GPTConfig, g: torch.Generator) -> dict:
     """Skewed per-channel activation scales, so every fold moves the weights a lot."""
     stats = {}
     for i in range(cfg.num_layers):
-        for group, k in (("qkv_proj", cfg.hidden_size), ("o_proj", cfg.hidden_size),
-                         ("gate_up_proj", cfg.hidden_size), ("down_proj", cfg.intermediate_size)):
+        for group, k in (
+            ("qkv_proj", cfg.hidden_size),
+            ("o_proj", cfg.hidden_size),
+            ("gate_up_proj", cfg.hidden_size),
+            ("down_proj", cfg.intermediate_size),
+        ):
             spread = torch.rand(k, generator=g) * 20 + 0.05
             rows = torch.randn(64, k, generator=g) * spread
             stats[(i, group)] = ActStats(rows.abs().sum(0), 64, [rows])
@@ -43,8 +47,9 @@ def random_stats(cfg: GPTConfig, g: torch.Generator) -> dict:
 def test_awq_folds_preserve_the_dense_function(tiny) -> None:
     cfg = GPTConfig.from_hf_json(tiny.gpt_config)
     qc = QuantConfig.for_method("awq-int4", 64)
-    scaled, report = apply_awq(tiny.gpt, random_stats(cfg, torch.Generator().manual_seed(10)), qc,
-                               cfg.num_layers, fold_o_proj=True, n_grid=10)
+    scaled, report = apply_awq(
+        tiny.gpt, random_stats(cfg, torch.Generator().manual_seed(10)), qc, cfg.num_layers, fold_o_proj=True, n_grid=10
+    )
     assert report["loss_awq"] <= report["loss_rtn"]
     changed = [k for k in tiny.gpt if not torch.equal(scaled[k], tiny.gpt[k].float())]
     assert any(a > 0 for a in report["alpha"].values()) and changed

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from ttsserve.layers.quant.linear import quant_linears
 from ttsserve.model.chattts import build_model
 from ttsserve.model.loader import load_checkpoint
 from ttsserve.tools.quant.cli import add_quantize_parser
-from ttsserve.layers.quant.linear import quant_linears
 
 
 def run(argv: list[str]) -> int:
@@ -24,8 +24,25 @@ def run(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def awq_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("awq")
-    assert run(["--method", "awq-int4", "--out", str(out), "--group-size", "64", "--calib-samples", "2",
-                "--calib-frames", "4", "--n-grid", "5"]) == 0
+    assert (
+        run(
+            [
+                "--method",
+                "awq-int4",
+                "--out",
+                str(out),
+                "--group-size",
+                "64",
+                "--calib-samples",
+                "2",
+                "--calib-frames",
+                "4",
+                "--n-grid",
+                "5",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -51,8 +68,8 @@ def test_quantize_writes_the_published_layout(awq_dir) -> None:
 
 
 def test_quantized_checkpoint_loads_and_serves(awq_dir) -> None:
-    from ttsserve.params import SamplingParams
     from ttsserve.entrypoints.tts import TTS
+    from ttsserve.params import SamplingParams
 
     m = build_model(load_checkpoint(awq_dir), torch.device("cpu"), torch.float32)
     assert m.quantization == "awq-int4" and len(quant_linears(m.gpt)) == 8
@@ -69,7 +86,8 @@ def test_quantize_errors_and_int8(tmp_path, capsys) -> None:
     assert run(["--method", "int8", "--out", str(tmp_path / "i8")]) == 0
     ckpt = load_checkpoint(tmp_path / "i8")
     assert json.loads((tmp_path / "i8/asset/gpt/quantization_config.json").read_text())["calibration"] == {
-        "method": "round-to-nearest"}
+        "method": "round-to-nearest"
+    }
     from ttsserve.tools.quant.cli import quantize_checkpoint
 
     with pytest.raises(ValueError, match="already quantized"):

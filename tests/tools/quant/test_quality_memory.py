@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
+from ttsserve.layers.quant.linear import quant_linears
 from ttsserve.model.chattts import build_model
 from ttsserve.model.dummy import make_dummy_checkpoint
-from ttsserve.tools.quant.calibrate import teacher_forced_samples
-from ttsserve.layers.quant.linear import quant_linears
-from ttsserve.runner.memory_report import quantization_memory_report, quantization_savings
-from ttsserve.tools.quant.quality import add_quality_parser, compare_models
 from ttsserve.runner.kv_cache import plan_kv_cache
+from ttsserve.runner.memory_report import quantization_memory_report, quantization_savings
+from ttsserve.tools.quant.calibrate import teacher_forced_samples
+from ttsserve.tools.quant.quality import add_quality_parser, compare_models
 
 CPU = torch.device("cpu")
 
@@ -51,15 +51,45 @@ def test_quality_cli_writes_json(tmp_path, capsys) -> None:
     ap = argparse.ArgumentParser()
     add_quality_parser(ap.add_subparsers())
     out = tmp_path / "q.json"
-    a = ap.parse_args(["quality", "--load-format", "dummy", "--dummy-size", "tiny", "--method", "int8",
-                       "--texts", "1", "--frames", "4", "--json", str(out)])
+    a = ap.parse_args(
+        [
+            "quality",
+            "--load-format",
+            "dummy",
+            "--dummy-size",
+            "tiny",
+            "--method",
+            "int8",
+            "--texts",
+            "1",
+            "--frames",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
     assert a.func(a) == 0
     printed = capsys.readouterr().out
     assert "fidelity of int8" in printed and "RANDOM (dummy) weights" in printed
     data = json.loads(out.read_text())
     assert data["candidate"] == "int8" and data["random_weights"] and len(data["kl"]) == 4
-    a = ap.parse_args(["quality", "--load-format", "dummy", "--dummy-size", "tiny", "--method", "rtn-int4",
-                       "--group-size", "64", "--texts", "1", "--frames", "4"])
+    a = ap.parse_args(
+        [
+            "quality",
+            "--load-format",
+            "dummy",
+            "--dummy-size",
+            "tiny",
+            "--method",
+            "rtn-int4",
+            "--group-size",
+            "64",
+            "--texts",
+            "1",
+            "--frames",
+            "4",
+        ]
+    )
     assert a.func(a) == 0 and "int4 without AWQ" in capsys.readouterr().out
     a = ap.parse_args(["quality", "--load-format", "dummy", "--dummy-size", "tiny"])
     assert a.func(a) == 2

@@ -103,13 +103,17 @@ class CoreClient:
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._hello = self._loop.create_future()
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="core-client-recv"),
-                       asyncio.create_task(self._watch(monitor), name="core-client-watch")]
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="core-client-recv"),
+            asyncio.create_task(self._watch(monitor), name="core-client-watch"),
+        ]
         self._post(Hello(self.index, os.getpid()))
         try:
             info: CoreInfo = await asyncio.wait_for(self._hello, HANDSHAKE_TIMEOUT_S)
         except TimeoutError:
-            raise RuntimeError(f"the engine core at {self.address} did not answer in {HANDSHAKE_TIMEOUT_S:.0f} s") from None
+            raise RuntimeError(
+                f"the engine core at {self.address} did not answer in {HANDSHAKE_TIMEOUT_S:.0f} s"
+            ) from None
         self.sample_rate, self.model_name = info.sample_rate, info.model_name
         if info.tokenizer_json is not None:
             from ttsserve.text.tokenizer import TextTokenizer
@@ -302,8 +306,9 @@ class CoreClient:
             if not s.admitted.done():
                 s.admitted.set_exception(EngineDeadError(reason))
             else:
-                s.queue.put_nowait(AudioOutput(s.public_id or rid, np.zeros(0, np.float32), True,
-                                               finish_reason="error", error=reason))
+                s.queue.put_nowait(
+                    AudioOutput(s.public_id or rid, np.zeros(0, np.float32), True, finish_reason="error", error=reason)
+                )
         for fut in [*self._calls.values(), self._hello]:
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(reason))

@@ -108,19 +108,48 @@ class SynthesisMsg(msgspec.Struct, frozen=True):
     @classmethod
     def of(cls, req: SynthesisRequest) -> SynthesisMsg:
         v = req.voice
-        voice = VoiceMsg(None if v.spk_emb is None else ArrayMsg.of(np.asarray(v.spk_emb)),
-                         None if v.spk_smp is None else ArrayMsg.of(np.asarray(v.spk_smp)), v.txt_smp, v.name)
-        return cls(req.text, voice, req.code_params, req.refine_text, req.refine_params, req.refine_prompt,
-                   req.code_prompt, req.normalize, req.split, req.raw_text, req.request_id)
+        voice = VoiceMsg(
+            None if v.spk_emb is None else ArrayMsg.of(np.asarray(v.spk_emb)),
+            None if v.spk_smp is None else ArrayMsg.of(np.asarray(v.spk_smp)),
+            v.txt_smp,
+            v.name,
+        )
+        return cls(
+            req.text,
+            voice,
+            req.code_params,
+            req.refine_text,
+            req.refine_params,
+            req.refine_prompt,
+            req.code_prompt,
+            req.normalize,
+            req.split,
+            req.raw_text,
+            req.request_id,
+        )
 
     def request(self) -> SynthesisRequest:
         """ValueError for a request the engine's dataclasses reject."""
         v = self.voice
-        voice = Voice(None if v.spk_emb is None else v.spk_emb.array(),
-                      None if v.spk_smp is None else v.spk_smp.array(), v.txt_smp, v.name)
-        return SynthesisRequest(self.text, voice, self.code_params, self.refine_text, self.refine_params,
-                                self.refine_prompt, self.code_prompt, self.normalize, self.split, self.raw_text,
-                                self.request_id)
+        voice = Voice(
+            None if v.spk_emb is None else v.spk_emb.array(),
+            None if v.spk_smp is None else v.spk_smp.array(),
+            v.txt_smp,
+            v.name,
+        )
+        return SynthesisRequest(
+            self.text,
+            voice,
+            self.code_params,
+            self.refine_text,
+            self.refine_params,
+            self.refine_prompt,
+            self.code_prompt,
+            self.normalize,
+            self.split,
+            self.raw_text,
+            self.request_id,
+        )
 
 
 # ---- API server -> core ---------------------------------------------------------------------------
@@ -215,14 +244,29 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def of(cls, out: AudioOutput) -> RequestOutput:
         samples = np.ascontiguousarray(out.samples, dtype="<f4")
-        return cls(out.request_id, samples.tobytes(), out.finished, out.num_frames, out.finish_reason,
-                   list(out.truncated_segments), out.error, list(out.dropped_chars))
+        return cls(
+            out.request_id,
+            samples.tobytes(),
+            out.finished,
+            out.num_frames,
+            out.finish_reason,
+            list(out.truncated_segments),
+            out.error,
+            list(out.dropped_chars),
+        )
 
     def output(self, request_id: str | None = None) -> AudioOutput:
         """samples: a read-only view of the message's bytes (no copy; the encoders only read them)."""
-        return AudioOutput(request_id or self.request_id, np.frombuffer(self.samples, dtype="<f4"), self.finished,
-                           self.num_frames, self.finish_reason, list(self.truncated_segments), self.error,
-                           list(self.dropped_chars))
+        return AudioOutput(
+            request_id or self.request_id,
+            np.frombuffer(self.samples, dtype="<f4"),
+            self.finished,
+            self.num_frames,
+            self.finish_reason,
+            list(self.truncated_segments),
+            self.error,
+            list(self.dropped_chars),
+        )
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs", frozen=True):

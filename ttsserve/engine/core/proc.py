@@ -5,13 +5,13 @@ One thread runs everything that touches the engine: receive (adds, aborts, utili
 step, flush outputs. Each flush sends at most one CoreOutputs per API server, so a step's audio for 100
 streams of one API server is one message. The EngineCore guards the engine: a request that fails its checks
 is rejected by id with its typed error (ErrorInfo), a failing step fails that step's requests and the loop
-keeps serving; a utility call that raises answers its caller with the error. Only the DVAE reference encoder (slow, rare)
-runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
+keeps serving; a utility call that raises answers its caller with the error. Only the DVAE reference encoder
+(slow, rare) runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
 
 Sockets: ROUTER bound at the ipc address, ROUTER_MANDATORY (a send to an API server that is gone raises, and
 its requests are aborted), ROUTER_HANDOVER (a restarted API server reconnecting with its identity takes it
-over; its Hello aborts what its predecessor left) and no high-water mark (audio is never dropped; a stalled API server costs core
-memory, not other streams' progress).
+over; its Hello aborts what its predecessor left) and no high-water mark (audio is never dropped; a stalled API
+server costs core memory, not other streams' progress).
 
 This module imports torch only inside run_engine_core, after the OpenMP environment is set.
 """
@@ -101,7 +101,8 @@ class EngineCoreProc:
         self._tokenizer_json = engine.model.tokenizer.to_json()  # once: every Hello gets it (API servers tokenize)
         core = self.core
         self._methods: dict[str, Callable[..., Any]] = {
-            "stats": core.stats, "memory_report": core.memory_report,
+            "stats": core.stats,
+            "memory_report": core.memory_report,
             "random_speaker": lambda seed: ArrayMsg.of(core.random_speaker(int(seed))),
             "parse_speaker": lambda s: ArrayMsg.of(core.parse_speaker(s)),
             "encode_reference_audio": lambda wav, rate: ArrayMsg.of(core.encode_reference_audio(wav.array(), rate)),
@@ -135,8 +136,9 @@ class EngineCoreProc:
         leftover = list(self.owner)
         for rid in leftover:  # the drain timeout passed: tell their API servers instead of going silent
             self.core.abort(rid)
-            self._batch(self.owner.pop(rid)).outputs.append(RequestOutput(
-                rid, b"", True, 0, "error", [], "the engine core shut down", []))
+            self._batch(self.owner.pop(rid)).outputs.append(
+                RequestOutput(rid, b"", True, 0, "error", [], "the engine core shut down", [])
+            )
         self._flush()
         if leftover:
             logger.warning("engine core stopped with %d requests unfinished", len(leftover))
@@ -182,9 +184,18 @@ class EngineCoreProc:
         self.batches[ident] = _Batch(stats_version=self._stats_version, stats_sent_at=time.monotonic())
         logger.info("API server %d (pid %d) connected", msg.api_server_index, msg.pid)
         core = self.core
-        info = CoreInfo(os.getpid(), core.sample_rate, core.model_name, core.memory_report(), core.hidden_size,
-                        ArrayMsg.of(core.spk_std), ArrayMsg.of(core.spk_mean), core.max_queue_len,
-                        core.stats(), self._tokenizer_json)
+        info = CoreInfo(
+            os.getpid(),
+            core.sample_rate,
+            core.model_name,
+            core.memory_report(),
+            core.hidden_size,
+            ArrayMsg.of(core.spk_std),
+            ArrayMsg.of(core.spk_mean),
+            core.max_queue_len,
+            core.stats(),
+            self._tokenizer_json,
+        )
         self._send(ident, encoder.encode(info))
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:

@@ -39,8 +39,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device | None = None
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "fp8" and device is not None and device.type != "cuda":
-        raise ValueError(f"kv_cache_dtype fp8 needs a CUDA device (the Triton attention kernels read it); "
-                         f"the {device.type} backend supports only kv_cache_dtype auto")
+        raise ValueError(
+            f"kv_cache_dtype fp8 needs a CUDA device (the Triton attention kernels read it); "
+            f"the {device.type} backend supports only kv_cache_dtype auto"
+        )
 
 
 def kv_scales_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
@@ -68,12 +70,17 @@ class FP8KVCache:
         return cls._allocate(shape, device, pin_memory, torch.empty, torch.empty)
 
     @classmethod
-    def _allocate(cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool, data_fn,
-                  scales_fn) -> FP8KVCache:
+    def _allocate(
+        cls, shape: tuple[int, ...], device: torch.device | str, pin_memory: bool, data_fn, scales_fn
+    ) -> FP8KVCache:
         _, num_blocks, block_size, num_kv_heads, _ = shape
         data = data_fn(shape, dtype=FP8_DTYPE, device=device, pin_memory=pin_memory)
-        scales = scales_fn(kv_scales_shape(num_blocks, block_size, num_kv_heads), dtype=torch.float32,
-                           device=device, pin_memory=pin_memory)
+        scales = scales_fn(
+            kv_scales_shape(num_blocks, block_size, num_kv_heads),
+            dtype=torch.float32,
+            device=device,
+            pin_memory=pin_memory,
+        )
         return cls(data, scales)
 
     @property
@@ -127,4 +134,3 @@ def write_kv_fp8(cache: FP8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mappi
         q, s = quantize_fp8_rows(x)  # s: [T, Hkv]
         data[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # no fp8 index_copy on CPU
         cache.scales[i, slots // block_size, :, slots % block_size] = s
-

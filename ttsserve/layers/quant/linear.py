@@ -20,10 +20,12 @@ from torch import nn
 from ttsserve.layers.quant.quantize import QuantConfig, dequantize_int4, dequantize_int8, quantize_weight
 
 # The GPT's fused linear layers (gpt.py); each stores its rows in the order of the HF tensors it fuses.
-GPT_LINEARS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "o_proj": ("self_attn.o_proj",),
-               "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-               "down_proj": ("mlp.down_proj",)}
+GPT_LINEARS = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
 
 
 class QuantKernels(Protocol):
@@ -33,8 +35,9 @@ class QuantKernels(Protocol):
         """x: [M, K] float; qweight int8 [N, K]; scales fp32 [N] -> x @ (qweight * scales)^T: [M, N], x's dtype."""
         ...
 
-    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+    def int4_linear(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         """x: [M, K]; qweight uint8 [N, K/2] (split halves); scales fp16 / qzeros uint8 [N, K/G] -> [M, N]."""
         ...
 
@@ -48,14 +51,18 @@ class TorchQuantKernels:
         self.has_int8pack_mm = hasattr(torch, "_weight_int8pack_mm")
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        if self.has_int8pack_mm and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16,
-                                                                            torch.float16):
+        if (
+            self.has_int8pack_mm
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ):
             return torch._weight_int8pack_mm(x.contiguous(), qweight, scales.to(x.dtype))
         # Integers up to 127 are exact in every float dtype, so only the output scaling rounds.
         return F.linear(x, qweight.to(x.dtype)) * scales.to(x.dtype)
 
-    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+    def int4_linear(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         w = dequantize_int4(qweight, scales, qzeros, group_size)
         return F.linear(x, w.to(x.dtype))
 
@@ -85,8 +92,9 @@ class QuantLinear(DenseSize, nn.Module):
     """y = x @ W^T (no bias) with W stored in a QuantConfig format as buffers `qweight`, `scales` (and
     `qzeros` for int4). The scales keep their stored dtype (fp32 / fp16) whatever the activation dtype."""
 
-    def __init__(self, in_features: int, out_features: int, qc: QuantConfig,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, qc: QuantConfig, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = qc.bits, qc.group_size
@@ -150,6 +158,7 @@ def quant_linears(module: nn.Module) -> list[QuantLinear]:
 
 def cast_except_quant(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """model.to(device, dtype) except that QuantLinears only move: a cast would round their scales."""
+
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
 

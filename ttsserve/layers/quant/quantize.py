@@ -24,8 +24,15 @@ import torch
 
 METHODS = {"int8": 8, "awq-int4": 4}
 FORMAT_VERSION = 1
-LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEAR_NAMES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 INT8_MAX = 127
 INT4_MAX = 15
 
@@ -53,8 +60,10 @@ class QuantConfig:
         if self.bits != METHODS[self.method]:
             raise ValueError(f"quantization {self.method} has {METHODS[self.method]} bits, config says {self.bits}")
         if self.version != FORMAT_VERSION:
-            raise ValueError(f"quantization_config version {self.version} is not supported (this build reads "
-                             f"version {FORMAT_VERSION})")
+            raise ValueError(
+                f"quantization_config version {self.version} is not supported (this build reads "
+                f"version {FORMAT_VERSION})"
+            )
         if self.bits == 4:
             g = self.group_size
             if g is None or g < 32 or g & (g - 1):
@@ -67,8 +76,9 @@ class QuantConfig:
         if method not in METHODS:
             raise ValueError(f"quantization method must be one of {sorted(METHODS)}, got {method!r}")
         bits = METHODS[method]
-        return cls(method, bits, group_size if bits == 4 else None, zero_point=bits == 4,
-                   calibration=dict(calibration or {}))
+        return cls(
+            method, bits, group_size if bits == 4 else None, zero_point=bits == 4, calibration=dict(calibration or {})
+        )
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -78,9 +88,15 @@ class QuantConfig:
     @classmethod
     def from_json(cls, d: dict, source: str = "quantization_config.json") -> QuantConfig:
         try:
-            return cls(method=d["method"], bits=int(d["bits"]), group_size=d.get("group_size"),
-                       version=int(d.get("version", FORMAT_VERSION)), zero_point=bool(d.get("zero_point", False)),
-                       modules=tuple(d.get("modules", LINEAR_NAMES)), calibration=dict(d.get("calibration", {})))
+            return cls(
+                method=d["method"],
+                bits=int(d["bits"]),
+                group_size=d.get("group_size"),
+                version=int(d.get("version", FORMAT_VERSION)),
+                zero_point=bool(d.get("zero_point", False)),
+                modules=tuple(d.get("modules", LINEAR_NAMES)),
+                calibration=dict(d.get("calibration", {})),
+            )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
         except ValueError as e:
@@ -102,11 +118,15 @@ class QuantConfig:
         g = self.group_size
         if k % g:
             raise ValueError(f"in_features {k} is not a multiple of the int4 group size {g}")
-        return {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // g), torch.float16),
-                "qzeros": ((n, k // g), torch.uint8)}
+        return {
+            "qweight": ((n, k // 2), torch.uint8),
+            "scales": ((n, k // g), torch.float16),
+            "qzeros": ((n, k // g), torch.uint8),
+        }
 
 
 # ---------------------------------------------------------------------------------------------- int8
+
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [N, K] float -> (qweight int8 [N, K], scales fp32 [N]); an all-zero row gets scale 1."""
@@ -123,6 +143,7 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- int4
+
 
 def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
     """q: uint8 [N, K] with values in [0, 15] -> uint8 [N, K / 2] in the split-halves layout (module doc)."""
@@ -168,6 +189,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.T
 
 
 # ---------------------------------------------------------------------------------------------- both
+
 
 def quantize_weight(w: torch.Tensor, qc: QuantConfig) -> dict[str, torch.Tensor]:
     """One [N, K] weight -> its stored tensors {suffix: tensor} (see QuantConfig.tensor_specs)."""

@@ -24,11 +24,26 @@ import triton.language as tl
 
 @triton.jit
 def quant_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    stride_os,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): out[split, m, n] = sum over this split's k range
     of x[m, k] * W[n, k]. int8: W = qweight * scales[n]. int4 (BLOCK_K == GROUP): W = (q - zero) * scale."""
@@ -108,8 +123,16 @@ def choose_config(m: int, n: int, k: int, bits: int, group_size: int | None, num
     return QuantMMConfig(block_m, block_n, block_k, split, 8 if block_m == 128 else 4, 3)
 
 
-def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                 bits: int, group_size: int | None, num_sms: int, config: QuantMMConfig | None = None) -> torch.Tensor:
+def quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    bits: int,
+    group_size: int | None,
+    num_sms: int,
+    config: QuantMMConfig | None = None,
+) -> torch.Tensor:
     """x: [M, K] (bf16 / fp16 / fp32, last dim contiguous) -> x @ W^T: [M, N] in x's dtype (see linear.py
     for the weight formats). `config` pins the launch shape (tests, sweeps)."""
     m, k = x.shape
@@ -131,10 +154,28 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     zeros = qzeros if qzeros is not None else scales
     quant_matmul_kernel[grid](
-        x, qweight, scales, zeros, out, m, n, k, k_per_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(-2), stride_os,
-        BITS=bits, GROUP=group_size or 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        out.stride(-2),
+        stride_os,
+        BITS=bits,
+        GROUP=group_size or 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out if cfg.split_k == 1 else out.sum(0).to(x.dtype)
 
@@ -149,13 +190,15 @@ class TritonQuantKernels:
 
     def _sms(self, device: torch.device) -> int:
         if device not in self._num_sms:
-            self._num_sms[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                                     if device.type == "cuda" else 8)
+            self._num_sms[device] = (
+                torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+            )
         return self._num_sms[device]
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, qweight, scales, None, 8, None, self._sms(x.device))
 
-    def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+    def int4_linear(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         return quant_matmul(x, qweight, scales, qzeros, 4, group_size, self._sms(x.device))

@@ -73,8 +73,9 @@ def teacher_forced_samples(model, texts: list[str], frames: int, seed: int = 0) 
     for i, text in enumerate(texts):
         spk = torch.from_numpy(sample_random_speaker(std, mean, seed + i))
         ids, mask = front.code_inputs(text, "[speed_5]", Voice(spk_emb=spk))
-        prompt = model.embed.embed_prompt(ids.to(model.device), mask.to(model.device), spk.to(model.device),
-                                          model.tokenizer.spk_emb_id)
+        prompt = model.embed.embed_prompt(
+            ids.to(model.device), mask.to(model.device), spk.to(model.device), model.tokenizer.spk_emb_id
+        )
         params = SamplingParams(max_new_tokens=frames, seed=seed + i)
         codes, _ = generate_dense(model.gpt, model.embed, prompt.to(model.dtype), "code", params)
         embeds = torch.cat([prompt, model.embed.embed_codes(codes)]) if codes.shape[0] else prompt
@@ -110,8 +111,9 @@ class ActStats:
 
 
 @torch.no_grad()
-def collect_activation_stats(gpt, samples: list[TeacherForcedSample], max_rows: int = 512,
-                             seed: int = 0) -> dict[tuple[int, str], ActStats]:
+def collect_activation_stats(
+    gpt, samples: list[TeacherForcedSample], max_rows: int = 512, seed: int = 0
+) -> dict[tuple[int, str], ActStats]:
     """Run every sample through `gpt` (dense) and record the inputs of each layer's 4 linears:
     {(layer, group): ActStats}. Rows are sampled uniformly (seeded) up to max_rows per linear in all."""
     total = sum(s.embeds.shape[0] for s in samples)
@@ -128,6 +130,7 @@ def collect_activation_stats(gpt, samples: list[TeacherForcedSample], max_rows: 
             st.count += x.shape[0]
             pick = torch.rand(x.shape[0], generator=gen) < keep_p
             st.rows.append(x[pick])
+
         return fn
 
     for i, layer in enumerate(gpt.layers):
@@ -149,8 +152,9 @@ def awq_scale_for(alpha: float, mean_abs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def search_awq_scale(w: torch.Tensor, stats: ActStats, qc: QuantConfig, n_grid: int = 20
-                     ) -> tuple[float, torch.Tensor, list[float]]:
+def search_awq_scale(
+    w: torch.Tensor, stats: ActStats, qc: QuantConfig, n_grid: int = 20
+) -> tuple[float, torch.Tensor, list[float]]:
     """w: [N, K] fp32 (all linears sharing this input, stacked). Returns (best alpha, s [K], loss per alpha)
     for alpha in 0, 1/n_grid, ..., (n_grid-1)/n_grid; alpha = 0 (s = 1) is plain round-to-nearest."""
     x = stats.sample.to(w.device)
@@ -164,8 +168,14 @@ def search_awq_scale(w: torch.Tensor, stats: ActStats, qc: QuantConfig, n_grid: 
     return best / n_grid, awq_scale_for(best / n_grid, stats.mean_abs.to(w.device)), losses
 
 
-def apply_awq(sd: dict[str, torch.Tensor], stats: dict[tuple[int, str], ActStats], qc: QuantConfig,
-              num_layers: int, fold_o_proj: bool, n_grid: int = 20) -> tuple[dict[str, torch.Tensor], dict]:
+def apply_awq(
+    sd: dict[str, torch.Tensor],
+    stats: dict[tuple[int, str], ActStats],
+    qc: QuantConfig,
+    num_layers: int,
+    fold_o_proj: bool,
+    n_grid: int = 20,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Search and fold AWQ scales into a copy of an HF-named fp32 GPT state dict (no `model.` prefix).
 
     Returns (scaled state dict, report {"alpha": {"layers.i.group": alpha}, "loss_rtn", "loss_awq"}); the
@@ -196,6 +206,7 @@ def apply_awq(sd: dict[str, torch.Tensor], stats: dict[tuple[int, str], ActStats
             t = out[fold_into]
             out[fold_into] = t / s if t.dim() == 1 else t / s[:, None]
     report = {"alpha": alphas, "loss_rtn": loss_rtn, "loss_awq": loss_awq}
-    logger.info("AWQ: summed output MSE over all linear groups %.4g (round-to-nearest) -> %.4g (AWQ)",
-                loss_rtn, loss_awq)
+    logger.info(
+        "AWQ: summed output MSE over all linear groups %.4g (round-to-nearest) -> %.4g (AWQ)", loss_rtn, loss_awq
+    )
     return out, report

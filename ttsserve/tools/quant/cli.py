@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ttsserve.engine.args import add_model_args
-from ttsserve.model.loader import Checkpoint
 from ttsserve.layers.quant.quantize import METHODS, QuantConfig, quantize_gpt_state_dict
+from ttsserve.model.loader import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,13 @@ class CalibrationSettings:
     source: str = "built-in"
 
 
-def quantize_checkpoint(ckpt: Checkpoint, method: str, group_size: int = 128,
-                        calibration: CalibrationSettings | None = None,
-                        device: torch.device | str = "cpu") -> Checkpoint:
+def quantize_checkpoint(
+    ckpt: Checkpoint,
+    method: str,
+    group_size: int = 128,
+    calibration: CalibrationSettings | None = None,
+    device: torch.device | str = "cpu",
+) -> Checkpoint:
     """A copy of `ckpt` whose GPT tensors are quantized with `method` ("int8": round-to-nearest per channel;
     "awq-int4": AWQ scales from a calibration run on `device`, then group-wise int4). Other components are
     shared, not copied. ValueError for an already quantized checkpoint or a group size the shapes forbid."""
@@ -63,16 +67,24 @@ def quantize_checkpoint(ckpt: Checkpoint, method: str, group_size: int = 128,
     sd = _strip_prefix(ckpt.gpt)
     provenance: dict = {"method": "round-to-nearest"}
     if method == "awq-int4":
-        sd, provenance = _awq(ckpt, sd, cfg, QuantConfig.for_method(method, group_size),
-                              calibration or CalibrationSettings(), torch.device(device))
+        sd, provenance = _awq(
+            ckpt,
+            sd,
+            cfg,
+            QuantConfig.for_method(method, group_size),
+            calibration or CalibrationSettings(),
+            torch.device(device),
+        )
     qc = QuantConfig.for_method(method, group_size, calibration=provenance)
     gpt_config = dict(ckpt.gpt_config) | {"quantization_config": qc.to_json()}
-    return dataclasses.replace(ckpt, gpt=quantize_gpt_state_dict(sd, qc), gpt_config=gpt_config,
-                               source=f"{ckpt.source} ({method})")
+    return dataclasses.replace(
+        ckpt, gpt=quantize_gpt_state_dict(sd, qc), gpt_config=gpt_config, source=f"{ckpt.source} ({method})"
+    )
 
 
-def _awq(ckpt: Checkpoint, sd: dict[str, torch.Tensor], cfg, qc: QuantConfig, cal: CalibrationSettings,
-         device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:
+def _awq(
+    ckpt: Checkpoint, sd: dict[str, torch.Tensor], cfg, qc: QuantConfig, cal: CalibrationSettings, device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict]:
     from ttsserve.model.chattts import build_model
     from ttsserve.tools.quant.calibrate import (
         apply_awq,
@@ -83,19 +95,34 @@ def _awq(ckpt: Checkpoint, sd: dict[str, torch.Tensor], cfg, qc: QuantConfig, ca
 
     t0 = time.perf_counter()
     texts = list(cal.texts) if cal.texts is not None else load_calibration_corpus()
-    texts = texts[:cal.samples]
+    texts = texts[: cal.samples]
     model = build_model(ckpt, device, torch.float32)  # calibrate the dense model in fp32
     samples = teacher_forced_samples(model, texts, cal.frames, cal.seed)
     stats = collect_activation_stats(model.gpt, samples, cal.max_rows, cal.seed)
     t1 = time.perf_counter()
-    scaled, report = apply_awq(sd, stats, qc, cfg.num_layers, fold_o_proj=cfg.num_heads == cfg.num_kv_heads,
-                               n_grid=cal.n_grid)
+    scaled, report = apply_awq(
+        sd, stats, qc, cfg.num_layers, fold_o_proj=cfg.num_heads == cfg.num_kv_heads, n_grid=cal.n_grid
+    )
     tokens = sum(s.embeds.shape[0] for s in samples)
-    logger.info("AWQ calibration: %d texts, %d tokens (%d sampled frames): %.1f s statistics, %.1f s search",
-                len(samples), tokens, sum(s.codes.shape[0] for s in samples), t1 - t0, time.perf_counter() - t1)
-    return scaled, {"method": "awq", "corpus": cal.source, "samples": len(samples), "tokens": tokens,
-                    "frames_per_text": cal.frames, "max_rows": cal.max_rows, "n_grid": cal.n_grid,
-                    "seed": cal.seed, **report}
+    logger.info(
+        "AWQ calibration: %d texts, %d tokens (%d sampled frames): %.1f s statistics, %.1f s search",
+        len(samples),
+        tokens,
+        sum(s.codes.shape[0] for s in samples),
+        t1 - t0,
+        time.perf_counter() - t1,
+    )
+    return scaled, {
+        "method": "awq",
+        "corpus": cal.source,
+        "samples": len(samples),
+        "tokens": tokens,
+        "frames_per_text": cal.frames,
+        "max_rows": cal.max_rows,
+        "n_grid": cal.n_grid,
+        "seed": cal.seed,
+        **report,
+    }
 
 
 def save_quantized_checkpoint(ckpt: Checkpoint, out: str | Path) -> Path:
@@ -112,12 +139,21 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     """Add `quantize` (sets func(args) -> exit code)."""
     p = subparsers.add_parser("quantize", help="write a weight-quantized (int8 / AWQ int4) copy of a checkpoint")
     p.add_argument("--method", required=True, choices=sorted(METHODS))
-    add_model_args(p, only=("model", "load_format", "dummy_size", "device"), defaults={"device": "cpu"},
-                   helps={"model": "source checkpoint folder (holding asset/) or hub id",
-                          "device": "device of the calibration run (cpu | cuda)"})
+    add_model_args(
+        p,
+        only=("model", "load_format", "dummy_size", "device"),
+        defaults={"device": "cpu"},
+        helps={
+            "model": "source checkpoint folder (holding asset/) or hub id",
+            "device": "device of the calibration run (cpu | cuda)",
+        },
+    )
     p.add_argument("--out", required=True, help="folder to write the quantized checkpoint to")
-    p.add_argument("--calibration", default=None, help="calibration text file, one sentence per line "
-                   "(default: the built-in mixed zh/en corpus); awq-int4 only")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="calibration text file, one sentence per line (default: the built-in mixed zh/en corpus); awq-int4 only",
+    )
     p.add_argument("--group-size", type=int, default=128, help="int4 group size along the input dim")
     p.add_argument("--calib-samples", type=int, default=32, help="calibration sentences used")
     p.add_argument("--calib-frames", type=int, default=48, help="frames sampled per calibration sentence")
@@ -134,11 +170,19 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     from ttsserve.tools.quant.calibrate import load_calibration_corpus
 
     try:
-        ckpt = read_checkpoint(EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size,
-                                            seed=a.seed))
+        ckpt = read_checkpoint(
+            EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, seed=a.seed)
+        )
         texts = tuple(load_calibration_corpus(a.calibration)) if a.calibration else None
-        cal = CalibrationSettings(texts=texts, samples=a.calib_samples, frames=a.calib_frames, max_rows=a.max_rows,
-                                  n_grid=a.n_grid, seed=a.seed, source=a.calibration or "built-in")
+        cal = CalibrationSettings(
+            texts=texts,
+            samples=a.calib_samples,
+            frames=a.calib_frames,
+            max_rows=a.max_rows,
+            n_grid=a.n_grid,
+            seed=a.seed,
+            source=a.calibration or "built-in",
+        )
         q = quantize_checkpoint(ckpt, a.method, a.group_size, cal, resolve_device(a.device))
         root = save_quantized_checkpoint(q, a.out)
     except ValueError as e:

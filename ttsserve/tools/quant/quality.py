@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from ttsserve.engine.args import add_model_args
 from ttsserve.tools.quant.calibrate import TeacherForcedSample, teacher_forced_hidden
 
-RANDOM_WEIGHTS_NOTE = ("note: measured on RANDOM (dummy) weights; they say little about a real checkpoint, whose "
-                       "outlier channels make quantization harder than Gaussian weights do")
+RANDOM_WEIGHTS_NOTE = (
+    "note: measured on RANDOM (dummy) weights; they say little about a real checkpoint, whose "
+    "outlier channels make quantization harder than Gaussian weights do"
+)
 
 
 @dataclass
@@ -47,9 +49,11 @@ class Fidelity:
         rows = ["codebook  top-1 agreement  KL(dense||quant) [nats]"]
         for q, (a, k) in enumerate(zip(self.top1_agreement, self.kl)):
             rows.append(f"{q:>8}  {a:>15.4f}  {k:>23.5f}")
-        rows.append(f"mel features: relative L2 {self.mel_rel_l2:.4f}, mean |diff| {self.mel_mae:.4f}; hidden "
-                    f"states: relative L2 {self.hidden_rel_l2:.4f} ({self.texts} texts, {self.positions} "
-                    f"positions, {self.frames} frames)")
+        rows.append(
+            f"mel features: relative L2 {self.mel_rel_l2:.4f}, mean |diff| {self.mel_mae:.4f}; hidden "
+            f"states: relative L2 {self.hidden_rel_l2:.4f} ({self.texts} texts, {self.positions} "
+            f"positions, {self.frames} frames)"
+        )
         return "\n".join(rows)
 
 
@@ -78,33 +82,49 @@ def compare_models(ref, cand, samples: list[TeacherForcedSample], kv_fp8: bool =
         h_sq += float(((h_c[sel] - h_ref[sel]) ** 2).sum())
         h_ref_sq += float((h_ref[sel] ** 2).sum())
         if f:
-            mr = ref.decoder(h_ref[p - 1:p - 1 + f].T[None].to(next(ref.decoder.parameters()).dtype))
-            mc = ref.decoder(h_c[p - 1:p - 1 + f].T[None].to(mr.dtype))
+            mr = ref.decoder(h_ref[p - 1 : p - 1 + f].T[None].to(next(ref.decoder.parameters()).dtype))
+            mc = ref.decoder(h_c[p - 1 : p - 1 + f].T[None].to(mr.dtype))
             mel_sq += float(((mc - mr) ** 2).sum())
-            mel_ref_sq += float((mr ** 2).sum())
+            mel_ref_sq += float((mr**2).sum())
             mel_abs += float((mc - mr).abs().sum())
             mel_count += mr.numel()
             n_frames += f
     return Fidelity(
-        top1_agreement=(agree / max(n_pos, 1)).tolist(), kl=(kl / max(n_pos, 1)).tolist(),
-        mel_rel_l2=(mel_sq / max(mel_ref_sq, 1e-30)) ** 0.5, mel_mae=mel_abs / max(mel_count, 1),
-        hidden_rel_l2=(h_sq / max(h_ref_sq, 1e-30)) ** 0.5, texts=len(samples), positions=n_pos, frames=n_frames)
+        top1_agreement=(agree / max(n_pos, 1)).tolist(),
+        kl=(kl / max(n_pos, 1)).tolist(),
+        mel_rel_l2=(mel_sq / max(mel_ref_sq, 1e-30)) ** 0.5,
+        mel_mae=mel_abs / max(mel_count, 1),
+        hidden_rel_l2=(h_sq / max(h_ref_sq, 1e-30)) ** 0.5,
+        texts=len(samples),
+        positions=n_pos,
+        frames=n_frames,
+    )
 
 
 def add_quality_parser(bench_subparsers) -> argparse.ArgumentParser:
     """Add `quality` to `ttsserve bench` (sets func(args) -> exit code)."""
-    p = bench_subparsers.add_parser("quality", help="fidelity of a quantized model to the dense one "
-                                    "(top-1 agreement, KL, mel distance under teacher forcing)")
-    add_model_args(p, only=("model", "load_format", "dummy_size", "device", "kv_cache_dtype"),
-                   defaults={"device": "cpu"},
-                   helps={"model": "the dense reference checkpoint (holding asset/)",
-                          "kv_cache_dtype": "fp8: simulate the fp8 KV cache in the quantized model (alone when "
-                                            "no weight method)"})
+    p = bench_subparsers.add_parser(
+        "quality",
+        help="fidelity of a quantized model to the dense one (top-1 agreement, KL, mel distance under teacher forcing)",
+    )
+    add_model_args(
+        p,
+        only=("model", "load_format", "dummy_size", "device", "kv_cache_dtype"),
+        defaults={"device": "cpu"},
+        helps={
+            "model": "the dense reference checkpoint (holding asset/)",
+            "kv_cache_dtype": "fp8: simulate the fp8 KV cache in the quantized model (alone when no weight method)",
+        },
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--quantized", default=None, help="a checkpoint written by `ttsserve quantize`")
-    src.add_argument("--method", default=None, choices=["int8", "awq-int4", "rtn-int4"],
-                     help="quantize the reference in memory (awq-int4 calibrates on the calibration corpus; "
-                     "rtn-int4 is the same int4 format without AWQ scales, for comparison)")
+    src.add_argument(
+        "--method",
+        default=None,
+        choices=["int8", "awq-int4", "rtn-int4"],
+        help="quantize the reference in memory (awq-int4 calibrates on the calibration corpus; "
+        "rtn-int4 is the same int4 format without AWQ scales, for comparison)",
+    )
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-frames", type=int, default=32)
@@ -151,8 +171,9 @@ def cmd_quality(a: argparse.Namespace) -> int:
             raise ValueError("nothing to compare: pass --quantized DIR, --method or --kv-cache-dtype fp8")
         device = resolve_device(a.device)
         dtype = getattr(torch, a.dtype)
-        ckpt = read_checkpoint(EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size,
-                                            seed=a.seed))
+        ckpt = read_checkpoint(
+            EngineConfig(model=a.model, load_format=a.load_format, dummy_size=a.dummy_size, seed=a.seed)
+        )
         ref = build_model(ckpt, device, dtype)
         cand = _candidate(a, ckpt, device, dtype)
     except ValueError as e:
@@ -162,13 +183,24 @@ def cmd_quality(a: argparse.Namespace) -> int:
     samples = teacher_forced_samples(ref, texts, a.frames, a.seed)
     fid = compare_models(ref, cand, samples, kv_fp8=a.kv_cache_dtype == "fp8")
     what = {"rtn-int4": "int4 without AWQ (round-to-nearest)"}.get(a.method, cand.quantization or "dense weights")
-    print(f"fidelity of {what}{' + fp8 KV cache' if a.kv_cache_dtype == 'fp8' else ''} to the dense "
-          f"{ref.source} ({a.dtype}, {device}):")
+    print(
+        f"fidelity of {what}{' + fp8 KV cache' if a.kv_cache_dtype == 'fp8' else ''} to the dense "
+        f"{ref.source} ({a.dtype}, {device}):"
+    )
     print(fid.table())
     if ref.is_dummy:
         print(RANDOM_WEIGHTS_NOTE)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"candidate": what, "kv_cache_dtype": a.kv_cache_dtype, "source": ref.source,
-                       "random_weights": ref.is_dummy, **asdict(fid)}, f, indent=2)
+            json.dump(
+                {
+                    "candidate": what,
+                    "kv_cache_dtype": a.kv_cache_dtype,
+                    "source": ref.source,
+                    "random_weights": ref.is_dummy,
+                    **asdict(fid),
+                },
+                f,
+                indent=2,
+            )
     return 0
