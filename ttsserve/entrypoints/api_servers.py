@@ -330,6 +330,9 @@ def _api_server_main(
     parent_pid: int,
 ) -> None:
     _child_setup(parent_pid, log_level, f"api{index}")
+    from ttsserve.server.http_server import raise_fd_limit, uvicorn_config
+
+    raise_fd_limit()
     import uvicorn
 
     from ttsserve.engine.core.client import CoreClient
@@ -344,13 +347,7 @@ def _api_server_main(
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap(f"API server {index}")
-    config = uvicorn.Config(
-        ApiServerHeader(app, index),
-        log_level=log_level.lower(),
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=server_cfg.drain_timeout_s,
-    )
+    config = uvicorn_config(ApiServerHeader(app, index), server_cfg, log_level)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -65,8 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
+    from ttsserve.server.http_server import raise_fd_limit, uvicorn_config
 
     _configure_logging(log_level)
+    raise_fd_limit()
     server_cpu_defaults(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     try:
@@ -78,15 +80,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap("server")
-    # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
     # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level.lower(),
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=server_cfg.drain_timeout_s,
-    )
+    config = uvicorn_config(app, server_cfg, log_level)
     shown = f"[{host}]" if ":" in host else host
     logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
     uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)

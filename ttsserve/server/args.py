@@ -70,6 +70,36 @@ class ServerConfig:
     drain_timeout_s: float = field(
         default=30.0, metadata=_flag("seconds to let streams finish on shutdown", flag="--drain-timeout")
     )
+    timeout_keep_alive_s: float = field(
+        default=75.0,
+        metadata=_flag(
+            "seconds an idle keep-alive connection is kept open; keep it above your clients' and proxies' idle "
+            "expiry (httpx: 5 s, nginx upstream: 60 s), or a request sent as it closes is reset",
+            flag="--timeout-keep-alive",
+        ),
+    )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata=_flag(
+            "seconds to receive a request's headers (from the connect, or its first byte); a silent connection "
+            "is then closed, a partial request gets 408",
+            flag="--header-timeout",
+        ),
+    )
+    body_timeout_s: float = field(
+        default=60.0,
+        metadata=_flag(
+            "seconds to receive a request's whole body after its headers; then 408 and the connection is closed",
+            flag="--body-timeout",
+        ),
+    )
+    max_connections: int | None = field(
+        default=None,
+        metadata=_flag(
+            "open connections per HTTP process (each API server has its own); a connection over it gets 503 "
+            "and is closed (default: what the open-file limit leaves room for)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "chars_per_minute"):
@@ -78,6 +108,11 @@ class ServerConfig:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("timeout_keep_alive_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
 
