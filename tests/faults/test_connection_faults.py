@@ -206,3 +206,15 @@ def test_every_server_close_is_logged(server):
         time.sleep(0.5)
     assert all(any(f"{w} " in line for line in lines) for w in wanted), lines
     assert any("WARNING" in line and "shed " in line for line in lines), lines
+
+
+def test_keep_alive_outlives_the_clients_idle_expiry():
+    """A server that closes an idle connection at the moment a client reuses it resets that request (httpx
+    ReadError, nothing in the server's log): the server's keep-alive must outlast common clients' expiry,
+    and the load generator's must be the shorter one."""
+    from ttsserve.bench.serving import CLIENT_KEEPALIVE_S
+    from ttsserve.server.args import ServerConfig
+
+    default = ServerConfig().timeout_keep_alive_s
+    assert default > httpx.Limits().keepalive_expiry and default > 60  # httpx 5 s, nginx/ALB upstream 60 s
+    assert CLIENT_KEEPALIVE_S < 5  # below uvicorn's default too, for servers run with it

@@ -134,6 +134,9 @@ class _Playback:
         self.play_end += samples / self.rate
 
 
+CLIENT_KEEPALIVE_S = 2.0
+
+
 async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -> RequestRecord:
     """Send one request and time its bytes; errors become a record with status set, never an exception."""
     import httpx
@@ -229,7 +232,9 @@ async def drive_load(
     second while it ran: 1.0 = one core busy, where one Python client stops keeping up)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # An idle connection is dropped by the client before any server's keep-alive timer can close it (uvicorn's
+    # default is 5 s, as httpx's expiry): with equal timers a request sent as the server closes is reset.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=CLIENT_KEEPALIVE_S)
     cpu0, t0 = time.process_time(), time.perf_counter()
     async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
         if load_kind == "concurrency":
