@@ -35,6 +35,7 @@ from ttsserve.server.limits import (
     AdmissionGate,
     ApiKeyAuth,
     BodyLimitMiddleware,
+    KeyRequiredMiddleware,
     RateLimiter,
 )
 from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -46,6 +47,7 @@ from ttsserve.server.protocol import (
     ModelObject,
     SpeechRequest,
     SynthesizeRequest,
+    VoiceCreateJSON,
     build_synthesis_request,
 )
 from ttsserve.server.streaming import (
@@ -59,14 +61,15 @@ from ttsserve.server.streaming import (
     sse_body,
     until_disconnect,
 )
-from ttsserve.server.voices import VoiceResolver, VoiceStore, register_voice_routes
+from ttsserve.server.voice_routes import register_voice_routes
+from ttsserve.server.voices import VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
 
 logger = logging.getLogger("ttsserve.server")
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens", "seed")
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 413, 429, 500, 503)}
 _AUDIO_TYPES = {content_type(f): {"schema": {"type": "string", "format": "binary"}} for f in FORMATS}
 _AUDIO_200 = {"description": "the audio, in the requested format", "content": _AUDIO_TYPES}
 
@@ -77,7 +80,7 @@ class ServerState:
     def __init__(self, engine: EngineClient, cfg: ServerConfig, rate_limiter=None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.auth = ApiKeyAuth(cfg.api_keys)
+        self.auth = ApiKeyAuth(cfg.api_keys, cfg.admin_api_keys)
         self.rate = rate_limiter or RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
         self.gate = AdmissionGate(cfg.max_in_flight)
         self.metrics = ServerMetrics(engine.stats)
@@ -89,10 +92,14 @@ class ServerState:
 
     # ---- admission -------------------------------------------------------------------------------
     def identity(self, request: Request) -> str:
-        """API key check (401); returns the rate-limit identity (key id, else the client address)."""
+        """API key check (401); returns the rate-limit identity (key id, else the client address) and sets
+        request.state.voice_scope: a plain key sees its own voices and the public ones, and what it makes
+        is its own; an admin key, or a server without keys, sees all and makes public voices."""
         key_id = self.auth.check(request.headers.get("authorization"))
         ident = key_id or f"ip-{request.client.host if request.client else 'unknown'}"
         request.state.log["key"] = ident
+        private = key_id is not None and not self.auth.is_admin(key_id)
+        request.state.voice_scope = VoiceScope(key_id, False) if private else VoiceScope()
         return ident
 
     def admit_text(self, text: str, ident: str, param: str) -> Callable[[], None]:
@@ -115,9 +122,9 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def resolve_voice(self, spec, param: str = "voice"):
+    def resolve_voice(self, spec, param: str = "voice", scope: VoiceScope = VoiceScope()):  # noqa: B008 - frozen
         try:
-            voice = self.voices.resolve(spec)
+            voice = self.voices.resolve(spec, scope)
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
         if voice is None:
@@ -275,8 +282,10 @@ def _as_api_error(e: BaseException, text_param: str) -> BaseException:
 
 
 # ---- the app -------------------------------------------------------------------------------------
-def _drop_422_from_openapi(app: FastAPI) -> None:
-    """FastAPI documents a 422 for every route with a body; ours answer 400 (errors.validation_error)."""
+def _fix_openapi(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with a body; ours answer 400 (errors.validation_error). The
+    JSON body of POST /v1/audio/voices is parsed by hand (it shares the route with multipart uploads), so
+    its schema is added to the components the route's document refers to."""
     default_openapi = app.openapi
 
     def openapi() -> dict:
@@ -285,8 +294,12 @@ def _drop_422_from_openapi(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            components["VoiceCreateJSON"] = VoiceCreateJSON.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -337,7 +350,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
         refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
-        voice = st.resolve_voice(body.voice)
+        voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
             request,
             endpoint="speech",
@@ -356,7 +369,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
         refund = st.admit_text(body.text, ident, "text")
-        voice = st.resolve_voice(body.voice)
+        voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
             request,
             endpoint="synthesize",
@@ -398,7 +411,10 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     async def metrics():
         return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    _drop_422_from_openapi(app)
+    _fix_openapi(app)
+    if cfg.auth_docs_and_metrics and st.auth.enabled:
+        docs = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/metrics")
+        app.add_middleware(KeyRequiredMiddleware, auth=st.auth, paths=docs)
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=cfg.max_body_bytes,

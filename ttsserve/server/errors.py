@@ -29,7 +29,7 @@ logger = logging.getLogger("ttsserve.server")
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
-    403: "invalid_request_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",
@@ -38,6 +38,23 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
+}
+# status -> the code of an ApiError raised without one: every error carries a machine-readable code.
+_DEFAULT_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+    499: "client_closed_request",
+    500: "internal_error",
+    503: "server_overloaded",
+    504: "request_timeout",
 }
 
 
@@ -45,8 +62,8 @@ class ApiError(Exception):
     """An HTTP error in the OpenAI shape.
 
     status: the HTTP status. param: the request field at fault (None when not a field).
-    code: a short machine-readable code (e.g. "voice_not_found"). headers: extra response headers
-    (Retry-After for 429/503, WWW-Authenticate for 401).
+    code: a short machine-readable code (e.g. "voice_not_found"; default: one per status). headers: extra
+    response headers (Retry-After for 429/503, WWW-Authenticate for 401).
     """
 
     def __init__(
@@ -63,7 +80,7 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or _DEFAULT_CODES.get(status, "error")
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 

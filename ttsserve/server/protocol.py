@@ -34,9 +34,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
+def _exactly_one_of(fields: dict[str, dict]) -> dict:
+    """JSON Schema for "exactly one of these fields is given (non-null)": one oneOf branch per field."""
+    return {"oneOf": [{"required": [name], "properties": {name: schema}} for name, schema in fields.items()]}
+
+
 class VoiceRef(_Strict):
     """A voice given as an object: exactly one of `id` (a stored or built-in voice), `seed` (a random
     ChatTTS speaker drawn with that seed) or `speaker` (a ChatTTS speaker string)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_exactly_one_of(
+            {"id": {"type": "string"}, "seed": {"type": "integer"}, "speaker": {"type": "string"}}
+        )
+    )
 
     id: str | None = Field(None, min_length=1, max_length=128)
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
@@ -90,7 +101,9 @@ class SpeechRequest(ChatTTSOptions):
 
     model: str = Field(..., min_length=1, max_length=256)
     input: str = Field(..., min_length=1, description="text to speak (at most --max-input-chars, else 413)")
-    voice: VoiceSpec = Field(..., description='a voice name or id, or {"id": ...} / {"seed": n} / {"speaker": s}')
+    voice: VoiceSpec = Field(
+        ..., description='a voice name or id, or an object with exactly one of {"id": ...}, {"seed": n}, {"speaker": s}'
+    )
     instructions: str | None = Field(None, max_length=4096)
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
@@ -110,6 +123,10 @@ class SynthesizeRequest(ChatTTSOptions):
 class VoiceCreateJSON(_Strict):
     """`POST /v1/audio/voices` as JSON: a named voice from a speaker seed or a ChatTTS speaker string.
     (A reference recording is uploaded as multipart/form-data instead: name, audio_sample, transcript.)"""
+
+    model_config = ConfigDict(
+        json_schema_extra=_exactly_one_of({"seed": {"type": "integer"}, "speaker": {"type": "string"}})
+    )
 
     name: str = Field(
         ...,
@@ -164,7 +181,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str
 
 
 class ErrorResponse(BaseModel):
