@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from ttsserve.server.streaming import (
     AudioPipeline,
     ClientGone,
     EngineStreamResponse,
+    RequestTimeout,
     SynthesisJob,
     audio_body,
     collect_audio,
@@ -64,12 +66,13 @@ from ttsserve.server.streaming import (
 from ttsserve.server.voice_routes import register_voice_routes
 from ttsserve.server.voices import VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
+from ttsserve.text.split import LATIN_WEIGHT, MAX_UNITS_PER_SECOND, min_speech_seconds
 
 logger = logging.getLogger("ttsserve.server")
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens", "seed")
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 413, 429, 500, 503)}
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
 _AUDIO_TYPES = {content_type(f): {"schema": {"type": "string", "format": "binary"}} for f in FORMATS}
 _AUDIO_200 = {"description": "the audio, in the requested format", "content": _AUDIO_TYPES}
 
@@ -173,14 +176,22 @@ class ServerState:
             )
         except ValueError as e:
             raise bad_request(str(e), param=_http_param(e, text_param)) from None
+        self._check_audio_length(text, text_param, speed)
         rate = opts.sample_rate or SAMPLE_RATE
         try:
             release = self.gate.acquire()
         except ApiError as e:
             raise _refunded_if_refused(e, refund) from None
         job = SynthesisJob(
-            request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate, stretch=stretch
+            request.state.request_id,
+            endpoint,
+            len(text),
+            input_rate=self.engine.sample_rate,
+            stretch=stretch,
+            timeout_s=self.cfg.request_timeout_s,
         )
+        if self.cfg.max_audio_seconds is not None:
+            job.max_samples = math.ceil(self.cfg.max_audio_seconds * stretch * self.engine.sample_rate)
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
         gen = self.engine.generate(req)
         try:
@@ -214,9 +225,27 @@ class ServerState:
         headers = {"Cache-Control": "no-cache", "X-Request-ID": request.state.request_id}
         return EngineStreamResponse(body, on_close=on_close, media_type=media, headers=headers)
 
+    def _check_audio_length(self, text: str, param: str, speed: float) -> None:
+        """400 for text that alone would outlast --max-audio-seconds (a lower bound on its speech, so text that
+        passes may still be cut at the ceiling)."""
+        cap = self.cfg.max_audio_seconds
+        if cap is None:
+            return
+        seconds = min_speech_seconds(text) / speed
+        if seconds > cap:
+            raise bad_request(
+                f"{param} would take at least {seconds:.0f} s to speak at speed {speed:g}, over the server's limit "
+                f"of {cap:g} s of audio per request (estimated from its length: {MAX_UNITS_PER_SECOND:g} CJK "
+                f"characters or {MAX_UNITS_PER_SECOND / LATIN_WEIGHT:g} other characters per second); split it "
+                f"into several requests",
+                param=param,
+                code="audio_too_long",
+            )
+
     def _settle(self, job: SynthesisJob, request: Request, error: BaseException | None = None) -> None:
         if job.finish_reason is None:
             job.finish_reason = _unfinished_reason(error)
+            job.reason = job.reason or _reason_text(error)
         total = time.perf_counter() - job.started
         self.metrics.observe_synthesis(job.endpoint, job.first_audio_s, total, job.audio_seconds, job.finish_reason)
         request.state.log.update(
@@ -226,6 +255,8 @@ class ServerState:
             ttfa_ms=None if job.first_audio_s is None else round(job.first_audio_s * 1000, 1),
             total_ms=round(total * 1000, 1),
         )
+        if job.reason:
+            request.state.log["reason"] = job.reason
         # For streams the access line was written when the handler returned; log the synthesis outcome too.
         if getattr(request.state, "logged", False):
             access_logger.info(
@@ -235,7 +266,8 @@ class ServerState:
                         "request_id": job.request_id,
                         **{
                             k: request.state.log.get(k)
-                            for k in ("finish_reason", "audio_s", "frames", "ttfa_ms", "total_ms")
+                            for k in ("finish_reason", "reason", "audio_s", "frames", "ttfa_ms", "total_ms")
+                            if k != "reason" or job.reason
                         },
                     }
                 )
@@ -243,7 +275,10 @@ class ServerState:
 
 
 def _unfinished_reason(error: BaseException | None) -> str:
-    """Why a synthesis ended without a final output: the client left, its input was refused, or a failure."""
+    """Why a synthesis ended without a final output: the client left, its input was refused, its time ran out,
+    or a failure."""
+    if isinstance(error, RequestTimeout) or (isinstance(error, ApiError) and error.code == "request_timeout"):
+        return "timeout"
     if (
         error is None
         or isinstance(error, (ClientGone, OSError))
@@ -253,6 +288,19 @@ def _unfinished_reason(error: BaseException | None) -> str:
     if isinstance(error, (ValueError, EngineOverloadedError)) or (isinstance(error, ApiError) and error.status < 500):
         return "rejected"
     return "error"
+
+
+def _reason_text(error: BaseException | None) -> str:
+    """The log's `reason` for a synthesis that ended without all its audio."""
+    if error is None or isinstance(error, ClientGone) or type(error).__name__ in ("CancelledError", "ClientDisconnect"):
+        return "client disconnected"
+    if isinstance(error, OSError):
+        return f"connection error: {error}"
+    if isinstance(error, ApiError):
+        return f"{error.code}: {error.message}"
+    if isinstance(error, RequestTimeout):
+        return f"request_timeout: {error}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _refunded_if_refused(err: BaseException, refund: Callable[[], None]) -> BaseException:
@@ -278,6 +326,8 @@ def _as_api_error(e: BaseException, text_param: str) -> BaseException:
         return e
     if isinstance(e, ClientGone):
         return ApiError(499, "client closed the request", code="client_closed_request")
+    if isinstance(e, RequestTimeout):
+        return ApiError(504, str(e), code="request_timeout")
     return engine_error(e, _http_param(e, text_param))
 
 

@@ -47,6 +47,9 @@ class ServerConfig:
         could hold a stream slot for the model's whole context.
     served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
     voices_db: the SQLite file of named voices; `serve` defaults it to ~/.local/share/ttsserve/voices.db.
+    request_timeout_s: None = no limit: a long text streams for minutes, and the engine's own bounds
+        (max_new_tokens per segment, max_audio_seconds per request) already end every synthesis.
+    max_audio_seconds: max_new_tokens bounds one segment only; a 4096-character text has dozens of segments.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -76,6 +79,21 @@ class ServerConfig:
     )
     served_model_names: tuple[str, ...] = ()
     max_new_tokens: int | None = field(default=2048, metadata=_flag("server-wide cap on frames per text segment"))
+    request_timeout_s: float | None = field(
+        default=None,
+        metadata=_flag(
+            "seconds a synthesis may take from admission to its last audio; later it ends: 504 request_timeout "
+            "before any audio, a cut stream after (default: no limit)",
+            flag="--request-timeout",
+        ),
+    )
+    max_audio_seconds: float | None = field(
+        default=600.0,
+        metadata=_flag(
+            "seconds of audio one request may produce (all its segments); the audio stops there with finish "
+            "reason length, and text that would surely run longer gets 400"
+        ),
+    )
     drain_timeout_s: float = field(
         default=30.0, metadata=_flag("seconds to let streams finish on shutdown", flag="--drain-timeout")
     )
@@ -89,6 +107,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        for name in ("request_timeout_s", "max_audio_seconds"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 # Where to listen, and how loud: flags of `serve` that are not ServerConfig's. (dest, converter, default, help)

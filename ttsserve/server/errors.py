@@ -203,20 +203,29 @@ def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+def _answer(request: Request, err: ApiError) -> JSONResponse:
+    """err's response; its code and message go to the request's access-log line (error, reason)."""
+    log = getattr(request.state, "log", None)
+    if isinstance(log, dict):
+        log.setdefault("error", err.code)
+        log.setdefault("reason", err.message)
+    return err.response(_request_id(request))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path of `app` into the OpenAI error shape."""
 
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response(_request_id(request))
+        return _answer(request, exc)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response(_request_id(request))
+        return _answer(request, validation_error(exc))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and isinstance(exc.__cause__, JSON_PARSE_ERRORS):
             # FastAPI's body parsing turns every json.loads failure but JSONDecodeError into a bare 400
             # "There was an error parsing the body", raised from the original error.
-            return invalid_json(exc.__cause__).response(_request_id(request))
+            return _answer(request, invalid_json(exc.__cause__))
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         msg = exc.detail if isinstance(exc.detail, str) else "error"
         headers = dict(exc.headers or {})
@@ -227,11 +236,13 @@ def install_error_handlers(app: FastAPI) -> None:
             # routes (GET and POST /v1/audio/voices) must list them all.
             headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
             msg = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
-        return ApiError(exc.status_code, msg, code=code, headers=headers).response(_request_id(request))
+        return _answer(request, ApiError(exc.status_code, msg, code=code, headers=headers))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, "internal server error", code="internal_error").response(_request_id(request))
+        err = ApiError(500, "internal server error", code="internal_error")
+        request.state.log["reason"] = f"{type(exc).__name__}: {exc}"
+        return _answer(request, err)
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
