@@ -332,10 +332,11 @@ def _as_api_error(e: BaseException, text_param: str) -> BaseException:
 
 
 # ---- the app -------------------------------------------------------------------------------------
-def _fix_openapi(app: FastAPI) -> None:
+def _fix_openapi(app: FastAPI, max_input_chars: int) -> None:
     """FastAPI documents a 422 for every route with a body; ours answer 400 (errors.validation_error). The
     JSON body of POST /v1/audio/voices is parsed by hand (it shares the route with multipart uploads), so
-    its schema is added to the components the route's document refers to."""
+    its schema is added to the components the route's document refers to. The text fields get this server's
+    --max-input-chars as their maxLength."""
     default_openapi = app.openapi
 
     def openapi() -> dict:
@@ -350,6 +351,10 @@ def _fix_openapi(app: FastAPI) -> None:
             components["VoiceCreateJSON"] = VoiceCreateJSON.model_json_schema(
                 ref_template="#/components/schemas/{model}"
             )
+            for model, field in (("SpeechRequest", "input"), ("SynthesizeRequest", "text")):
+                prop = components.get(model, {}).get("properties", {}).get(field)
+                if prop is not None:
+                    prop["maxLength"] = max_input_chars
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -461,7 +466,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     async def metrics():
         return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    _fix_openapi(app)
+    _fix_openapi(app, cfg.max_input_chars)
     if cfg.auth_docs_and_metrics and st.auth.enabled:
         docs = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/metrics")
         app.add_middleware(KeyRequiredMiddleware, auth=st.auth, paths=docs)

@@ -65,6 +65,7 @@ def _voice_create_doc(max_s: float) -> dict:
                                 "type": "string",
                                 "minLength": 1,
                                 "maxLength": 2000,
+                                "pattern": r"\S",
                                 "description": "what is said in the recording",
                             },
                             "consent": {
