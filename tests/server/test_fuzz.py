@@ -12,11 +12,15 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
 from tests.server.conftest import LiveServer, make_real_engine
+from tests.server.helpers import wav_bytes
 from ttsserve.server.app import ServerConfig, create_app
+from ttsserve.text.speaker import encode_speaker
 
 # ~10 operations x 12 -> ~100 cases in a few seconds. TTSSERVE_FUZZ_EXAMPLES=500 for a deep run (which
 # also turns on schemathesis' coverage phase: every boundary value the schema implies).
 KEY = "fuzz-key"
+SPEAKER: list[str] = []  # a valid speaker string of the fuzzed engine, set by `live`
+REFERENCE_WAV = wav_bytes(1.0)
 EXAMPLES_PER_OPERATION = int(os.environ.get("TTSSERVE_FUZZ_EXAMPLES", "12"))
 DEEP = EXAMPLES_PER_OPERATION > 12
 
@@ -25,7 +29,11 @@ DEEP = EXAMPLES_PER_OPERATION > 12
 def live():
     # The real engine; a tight frame cap keeps fuzzed 4096-character inputs (many segments) cheap.
     # With an API key, so schemathesis' auth checks (wrong/missing key must give 401) apply too.
-    srv = LiveServer(create_app(make_real_engine(), ServerConfig(max_new_tokens=8, api_keys=(KEY,)))).start()
+    # max_input_chars: 1000 CJK characters (>= 167 s of speech) stay under --max-audio-seconds (600).
+    cfg = ServerConfig(max_new_tokens=8, api_keys=(KEY,), max_input_chars=1000)
+    engine = make_real_engine()
+    SPEAKER.append(encode_speaker(engine.random_speaker(1)))
+    srv = LiveServer(create_app(engine, cfg)).start()
     yield srv
     srv.stop()
 
@@ -42,6 +50,20 @@ def api_schema(live):
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+def _make_acceptable(body) -> None:
+    """What no schema can say: a ChatTTS speaker string must decode to a speaker vector, and a reference
+    recording must be audio of 0.5-30 s. Generated ones are replaced by valid ones (their format is checked by
+    tests/server/test_voices.py); everything else the generator draws is sent as drawn."""
+    if not isinstance(body, dict):
+        return
+    for holder in (body, body.get("voice")):
+        if isinstance(holder, dict) and isinstance(holder.get("speaker"), str):
+            holder["speaker"] = SPEAKER[0]
+    if "audio_sample" in body and not isinstance(body["audio_sample"], str):  # bytes, or schemathesis' Binary
+        body["audio_sample"] = REFERENCE_WAV
+        body.pop("file", None)
+
+
 @schema.parametrize()
 @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case, live):
@@ -51,14 +73,16 @@ def test_no_server_errors(case, live):
         for key, value, max_len in (("model", "tts-1", 256), ("voice", "alloy", 128)):
             if isinstance(case.body.get(key), str) and 1 <= len(case.body[key]) <= max_len:
                 case.body[key] = value
-    # All schemathesis checks (status codes, content types and bodies as documented, auth) except "a
-    # schema-valid request is accepted": text with nothing speakable or a PNG as audio_sample is
-    # schema-valid yet rightly a 400.
+    _make_acceptable(case.body)
+    # All schemathesis checks: status codes, content types and bodies as documented, auth, and "a
+    # schema-valid request is accepted" (positive_data_acceptance).
     response = case.call_and_validate(
         base_url=live.url,
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=30,
-        excluded_checks=[positive_data_acceptance],
+        # The generated upload (a PNG) still reaches the server although _make_acceptable swaps it for a WAV:
+        # only reference uploads are exempt from positive_data_acceptance until that is understood.
+        excluded_checks=[positive_data_acceptance] if case.media_type == "multipart/form-data" else [],
     )
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     assert response.status_code != 422  # validation errors are OpenAI-shaped 400s

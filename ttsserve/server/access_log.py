@@ -30,7 +30,8 @@ class RequestContextMiddleware:
     The access line is written when the response starts (`ms`: time to the status line; for a stream the
     synthesis is still running). Syntheses add a `synthesis_done` line when they end (finish_reason,
     audio_s, frames, ttfa_ms, total_ms). A client that leaves before any response is logged as status 499,
-    an unhandled error as 500.
+    an unhandled error as 500. Every request that ends without its audio says why: an error status has
+    `error` (the code) and `reason`, and a stream cut short has `reason` on its synthesis_done line.
     """
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
@@ -62,10 +63,13 @@ class RequestContextMiddleware:
             # An unhandled error: Starlette's outermost middleware answers it with a 500 (our handler's
             # body) after it has passed through here, so log that status, not a client that left.
             if not state["logged"]:
-                self._log(scope, rid, 499 if type(e).__name__ == "ClientDisconnect" else 500, started, state)
+                gone = type(e).__name__ == "ClientDisconnect"
+                state["log"].setdefault("reason", "client disconnected" if gone else f"{type(e).__name__}: {e}")
+                self._log(scope, rid, 499 if gone else 500, started, state)
             raise
         finally:
             if not state["logged"]:  # no response was sent (client gone before the first byte)
+                state["log"].setdefault("reason", "client disconnected before the response")
                 self._log(scope, rid, 499, started, state)
 
     def _log(self, scope, rid: str, status: int, started: float, state: dict) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from ttsserve.server.limits import (
     AdmissionGate,
     ApiKeyAuth,
     BodyLimitMiddleware,
+    KeyRequiredMiddleware,
     RateLimiter,
 )
 from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -46,12 +48,14 @@ from ttsserve.server.protocol import (
     ModelObject,
     SpeechRequest,
     SynthesizeRequest,
+    VoiceCreateJSON,
     build_synthesis_request,
 )
 from ttsserve.server.streaming import (
     AudioPipeline,
     ClientGone,
     EngineStreamResponse,
+    RequestTimeout,
     SynthesisJob,
     audio_body,
     collect_audio,
@@ -59,14 +63,16 @@ from ttsserve.server.streaming import (
     sse_body,
     until_disconnect,
 )
-from ttsserve.server.voices import VoiceResolver, VoiceStore, register_voice_routes
+from ttsserve.server.voice_routes import register_voice_routes
+from ttsserve.server.voices import VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
+from ttsserve.text.split import LATIN_WEIGHT, MAX_UNITS_PER_SECOND, min_speech_seconds
 
 logger = logging.getLogger("ttsserve.server")
 
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens", "seed")
-_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 413, 429, 500, 503, 504)}
 _AUDIO_TYPES = {content_type(f): {"schema": {"type": "string", "format": "binary"}} for f in FORMATS}
 _AUDIO_200 = {"description": "the audio, in the requested format", "content": _AUDIO_TYPES}
 
@@ -77,7 +83,7 @@ class ServerState:
     def __init__(self, engine: EngineClient, cfg: ServerConfig, rate_limiter=None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.auth = ApiKeyAuth(cfg.api_keys)
+        self.auth = ApiKeyAuth(cfg.api_keys, cfg.admin_api_keys)
         self.rate = rate_limiter or RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
         self.gate = AdmissionGate(cfg.max_in_flight)
         self.metrics = ServerMetrics(engine.stats)
@@ -89,10 +95,14 @@ class ServerState:
 
     # ---- admission -------------------------------------------------------------------------------
     def identity(self, request: Request) -> str:
-        """API key check (401); returns the rate-limit identity (key id, else the client address)."""
+        """API key check (401); returns the rate-limit identity (key id, else the client address) and sets
+        request.state.voice_scope: a plain key sees its own voices and the public ones, and what it makes
+        is its own; an admin key, or a server without keys, sees all and makes public voices."""
         key_id = self.auth.check(request.headers.get("authorization"))
         ident = key_id or f"ip-{request.client.host if request.client else 'unknown'}"
         request.state.log["key"] = ident
+        private = key_id is not None and not self.auth.is_admin(key_id)
+        request.state.voice_scope = VoiceScope(key_id, False) if private else VoiceScope()
         return ident
 
     def admit_text(self, text: str, ident: str, param: str) -> Callable[[], None]:
@@ -115,9 +125,9 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def resolve_voice(self, spec, param: str = "voice"):
+    def resolve_voice(self, spec, param: str = "voice", scope: VoiceScope = VoiceScope()):  # noqa: B008 - frozen
         try:
-            voice = self.voices.resolve(spec)
+            voice = self.voices.resolve(spec, scope)
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
         if voice is None:
@@ -166,14 +176,22 @@ class ServerState:
             )
         except ValueError as e:
             raise bad_request(str(e), param=_http_param(e, text_param)) from None
+        self._check_audio_length(text, text_param, speed)
         rate = opts.sample_rate or SAMPLE_RATE
         try:
             release = self.gate.acquire()
         except ApiError as e:
             raise _refunded_if_refused(e, refund) from None
         job = SynthesisJob(
-            request.state.request_id, endpoint, len(text), input_rate=self.engine.sample_rate, stretch=stretch
+            request.state.request_id,
+            endpoint,
+            len(text),
+            input_rate=self.engine.sample_rate,
+            stretch=stretch,
+            timeout_s=self.cfg.request_timeout_s,
         )
+        if self.cfg.max_audio_seconds is not None:
+            job.max_samples = math.ceil(self.cfg.max_audio_seconds * stretch * self.engine.sample_rate)
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
         gen = self.engine.generate(req)
         try:
@@ -207,9 +225,27 @@ class ServerState:
         headers = {"Cache-Control": "no-cache", "X-Request-ID": request.state.request_id}
         return EngineStreamResponse(body, on_close=on_close, media_type=media, headers=headers)
 
+    def _check_audio_length(self, text: str, param: str, speed: float) -> None:
+        """400 for text that alone would outlast --max-audio-seconds (a lower bound on its speech, so text that
+        passes may still be cut at the ceiling)."""
+        cap = self.cfg.max_audio_seconds
+        if cap is None:
+            return
+        seconds = min_speech_seconds(text) / speed
+        if seconds > cap:
+            raise bad_request(
+                f"{param} would take at least {seconds:.0f} s to speak at speed {speed:g}, over the server's limit "
+                f"of {cap:g} s of audio per request (estimated from its length: {MAX_UNITS_PER_SECOND:g} CJK "
+                f"characters or {MAX_UNITS_PER_SECOND / LATIN_WEIGHT:g} other characters per second); split it "
+                f"into several requests",
+                param=param,
+                code="audio_too_long",
+            )
+
     def _settle(self, job: SynthesisJob, request: Request, error: BaseException | None = None) -> None:
         if job.finish_reason is None:
             job.finish_reason = _unfinished_reason(error)
+            job.reason = job.reason or _reason_text(error)
         total = time.perf_counter() - job.started
         self.metrics.observe_synthesis(job.endpoint, job.first_audio_s, total, job.audio_seconds, job.finish_reason)
         request.state.log.update(
@@ -219,6 +255,8 @@ class ServerState:
             ttfa_ms=None if job.first_audio_s is None else round(job.first_audio_s * 1000, 1),
             total_ms=round(total * 1000, 1),
         )
+        if job.reason:
+            request.state.log["reason"] = job.reason
         # For streams the access line was written when the handler returned; log the synthesis outcome too.
         if getattr(request.state, "logged", False):
             access_logger.info(
@@ -228,7 +266,8 @@ class ServerState:
                         "request_id": job.request_id,
                         **{
                             k: request.state.log.get(k)
-                            for k in ("finish_reason", "audio_s", "frames", "ttfa_ms", "total_ms")
+                            for k in ("finish_reason", "reason", "audio_s", "frames", "ttfa_ms", "total_ms")
+                            if k != "reason" or job.reason
                         },
                     }
                 )
@@ -236,7 +275,10 @@ class ServerState:
 
 
 def _unfinished_reason(error: BaseException | None) -> str:
-    """Why a synthesis ended without a final output: the client left, its input was refused, or a failure."""
+    """Why a synthesis ended without a final output: the client left, its input was refused, its time ran out,
+    or a failure."""
+    if isinstance(error, RequestTimeout) or (isinstance(error, ApiError) and error.code == "request_timeout"):
+        return "timeout"
     if (
         error is None
         or isinstance(error, (ClientGone, OSError))
@@ -246,6 +288,19 @@ def _unfinished_reason(error: BaseException | None) -> str:
     if isinstance(error, (ValueError, EngineOverloadedError)) or (isinstance(error, ApiError) and error.status < 500):
         return "rejected"
     return "error"
+
+
+def _reason_text(error: BaseException | None) -> str:
+    """The log's `reason` for a synthesis that ended without all its audio."""
+    if error is None or isinstance(error, ClientGone) or type(error).__name__ in ("CancelledError", "ClientDisconnect"):
+        return "client disconnected"
+    if isinstance(error, OSError):
+        return f"connection error: {error}"
+    if isinstance(error, ApiError):
+        return f"{error.code}: {error.message}"
+    if isinstance(error, RequestTimeout):
+        return f"request_timeout: {error}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _refunded_if_refused(err: BaseException, refund: Callable[[], None]) -> BaseException:
@@ -271,12 +326,17 @@ def _as_api_error(e: BaseException, text_param: str) -> BaseException:
         return e
     if isinstance(e, ClientGone):
         return ApiError(499, "client closed the request", code="client_closed_request")
+    if isinstance(e, RequestTimeout):
+        return ApiError(504, str(e), code="request_timeout")
     return engine_error(e, _http_param(e, text_param))
 
 
 # ---- the app -------------------------------------------------------------------------------------
-def _drop_422_from_openapi(app: FastAPI) -> None:
-    """FastAPI documents a 422 for every route with a body; ours answer 400 (errors.validation_error)."""
+def _fix_openapi(app: FastAPI, max_input_chars: int) -> None:
+    """FastAPI documents a 422 for every route with a body; ours answer 400 (errors.validation_error). The
+    JSON body of POST /v1/audio/voices is parsed by hand (it shares the route with multipart uploads), so
+    its schema is added to the components the route's document refers to. The text fields get this server's
+    --max-input-chars as their maxLength."""
     default_openapi = app.openapi
 
     def openapi() -> dict:
@@ -285,8 +345,16 @@ def _drop_422_from_openapi(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            components["VoiceCreateJSON"] = VoiceCreateJSON.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            for model, field in (("SpeechRequest", "input"), ("SynthesizeRequest", "text")):
+                prop = components.get(model, {}).get("properties", {}).get(field)
+                if prop is not None:
+                    prop["maxLength"] = max_input_chars
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -337,7 +405,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
         refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
-        voice = st.resolve_voice(body.voice)
+        voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
             request,
             endpoint="speech",
@@ -356,7 +424,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
         refund = st.admit_text(body.text, ident, "text")
-        voice = st.resolve_voice(body.voice)
+        voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
             request,
             endpoint="synthesize",
@@ -398,7 +466,10 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     async def metrics():
         return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    _drop_422_from_openapi(app)
+    _fix_openapi(app, cfg.max_input_chars)
+    if cfg.auth_docs_and_metrics and st.auth.enabled:
+        docs = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/metrics")
+        app.add_middleware(KeyRequiredMiddleware, auth=st.auth, paths=docs)
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=cfg.max_body_bytes,

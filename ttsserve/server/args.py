@@ -22,6 +22,7 @@ from ttsserve.engine.args import (
     add_engine_args,
     add_model_args,
     engine_kwargs,
+    parse_bool,
     parse_size,
     read_value,
 )
@@ -46,9 +47,20 @@ class ServerConfig:
         could hold a stream slot for the model's whole context.
     served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
     voices_db: the SQLite file of named voices; `serve` defaults it to ~/.local/share/ttsserve/voices.db.
+    request_timeout_s: None = no limit: a long text streams for minutes, and the engine's own bounds
+        (max_new_tokens per segment, max_audio_seconds per request) already end every synthesis.
+    max_audio_seconds: max_new_tokens bounds one segment only; a 4096-character text has dozens of segments.
     """
 
     api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()
+    auth_docs_and_metrics: bool = field(
+        default=False,
+        metadata=_flag(
+            "require an API key for /docs, /redoc, /openapi.json and /metrics too (default: they are open)",
+            parse_bool,
+        ),
+    )
     requests_per_minute: int = field(default=0, metadata=_flag("per API key (or client address); 0 = no limit"))
     chars_per_minute: int = field(default=0, metadata=_flag("input characters per minute per key; 0 = no limit"))
     max_input_chars: int = field(default=4096, metadata=_flag("longer input gets 413"))
@@ -67,6 +79,21 @@ class ServerConfig:
     )
     served_model_names: tuple[str, ...] = ()
     max_new_tokens: int | None = field(default=2048, metadata=_flag("server-wide cap on frames per text segment"))
+    request_timeout_s: float | None = field(
+        default=None,
+        metadata=_flag(
+            "seconds a synthesis may take from admission to its last audio; later it ends: 504 request_timeout "
+            "before any audio, a cut stream after (default: no limit)",
+            flag="--request-timeout",
+        ),
+    )
+    max_audio_seconds: float | None = field(
+        default=600.0,
+        metadata=_flag(
+            "seconds of audio one request may produce (all its segments); the audio stops there with finish "
+            "reason length, and text that would surely run longer gets 400"
+        ),
+    )
     drain_timeout_s: float = field(
         default=30.0, metadata=_flag("seconds to let streams finish on shutdown", flag="--drain-timeout")
     )
@@ -115,6 +142,9 @@ class ServerConfig:
             raise ValueError("max_connections must be >= 1")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        for name in ("request_timeout_s", "max_audio_seconds"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 # Where to listen, and how loud: flags of `serve` that are not ServerConfig's. (dest, converter, default, help)
@@ -133,23 +163,35 @@ def _server_flags() -> list[tuple[str, str, object, object, str]]:
             continue
         m = f.metadata
         default = f.default if m["cli_default"] is dataclasses.MISSING else m["cli_default"]
-        conv = m["parse"] or {"int": int, "float": float}.get(str(f.type).replace("| None", "").strip(), str)
+        conv = m["parse"] or {"int": int, "float": float, "bool": parse_bool}.get(
+            str(f.type).replace("| None", "").strip(), str
+        )
         out.append((f.name, m["flag"] or "--" + f.name.replace("_", "-"), conv, default, m["help"]))
     return out
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv = parser.add_argument_group("server (each flag also reads TTSSERVE_<NAME>)")
-    for dest, flag, _conv, default, helptext in _server_flags():
-        srv.add_argument(
-            flag, dest=dest, default=None, help=f"{helptext} [env {ENV_PREFIX + dest.upper()}; default {default!r}]"
-        )
+    for dest, flag, conv, default, helptext in _server_flags():
+        text = f"{helptext} [env {ENV_PREFIX + dest.upper()}; default {default!r}]"
+        if conv is parse_bool:
+            srv.add_argument(flag, dest=dest, default=None, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            srv.add_argument(flag, dest=dest, default=None, help=text)
     srv.add_argument(
         "--api-key",
         dest="api_key",
         action="append",
         default=None,
         help="accepted Bearer key; repeat or comma-separate for several; a blank one is refused [env TTSSERVE_API_KEY]",
+    )
+    srv.add_argument(
+        "--admin-api-key",
+        dest="admin_api_key",
+        action="append",
+        default=None,
+        help="an API key that also sees, uses and deletes every key's voices, and whose voices every key sees "
+        "(repeat or comma-separate; also accepted as an API key) [env TTSSERVE_ADMIN_API_KEY]",
     )
     srv.add_argument(
         "--served-model-name",
@@ -176,18 +218,19 @@ def _list_value(args: argparse.Namespace, dest: str, env_name: str, env: dict[st
     return tuple(x.strip() for item in items for x in item.split(",") if x.strip())
 
 
-def _api_keys(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, ...]:
-    """--api-key values (each may be a comma list), else $TTSSERVE_API_KEY; () when neither is given.
+def _api_keys(args: argparse.Namespace, env: dict[str, str], dest: str = "api_key") -> tuple[str, ...]:
+    """--api-key values (each may be a comma list), else $TTSSERVE_API_KEY; () when neither is given
+    (dest="admin_api_key": the same for --admin-api-key).
 
     A blank key (`--api-key ""`, `TTSSERVE_API_KEY=""`, the empty item of "k1,") is a ValueError: an
     operator who passes a key means to turn authentication on, and a key lost to an unset shell variable
     must not leave the server open (or be silently dropped from the list)."""
-    items, source = getattr(args, "api_key", None), "--api-key"
+    items, source = getattr(args, dest, None), "--" + dest.replace("_", "-")
     if items is None:
-        raw = env.get(ENV_PREFIX + "API_KEY")
+        raw = env.get(ENV_PREFIX + dest.upper())
         if raw is None:
             return ()
-        items, source = [raw], ENV_PREFIX + "API_KEY"
+        items, source = [raw], ENV_PREFIX + dest.upper()
     keys = [x.strip() for item in items for x in item.split(",")]
     if not all(keys):  # the message never echoes keys: they are secrets, and stderr ends up in logs
         blank = ", ".join(str(i + 1) for i, k in enumerate(keys) if not k)
@@ -213,6 +256,7 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
         srv["voices_db"] = os.path.join(os.path.expanduser("~"), ".local", "share", "ttsserve", "voices.db")
     server_cfg = ServerConfig(
         api_keys=_api_keys(args, env),
+        admin_api_keys=_api_keys(args, env, "admin_api_key"),
         served_model_names=_list_value(args, "served_model_name", ENV_PREFIX + "SERVED_MODEL_NAME", env),
         **srv,
     )

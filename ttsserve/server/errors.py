@@ -29,7 +29,7 @@ logger = logging.getLogger("ttsserve.server")
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
-    403: "invalid_request_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",
@@ -38,6 +38,23 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
+}
+# status -> the code of an ApiError raised without one: every error carries a machine-readable code.
+_DEFAULT_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+    499: "client_closed_request",
+    500: "internal_error",
+    503: "server_overloaded",
+    504: "request_timeout",
 }
 
 
@@ -45,8 +62,8 @@ class ApiError(Exception):
     """An HTTP error in the OpenAI shape.
 
     status: the HTTP status. param: the request field at fault (None when not a field).
-    code: a short machine-readable code (e.g. "voice_not_found"). headers: extra response headers
-    (Retry-After for 429/503, WWW-Authenticate for 401).
+    code: a short machine-readable code (e.g. "voice_not_found"; default: one per status). headers: extra
+    response headers (Retry-After for 429/503, WWW-Authenticate for 401).
     """
 
     def __init__(
@@ -63,7 +80,7 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or _DEFAULT_CODES.get(status, "error")
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
@@ -186,20 +203,29 @@ def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+def _answer(request: Request, err: ApiError) -> JSONResponse:
+    """err's response; its code and message go to the request's access-log line (error, reason)."""
+    log = getattr(request.state, "log", None)
+    if isinstance(log, dict):
+        log.setdefault("error", err.code)
+        log.setdefault("reason", err.message)
+    return err.response(_request_id(request))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path of `app` into the OpenAI error shape."""
 
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response(_request_id(request))
+        return _answer(request, exc)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response(_request_id(request))
+        return _answer(request, validation_error(exc))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and isinstance(exc.__cause__, JSON_PARSE_ERRORS):
             # FastAPI's body parsing turns every json.loads failure but JSONDecodeError into a bare 400
             # "There was an error parsing the body", raised from the original error.
-            return invalid_json(exc.__cause__).response(_request_id(request))
+            return _answer(request, invalid_json(exc.__cause__))
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         msg = exc.detail if isinstance(exc.detail, str) else "error"
         headers = dict(exc.headers or {})
@@ -210,11 +236,13 @@ def install_error_handlers(app: FastAPI) -> None:
             # routes (GET and POST /v1/audio/voices) must list them all.
             headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
             msg = f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
-        return ApiError(exc.status_code, msg, code=code, headers=headers).response(_request_id(request))
+        return _answer(request, ApiError(exc.status_code, msg, code=code, headers=headers))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, "internal server error", code="internal_error").response(_request_id(request))
+        err = ApiError(500, "internal server error", code="internal_error")
+        request.state.log["reason"] = f"{type(exc).__name__}: {exc}"
+        return _answer(request, err)
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

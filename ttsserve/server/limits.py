@@ -19,15 +19,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ttsserve.server.errors import ApiError
 
 
+def key_id(key: str | bytes) -> str:
+    """A short, non-secret identity of an API key (rate limits, logs, voice owners): a hash, never the key."""
+    return "key-" + hashlib.sha256(key.encode() if isinstance(key, str) else key).hexdigest()[:12]
+
+
 class ApiKeyAuth:
     """Bearer-token check. With no keys configured every request passes (as "anonymous").
 
     `check(authorization_header) -> key_id` returns a short, non-secret identity of the key (for rate
-    limits and logs) or raises ApiError(401).
+    limits and logs) or raises ApiError(401). admin_keys are accepted too; `is_admin(key_id)` tells them.
     """
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = [k.encode() for k in keys if k]
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
+        admin = [k.encode() for k in admin_keys if k]
+        self._keys = [k.encode() for k in keys if k] + admin
+        self._admin_ids = frozenset(key_id(k) for k in admin)
+
+    def is_admin(self, ident: str | None) -> bool:
+        return ident in self._admin_ids
 
     @property
     def enabled(self) -> bool:
@@ -52,7 +62,7 @@ class ApiKeyAuth:
             ok |= hmac.compare_digest(tok, key)
         if not ok:
             raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return "key-" + hashlib.sha256(tok).hexdigest()[:12]
+        return key_id(tok)
 
 
 class RateLimiter:
@@ -146,6 +156,33 @@ class AdmissionGate:
                 self.in_flight -= 1
 
         return release
+
+
+class KeyRequiredMiddleware:
+    """Pure ASGI: the API key check (401, OpenAI shape) on `paths` that have no handler of ours to check it,
+    i.e. FastAPI's documentation routes, and /metrics (open by default, as vLLM's, for scrapers)."""
+
+    def __init__(self, app, auth: ApiKeyAuth, paths: Iterable[str]) -> None:
+        self.app = app
+        self.auth = auth
+        self.paths = frozenset(paths)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.paths:
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            try:
+                self.auth.check(header or None)
+            except ApiError as err:
+                return await _send_error(send, err)
+        return await self.app(scope, receive, send)
+
+
+async def _send_error(send, err: ApiError, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = _error_bytes(err)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": [*headers, *extra_headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _error_bytes(err: ApiError) -> bytes:

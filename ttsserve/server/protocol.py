@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ttsserve.audio.encode import SAMPLE_RATES
 from ttsserve.audio.speed import speed_to_prompt, speed_token
@@ -27,6 +27,19 @@ REFINE_TOKEN_RE = re.compile(r"\[(?:oral_[0-9]|laugh_[0-2]|break_[0-7])\]")
 REFINE_PROMPT_RE = re.compile(r"^(?:\[(?:oral_[0-9]|laugh_[0-2]|break_[0-7])\])*$")
 MAX_SEED = 2**63 - 1
 VOICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 _.\-]{0,63}$"
+# Text with something to speak: a Latin letter or digit, or a CJK character (others are normalized away).
+SPEAKABLE_PATTERN = "[A-Za-z0-9\u4e00-\u9fff]"
+_SPEAKABLE = {"pattern": SPEAKABLE_PATTERN}
+
+
+def _whole_number(v):
+    """1.0 -> 1: JSON Schema's integer includes numbers with a zero fraction; other floats stay (and fail)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _int(ge: int, le: int):
+    """An integer field type of a strict model, in [ge, le], that accepts 1.0 as JSON Schema does."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_whole_number)]
 
 
 class _Strict(BaseModel):
@@ -34,12 +47,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
+def _exactly_one_of(fields: dict[str, dict]) -> dict:
+    """JSON Schema for "exactly one of these fields is given (non-null)": one oneOf branch per field."""
+    return {"oneOf": [{"required": [name], "properties": {name: schema}} for name, schema in fields.items()]}
+
+
 class VoiceRef(_Strict):
     """A voice given as an object: exactly one of `id` (a stored or built-in voice), `seed` (a random
     ChatTTS speaker drawn with that seed) or `speaker` (a ChatTTS speaker string)."""
 
+    model_config = ConfigDict(
+        json_schema_extra=_exactly_one_of(
+            {"id": {"type": "string"}, "seed": {"type": "integer"}, "speaker": {"type": "string"}}
+        )
+    )
+
     id: str | None = Field(None, min_length=1, max_length=128)
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    seed: _int(0, 2**32 - 1) | None = Field(None)
     speaker: str | None = Field(None, min_length=1, max_length=16384)
 
     @model_validator(mode="after")
@@ -56,18 +80,25 @@ VoiceSpec = VoiceName | VoiceRef
 class ChatTTSOptions(_Strict):
     """ChatTTS extras; None means the engine default (SamplingParams.code_defaults())."""
 
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed: same seed, same audio")
+    seed: _int(0, MAX_SEED) | None = Field(None, description="sampling seed: same seed, same audio")
     temperature: float | None = Field(None, gt=0, le=5)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1, le=1024)
+    top_k: _int(1, 1024) | None = Field(None)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20, description="frame cap per text segment")
-    min_new_tokens: int | None = Field(None, ge=0, le=1 << 20, description="EOS is banned before this many frames")
+    max_new_tokens: _int(1, 1 << 20) | None = Field(None, description="frame cap per text segment")
+    min_new_tokens: _int(0, 1 << 20) | None = Field(None, description="EOS is banned before this many frames")
     refine_text: bool | None = Field(None, description="run the refine-text stage (default: on iff a prompt is given)")
     prompt: str | None = Field(
-        None, max_length=256, description="refine prompt of [oral_0-9][laugh_0-2][break_0-7] tokens"
+        None,
+        max_length=256,
+        description="refine prompt of [oral_0-9][laugh_0-2][break_0-7] tokens",
+        json_schema_extra={"pattern": REFINE_PROMPT_RE.pattern},
     )
-    sample_rate: int | None = Field(None, description=f"output rate, one of {SAMPLE_RATES}; default {SAMPLE_RATE}")
+    sample_rate: _int(0, 1 << 30) | None = Field(
+        None,
+        description=f"output rate, one of {SAMPLE_RATES}; default {SAMPLE_RATE}",
+        json_schema_extra={"enum": [*SAMPLE_RATES, None]},
+    )
     normalize: bool | None = Field(None, description="extended text normalization (numbers, units, ...)")
 
     @field_validator("prompt")
@@ -89,8 +120,15 @@ class SpeechRequest(ChatTTSOptions):
     """OpenAI `POST /v1/audio/speech` body (plus ChatTTS extras)."""
 
     model: str = Field(..., min_length=1, max_length=256)
-    input: str = Field(..., min_length=1, description="text to speak (at most --max-input-chars, else 413)")
-    voice: VoiceSpec = Field(..., description='a voice name or id, or {"id": ...} / {"seed": n} / {"speaker": s}')
+    input: str = Field(
+        ...,
+        min_length=1,
+        description="text to speak (at most --max-input-chars, else 413; something speakable, else 400)",
+        json_schema_extra=_SPEAKABLE,
+    )
+    voice: VoiceSpec = Field(
+        ..., description='a voice name or id, or an object with exactly one of {"id": ...}, {"seed": n}, {"speaker": s}'
+    )
     instructions: str | None = Field(None, max_length=4096)
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
@@ -100,7 +138,12 @@ class SpeechRequest(ChatTTSOptions):
 class SynthesizeRequest(ChatTTSOptions):
     """`POST /synthesize` body: the simple API. Returns the whole file unless `stream` is true."""
 
-    text: str = Field(..., min_length=1)
+    text: str = Field(
+        ...,
+        min_length=1,
+        description="text to speak (at most --max-input-chars, else 413)",
+        json_schema_extra=_SPEAKABLE,
+    )
     voice: VoiceSpec | None = Field(None, description="default: the built-in voice 'alloy'")
     format: ResponseFormat = "wav"
     speed: float = Field(1.0, ge=0.25, le=4.0)
@@ -111,6 +154,10 @@ class VoiceCreateJSON(_Strict):
     """`POST /v1/audio/voices` as JSON: a named voice from a speaker seed or a ChatTTS speaker string.
     (A reference recording is uploaded as multipart/form-data instead: name, audio_sample, transcript.)"""
 
+    model_config = ConfigDict(
+        json_schema_extra=_exactly_one_of({"seed": {"type": "integer"}, "speaker": {"type": "string"}})
+    )
+
     name: str = Field(
         ...,
         min_length=1,
@@ -118,7 +165,7 @@ class VoiceCreateJSON(_Strict):
         pattern=VOICE_NAME_PATTERN,
         description="letters, digits, space, '_', '.', '-'; not a built-in voice name",
     )
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    seed: _int(0, 2**32 - 1) | None = Field(None)
     speaker: str | None = Field(None, min_length=1, max_length=16384)
 
     @model_validator(mode="after")
@@ -164,7 +211,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str
 
 
 class ErrorResponse(BaseModel):

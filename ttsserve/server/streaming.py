@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import time
@@ -33,6 +34,10 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+class RequestTimeout(Exception):
+    """The request ran past --request-timeout (504 before any audio; a cut stream after)."""
+
+
 @dataclass
 class SynthesisJob:
     """Progress of one synthesis from admission to its last byte (feeds metrics and the access log)."""
@@ -49,19 +54,42 @@ class SynthesisJob:
     finish_reason: str | None = None
     truncated_segments: list[int] = field(default_factory=list)
     error: str | None = None
+    timeout_s: float | None = None  # from `started` to the last output (--request-timeout)
+    max_samples: int | None = None  # engine samples (input_rate) delivered at most (--max-audio-seconds)
+    reason: str | None = None  # why it ended without all its audio (the log line's `reason`)
 
     @property
     def audio_seconds(self) -> float:
         """Duration of the audio delivered (after the speed stretch)."""
         return self.num_samples / self.input_rate / self.stretch
 
-    def observe(self, out) -> None:
+    def observe(self, out):
+        """Account for `out`; returns it, cut at max_samples (then final, finish_reason "length")."""
+        if self.max_samples is not None and self.num_samples + out.samples.size >= self.max_samples:
+            if out.samples.size > self.max_samples - self.num_samples or not out.finished:
+                keep = self.max_samples - self.num_samples
+                out = dataclasses.replace(out, samples=out.samples[:keep], finished=True, finish_reason="length")
         self.num_samples += int(out.samples.size)
         self.num_frames = max(self.num_frames, int(out.num_frames))
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
             self.truncated_segments = list(out.truncated_segments or [])
             self.error = out.error
+        return out
+
+    async def next_output(self, gen: AsyncIterator):
+        """The engine's next output, observed; RequestTimeout once the request's time is up."""
+        if self.timeout_s is None:
+            out = await anext(gen)
+        else:
+            left = self.started + self.timeout_s - time.perf_counter()
+            try:
+                out = await asyncio.wait_for(anext(gen), max(left, 0.0))
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"the request did not finish in {self.timeout_s:g} s (--request-timeout)"
+                ) from None
+        return self.observe(out)
 
     def mark_first_audio(self) -> None:
         if self.first_audio_s is None:
@@ -113,10 +141,9 @@ async def prime(gen: AsyncIterator, request: Request | None, job: SynthesisJob) 
     try:
         while True:
             try:
-                out = await until_disconnect(anext(gen), request)
+                out = await until_disconnect(job.next_output(gen), request)
             except StopAsyncIteration:
                 raise ApiError(500, "engine stream ended without a final output", code="engine_error") from None
-            job.observe(out)
             outs.append(out)
             if out.finished and out.finish_reason == "error":
                 raise ApiError(500, f"synthesis failed: {out.error or 'engine error'}", code="engine_error")
@@ -177,8 +204,11 @@ async def _outputs(first: list, gen: AsyncIterator, job: SynthesisJob):
         yield out
     if first and first[-1].finished:
         return
-    async for out in gen:
-        job.observe(out)
+    while True:
+        try:
+            out = await job.next_output(gen)
+        except StopAsyncIteration:
+            return
         yield out
         if out.finished:
             return
@@ -208,26 +238,27 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _sse_error(message: str, code: str) -> bytes:
+    return sse_event(
+        {"type": "error", "error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    )
+
+
 async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: SynthesisJob) -> AsyncIterator[bytes]:
-    """OpenAI speech SSE: `speech.audio.delta` events (base64 of the encoded stream), then `speech.audio.done`."""
-    async for out in _outputs(first, gen, job):
-        if out.finished and out.finish_reason == "error":
-            yield sse_event(
-                {
-                    "type": "error",
-                    "error": {
-                        "message": f"synthesis failed: {out.error}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "engine_error",
-                    },
-                }
-            )
-            _check_final(out, job)
-        data = pipe.push(out.samples)
-        if data:
-            job.mark_first_audio()
-            yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+    """OpenAI speech SSE: `speech.audio.delta` events (base64 of the encoded stream), then `speech.audio.done`.
+    A failure after the first event is an `error` event, then the stream breaks off (no `done`)."""
+    try:
+        async for out in _outputs(first, gen, job):
+            if out.finished and out.finish_reason == "error":
+                yield _sse_error(f"synthesis failed: {out.error}", "engine_error")
+                _check_final(out, job)
+            data = pipe.push(out.samples)
+            if data:
+                job.mark_first_audio()
+                yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+    except RequestTimeout as e:
+        yield _sse_error(str(e), "request_timeout")
+        raise
     tail = pipe.finish()
     if tail:
         job.mark_first_audio()

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 MAX_CHARS = 120  # CJK-equivalent units, ~15-30 s of speech
 MIN_CHARS = 12  # pieces shorter than this are merged into a neighbour
 LATIN_WEIGHT = 0.4  # = 120 / 300: a Latin character is 0.4 of a CJK character in speaking time
+# The fastest speaking rate above, in units per second (15 Latin characters = 6 units; 5 CJK characters = 5),
+# so text_units(text) / MAX_UNITS_PER_SECOND is a lower bound on the speech's length at speed 1.
+MAX_UNITS_PER_SECOND = 6.0
 
 _CLOSERS = "”’\"'」』）)\\]】》"
 _SENTENCE_END = re.compile(rf"(?:[。！？!?；;]+|\.+(?=[{_CLOSERS}]*(?:\s|$))|…+(?=\s*\n))[{_CLOSERS}]*|\n+")
@@ -46,6 +49,11 @@ def text_units(text: str) -> float:
     """Weighted length in CJK-equivalent characters (see module docstring)."""
     n_heavy = sum(1 for c in text if "\u4e00" <= c <= "\u9fff" or c.isdigit())
     return n_heavy + LATIN_WEIGHT * (len(text) - n_heavy)
+
+
+def min_speech_seconds(text: str) -> float:
+    """A lower bound on how long `text` takes to speak at speed 1 (its units at the fastest rate)."""
+    return text_units(text) / MAX_UNITS_PER_SECOND
 
 
 def _is_sentence_end(text: str, m: re.Match) -> bool:

@@ -55,7 +55,7 @@ from ttsserve.params import SynthesisRequest
 logger = logging.getLogger("ttsserve.core_client")
 
 HANDSHAKE_TIMEOUT_S = 60.0
-UTILITY_TIMEOUT_S = 300.0  # the DVAE encoder on a minute of reference audio, on a busy CPU
+UTILITY_TIMEOUT_S = 300.0
 
 
 @dataclass

@@ -1,0 +1,205 @@
+"""The voice routes: GET/POST /v1/audio/voices, GET/DELETE /v1/audio/voices/{voice_id}.
+
+Each request sees the built-in voices, the public stored voices (made without API keys or with an admin key)
+and the voices its own API key made (request.state.voice_scope, set by the app's identity check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from ttsserve.audio.decode import AudioTooLongError, decode_audio_file
+from ttsserve.server.errors import ApiError, engine_param, parse_json_body
+from ttsserve.server.protocol import VOICE_NAME_PATTERN, VoiceCreateJSON, VoiceDeleted, VoiceList, VoiceObject
+from ttsserve.server.voices import (
+    BUILTIN_VOICES,
+    VoiceConflictError,
+    VoiceRecord,
+    builtin_records,
+    check_voice_name,
+)
+
+# ---- HTTP routes -----------------------------------------------------------------------------------
+MIN_REFERENCE_S = 0.5
+
+
+def max_reference_seconds() -> float:
+    """The longest reference recording accepted: the engine's own cap (engine.voice_encode), one number.
+
+    Why 30 s: the DVAE codes of the recording become prompt positions (46.875 per second, MODEL.md §5.4 / §2.6)
+    in front of the transcript and the text, and prompt plus output must fit the model's 4096 positions
+    (MODEL.md §0, "Max positions"). 30 s is 1406 positions and leaves room for a full 2048-frame (44 s) segment
+    plus about 640 text tokens; 60 s (2813 positions) would cut every segment to under 1283 frames even
+    with no text at all. Imported here, not at module top, so that importing the server (launchers,
+    config checks) does not import torch.
+    """
+    from ttsserve.engine.voice_encode import MAX_REFERENCE_SECONDS
+
+    return MAX_REFERENCE_SECONDS
+
+
+def _voice_create_doc(max_s: float) -> dict:
+    audio = {
+        "type": "string",
+        "format": "binary",
+        "description": f"reference recording (wav, flac, ogg, mp3, ...), {MIN_REFERENCE_S:g}-{max_s:g} s",
+    }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/VoiceCreateJSON"}},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["name", "audio_sample", "transcript"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": VOICE_NAME_PATTERN},
+                            "audio_sample": audio,
+                            "transcript": {
+                                "type": "string",
+                                "minLength": 1,
+                                "maxLength": 2000,
+                                "pattern": r"\S",
+                                "description": "what is said in the recording",
+                            },
+                            "consent": {
+                                "type": "string",
+                                "description": "accepted for OpenAI SDK compatibility; unused",
+                            },
+                        },
+                    }
+                },
+            },
+        }
+    }
+
+
+def _reference_voice(st, name: str, data: bytes, transcript: str, owner: str | None) -> VoiceRecord:
+    """Runs in a worker thread: decode (at most the cap), check, DVAE-encode, store.
+
+    AudioTooLongError (a ValueError) for a recording over the cap, found from the header or while decoding.
+    """
+    check_voice_name(name)
+    max_s = max_reference_seconds()
+    wav, rate = decode_audio_file(data, max_s)
+    seconds = wav.size / rate
+    if not (MIN_REFERENCE_S <= seconds <= max_s):
+        raise ValueError(f"reference audio must last {MIN_REFERENCE_S:g}-{max_s:g} s, got {seconds:.2f} s")
+    if not np.isfinite(wav).all():
+        raise ValueError("reference audio contains NaN or infinite samples")
+    codes = np.asarray(st.engine.encode_reference_audio(wav, rate))
+    return st.store.create(name, "audio_sample", spk_smp=codes, txt_smp=transcript, owner=owner)
+
+
+async def _create_from_upload(st, request, owner: str | None) -> VoiceRecord:
+    form = await request.form(max_files=1, max_fields=8)
+    name, audio, transcript = form.get("name"), form.get("audio_sample") or form.get("file"), form.get("transcript")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "name is required", param="name", code="missing_required_parameter")
+    if audio is None or isinstance(audio, str):
+        raise ApiError(
+            400, "audio_sample (a file) is required", param="audio_sample", code="missing_required_parameter"
+        )
+    if not isinstance(transcript, str) or not transcript.strip() or len(transcript) > 2000:
+        raise ApiError(
+            400,
+            "transcript (1-2000 characters: what the recording says) is required",
+            param="transcript",
+            code="missing_required_parameter",
+        )
+    data = await audio.read()
+    try:
+        return await asyncio.to_thread(_reference_voice, st, name, data, transcript.strip(), owner)
+    except VoiceConflictError as e:
+        raise ApiError(409, str(e), param="name", code="voice_exists") from None
+    except AudioTooLongError as e:
+        raise ApiError(400, f"reference {e}", param="audio_sample", code="audio_too_long") from None
+    except ValueError as e:  # the name's checks name it; the recording's do not
+        raise ApiError(400, str(e), param=engine_param(e) or "audio_sample", code="invalid_value") from None
+
+
+async def _create_from_json(st, request, owner: str | None) -> VoiceRecord:
+    payload = parse_json_body(await request.body())
+    try:
+        body = VoiceCreateJSON.model_validate(payload)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+    try:
+        if body.seed is not None:
+            vec = st.voices.speaker_for_seed(body.seed)
+            return st.store.create(body.name, "seed", seed=body.seed, spk_emb=vec, owner=owner)
+        try:
+            vec = st.voices.parse_speaker(body.speaker)
+        except ValueError as e:
+            raise ApiError(400, f"speaker: {e}", param="speaker", code="invalid_value") from None
+        return st.store.create(body.name, "speaker", spk_emb=vec, owner=owner)
+    except VoiceConflictError as e:
+        raise ApiError(409, str(e), param="name", code="voice_exists") from None
+    except ValueError as e:
+        raise ApiError(400, str(e), param="name", code="invalid_value") from None
+
+
+def register_voice_routes(app, st, identity, errors: dict) -> None:
+    """GET/POST /v1/audio/voices, GET/DELETE /v1/audio/voices/{voice_id}. `st`: the app's ServerState."""
+
+    @app.get("/v1/audio/voices", response_model=VoiceList, responses=errors, tags=["voices"])
+    async def list_voices(request: Request, _: str = Depends(identity)):
+        voices = builtin_records() + st.store.list(request.state.voice_scope)
+        return {"object": "list", "data": [r.public() for r in voices]}
+
+    @app.post(
+        "/v1/audio/voices",
+        response_model=VoiceObject,
+        responses={**errors, 409: errors[400]},
+        openapi_extra=_voice_create_doc(max_reference_seconds()),
+        tags=["voices"],
+    )
+    async def create_voice(request: Request, ident: str = Depends(identity)):
+        """A named voice from a speaker seed or a ChatTTS speaker string (JSON), or from a reference
+        recording plus its transcript (multipart: name, audio_sample, transcript)."""
+        st.rate.check(ident, 0)  # counts as a request (an upload runs the DVAE encoder)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        owner = request.state.voice_scope.owner
+        if ctype == "multipart/form-data":
+            rec = await _create_from_upload(st, request, owner)
+        elif ctype in ("application/json", ""):
+            rec = await _create_from_json(st, request, owner)
+        else:
+            raise ApiError(
+                415,
+                f"unsupported content type {ctype!r}: send JSON or multipart/form-data",
+                code="unsupported_media_type",
+            )
+        return rec.public()
+
+    @app.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject, responses=errors, tags=["voices"])
+    async def get_voice(voice_id: str, request: Request, _: str = Depends(identity)):
+        rec = st.voices.lookup(voice_id, request.state.voice_scope)
+        if rec is None:
+            raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+        return rec.public()
+
+    @app.delete("/v1/audio/voices/{voice_id}", response_model=VoiceDeleted, responses=errors, tags=["voices"])
+    async def delete_voice(voice_id: str, request: Request, _: str = Depends(identity)):
+        if voice_id.lower() in BUILTIN_VOICES:
+            raise ApiError(
+                400, f"{voice_id!r} is a built-in voice and cannot be deleted", param="voice_id", code="builtin_voice"
+            )
+        scope = request.state.voice_scope
+        if not st.store.delete(voice_id, scope):
+            visible = st.store.get(voice_id, scope)
+            if visible is not None and visible.id == voice_id:  # a public voice, seen by a plain key
+                raise ApiError(
+                    403,
+                    f"voice {voice_id!r} is shared: only an admin key deletes it",
+                    param="voice_id",
+                    code="forbidden",
+                )
+            raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+        return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
