@@ -68,7 +68,7 @@ def _greedy_codes(monkeypatch, pack: bool) -> list:
     assert isinstance(eng.model.gpt.layers[0].qkv_proj, PackedLinear) == pack
     params = SamplingParams(greedy=True, min_new_tokens=24, max_new_tokens=24, seed=1)
     rid = eng.add_synthesis(SynthesisRequest("hello there, how are you", code_params=params, split=False))
-    req = eng.requests[f"{rid}/0/code"]
+    req = eng.sequences[f"{rid}/0/code"].request
     while eng.has_unfinished():
         eng.step()
     return list(req.output_token_ids)

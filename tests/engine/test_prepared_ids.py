@@ -106,7 +106,7 @@ def test_bad_ids_are_a_value_error_and_leave_nothing(eng):
         segments = [Segment(k, "x", [], a) for k, a in enumerate(ids)]
         with pytest.raises(ValueError, match=match):
             eng.add_synthesis(req, segments)
-        assert not eng.has_unfinished() and not eng.requests and eng.audio.num_requests == 0, match
+        assert not eng.has_unfinished() and not eng.sequences and eng.audio.num_requests == 0, match
     fine = SynthesisRequest("x", code_params=PARAMS, request_id="fine")
     eng.add_synthesis(fine, [Segment(0, "x", [], np.array([1, 2]))])
     assert run_all(eng)["fine"][1].num_frames == 6  # the engine keeps serving

@@ -115,6 +115,9 @@ class StreamingStage:
         if dvae is not None:
             self._pools[True] = FramePool(dvae.num_vq, torch.long, self.device, pool_capacity)
         self._streams: dict[str, Stream] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.frames_decoded_total = 0  # real frames in decoded rows (context included)
         self.frames_padded_total = 0  # B * max row length, summed over calls
         self.calls_total = 0  # batched network calls

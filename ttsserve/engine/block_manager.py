@@ -68,6 +68,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of which found in the cache
 
     # ---- stats -------------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)

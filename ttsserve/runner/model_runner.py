@@ -148,8 +148,12 @@ class ModelRunner:
         self.states[req_id] = SequenceState(ids, mask, spk, spk_rows, inputs.mode, inputs.params, inputs.seed)
 
     def remove_sequence(self, req_id: str) -> None:
+        """Forget a sequence (its batch row and prompt state); an unknown id is ignored."""
         self.states.pop(req_id, None)
         self.input_batch.release(req_id)
+
+    def reset_stats(self) -> None:
+        self.timings = RunnerTimings()
 
     @property
     def generation(self) -> tuple[int, int, int]:
