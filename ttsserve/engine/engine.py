@@ -19,7 +19,7 @@ from ttsserve.config import EngineConfig
 from ttsserve.engine.batch_control import BatchSizeController
 from ttsserve.engine.block_manager import KVCacheManager
 from ttsserve.engine.frontend import FrontEnd, Segment, check_room
-from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, seq_id
+from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, make_seq_id
 from ttsserve.engine.request import Mode, Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.step_stats import EngineCounters, StepTimings, gc_pauses
@@ -170,8 +170,9 @@ class Engine:
         seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
         room = check_room(seg, ids.shape[0], self.max_model_len)
         items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
-        req = Request(seq_id(syn.request_id, seg, mode), items, mode=mode,
-                      max_new_tokens=min(params.max_new_tokens, room), prefix_key=syn.req.voice.key + syn.req.code_prompt,
+        req = Request(make_seq_id(syn.request_id, seg, mode), items, mode=mode,
+                      max_new_tokens=min(params.max_new_tokens, room),
+                      prefix_key=syn.req.voice.key + syn.req.code_prompt,
                       first_audio_frames=self.first_audio_frames if mode == "code" else 0)
         self.registry.add_sequence(syn, seg, req, SequenceInputs(ids, mask, spk_t, mode, params, seed))
 
@@ -210,8 +211,9 @@ class Engine:
         t0, gc_s = clock(), self._gc.total_s()
         vocoder0 = (self.audio.calls_total, self.audio.frames_decoded_total)
         self.scheduler.max_num_seqs_limit = self.controller.limit
+        released = self.registry.num_released
         sched = self.scheduler.schedule()
-        self._handle_scheduler_finished(sched.finished_ids)
+        self._handle_scheduler_finished(sched)
         self.counters.preemptions += len(sched.preempted_ids)
         self.counters.swaps += len(sched.swapped_out_ids)
         t1 = clock()
@@ -228,6 +230,10 @@ class Engine:
         out = self.runner.wait(done[1]) if done else RunnerOutput()
         t4 = clock()
         updates = self.scheduler.update_from_output(done[0], out.sampled, out.stopped) if done else []
+        if self.registry.num_released != released and updates:
+            # released in this step (a failed synthesis): the scheduler drops them at its next schedule(), their
+            # results of a step already in flight are void
+            updates = [u for u in updates if u.request_id in self.sequences]
         t5 = clock()
         if out.frames:
             self._append_frames(out.frames, updates)
@@ -294,16 +300,24 @@ class Engine:
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 
-    def _handle_scheduler_finished(self, finished_ids: list[str]) -> None:
+    def _handle_scheduler_finished(self, sched) -> None:
         """Requests the scheduler ended on its own (impossible to serve) fail their synthesis; the ids of
-        sequences the engine released come back here too, and are gone from the registry."""
-        for sid in finished_ids:
+        sequences the engine released come back here too, and are gone from the registry. The failed
+        syntheses' other sequences may be in this step's batch: they leave it (the runner forgot them)."""
+        failed = False
+        for sid in sched.finished_ids:
             rec = self.sequences.get(sid)
             if rec is not None and rec.request.error:
                 self.registry.fail(rec.synthesis, f"segment {rec.segment}: {rec.request.error}")
+                failed = True
+        if failed:
+            live = self.sequences
+            sched.scheduled = [s for s in sched.scheduled if s.request_id in live]
 
     def _finish_sequence(self, sid: str, reason: str) -> None:
-        rec = self.sequences[sid]
+        rec = self.sequences.get(sid)
+        if rec is None:  # released earlier in this loop: a sibling's refine -> code hand-off failed
+            return
         if rec.mode == "text":
             # Refine finished: hand the refined text to the code stage of the same segment.
             syn, seg = rec.synthesis, rec.segment

@@ -29,12 +29,12 @@ if TYPE_CHECKING:
     from ttsserve.runner.step_types import SequenceInputs
 
 # A sequence's key in every owner's map. A plain str at run time (a NewType costs nothing), so the scheduler's,
-# runner's and audio stage's dict lookups stay str lookups; made by seq_id() only, never parsed back: the
+# runner's and audio stage's dict lookups stay str lookups; made by make_seq_id() only, never parsed back: the
 # record holds the synthesis, segment and mode.
 SeqId = NewType("SeqId", str)
 
 
-def seq_id(request_id: str, segment: int, mode: Mode) -> SeqId:
+def make_seq_id(request_id: str, segment: int, mode: Mode) -> SeqId:
     return SeqId(f"{request_id}/{segment}/{mode}")
 
 
@@ -69,6 +69,7 @@ class SequenceRegistry:
         self.syntheses: dict[str, SynthesisRecord] = {}
         self.sequences: dict[SeqId, SequenceRecord] = {}
         self.failed: list[SynthesisRecord] = []  # failed since the engine last collected outputs
+        self.num_released = 0  # sequences released so far (the engine's step tells whether one left mid-step)
 
     # ---- in --------------------------------------------------------------------------------------------
     def add_synthesis(self, syn: SynthesisRecord) -> None:
@@ -107,6 +108,7 @@ class SequenceRegistry:
             self.audio.abort(sid)
         del self.sequences[sid]
         del rec.synthesis.seqs[sid]
+        self.num_released += 1
 
     def fail(self, syn: SynthesisRecord, message: str) -> None:
         """The synthesis ends with an error: its sequences go now, its final output at the next collect."""
