@@ -140,3 +140,36 @@ def test_prepared_segments_are_used_as_given(monkeypatch):
 def run_all_one(eng: Engine, req: SynthesisRequest):
     eng.add_synthesis(req)
     return run_all(eng)[req.request_id]
+
+
+def test_synthesis_failing_mid_step_drops_its_siblings_results():
+    """A segment the KV pool can never hold fails its synthesis in the step that admits its sibling, and two
+    refine segments whose hand-offs are both refused end in one step: the released siblings' results are
+    dropped, the step does not fail, and nothing is left behind."""
+    from ttsserve.text.segments import Segment
+
+    eng = _engine(kv_cache_memory=48 << 10, swap_space=0)  # 3 blocks of 16 positions
+    long = "hello there " * 30  # 64 prompt positions
+    params = SamplingParams(seed=1, min_new_tokens=4, max_new_tokens=4)
+    eng.add_synthesis(SynthesisRequest("x", request_id="s", code_params=params),
+                      [Segment(0, "hello there", []), Segment(1, long, [])])
+    code_inputs = eng.frontend.code_inputs
+
+    def refusing_code_inputs(text, code_prompt, *args):
+        if code_prompt == "[speed_4]":
+            raise ValueError("refused")
+        return code_inputs(text, code_prompt, *args)
+
+    eng.frontend.code_inputs = refusing_code_inputs
+    refine = SamplingParams.refine_defaults(seed=2, min_new_tokens=2, max_new_tokens=2)
+    eng.add_synthesis(SynthesisRequest("x", request_id="t", refine_text=True, refine_params=refine,
+                                       code_prompt="[speed_4]"),
+                      [Segment(0, "hello there", []), Segment(1, "how are you", [])])
+    result = run_all(eng, max_steps=50)
+    assert result["s"][1].finish_reason == "error" and "segment 1" in result["s"][1].error
+    assert result["t"][1].finish_reason == "error" and "refused" in result["t"][1].error
+    for _ in range(2):
+        eng.step()
+    _assert_empty(eng)
+    assert not eng.scheduler.has_unfinished_requests()
+    assert eng.kv_manager.num_free_blocks == eng.kv_spec.num_blocks
