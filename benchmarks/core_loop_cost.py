@@ -94,6 +94,7 @@ def main() -> int:
     for k in range(a.warmup + a.steps):
         if k == a.warmup:
             times.clear()
+            engine.reset_stats()  # the step's phase timings below cover the measured steps only
             t_start = time.perf_counter()
         while len(in_flight) < a.concurrency:
             add_one()
@@ -111,6 +112,8 @@ def main() -> int:
                     ("_step rest (outputs -> RequestOutput, stats encode)", step_only),
                     ("_receive (adds included)", times["_receive"]), ("_flush x2", times["_flush"])]:
         print(f"  {name:52s} {t / n * 1e3:7.3f} ms")
+    for name, ms in engine.timings.as_dict(engine.counters.steps).items():  # inside engine.step
+        print(f"    step phase {name:45s} {ms:7.3f} ms")
     return 0
 
 
