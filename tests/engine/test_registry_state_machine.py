@@ -30,6 +30,7 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.text.segments import Segment
 
 DOOMED_PROMPT = "[speed_4]"  # a code prompt the patched front end refuses: the refine -> code hand-off fails
+HUGE_PROMPT = "[speed_3]"  # a code prompt the patched front end makes too long for the pool: the scheduler fails it
 POOL_BLOCKS, BLOCK_SIZE = 6, 8  # three 10-frame streams fill it
 LONG_TEXT = "hello there " * 30  # 64 prompt positions, more than the pool's 48: the scheduler ends it with an error
 SEEN: Counter = Counter()  # what the runs exercised, summed (the test checks each path was taken)
@@ -53,7 +54,7 @@ class RegistryMachine(RuleBasedStateMachine):
         def refusing_code_inputs(text, code_prompt, voice, code_ids=None):
             if code_prompt == DOOMED_PROMPT or "doom" in text:
                 raise ValueError("injected: the code prompt is refused")
-            return code_inputs(text, code_prompt, voice, code_ids)
+            return code_inputs(LONG_TEXT if code_prompt == HUGE_PROMPT else text, code_prompt, voice, code_ids)
 
         e.frontend.code_inputs = refusing_code_inputs
         self.engine, self.n = e, 0
@@ -84,10 +85,12 @@ class RegistryMachine(RuleBasedStateMachine):
         return rid
 
     @rule(frames=st.integers(2, 10), eos=st.booleans(), segments=st.integers(1, 2), refine=st.booleans(),
-          fault=st.sampled_from(["none"] * 5 + ["later segment refused", "hand-off refused", "unservable"]))
+          fault=st.sampled_from(["none"] * 5 + ["later segment refused", "hand-off refused", "unservable",
+                                                "hand-off unservable"]))
     def add(self, frames: int, eos: bool, segments: int, refine: bool, fault: str) -> None:
         """A synthesis of 1-2 segments, with or without its refine stage; a fault makes the add (a later
-        segment), the refine -> code hand-off or the scheduler (a prompt longer than the pool) refuse it."""
+        segment), the refine -> code hand-off or the scheduler (a prompt longer than the pool, at the add or
+        made by the hand-off while a sibling segment runs) refuse it."""
         self.n += 1
         code = SamplingParams(seed=self.n, min_new_tokens=0 if eos else frames, max_new_tokens=frames)
         refine_params = SamplingParams.refine_defaults(seed=self.n, min_new_tokens=0, max_new_tokens=3)
@@ -96,9 +99,9 @@ class RegistryMachine(RuleBasedStateMachine):
             texts = ["hello there", "doom here"]
         elif fault == "unservable":
             texts[-1] = LONG_TEXT
-        doomed = fault == "hand-off refused" and refine
+        prompt = {"hand-off refused": DOOMED_PROMPT, "hand-off unservable": HUGE_PROMPT}.get(fault) if refine else None
         req = SynthesisRequest(" ".join(texts), request_id=f"r{self.n}", code_params=code, refine_text=refine,
-                               refine_params=refine_params, code_prompt=DOOMED_PROMPT if doomed else "[speed_5]")
+                               refine_params=refine_params, code_prompt=prompt or "[speed_5]")
         self._add(req, [Segment(i, t, []) for i, t in enumerate(texts)])
 
     def _abort(self, rid: str) -> None:
@@ -198,7 +201,7 @@ def test_registry_state_machine(tiny_model):
     RegistryMachine.model_bytes_per_token = make_engine(tiny_model, swap_space=0).kv_spec.bytes_per_token
     SEEN.clear()
     run_state_machine_as_test(RegistryMachine, settings=settings(
-        max_examples=40, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+        max_examples=30, stateful_step_count=30, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck)))
     # every path ran at least once (derandomized: the same runs every time)
     for what in ("preemptions", "swaps", "abort", "abort while a final chunk is due", "failed step", "add refused",

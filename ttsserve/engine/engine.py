@@ -211,7 +211,7 @@ class Engine:
         t0, gc_s = clock(), self._gc.total_s()
         vocoder0 = (self.audio.calls_total, self.audio.frames_decoded_total)
         self.scheduler.max_num_seqs_limit = self.controller.limit
-        released = self.registry.num_released
+        failed = self.registry.num_failed
         sched = self.scheduler.schedule()
         self._handle_scheduler_finished(sched)
         self.counters.preemptions += len(sched.preempted_ids)
@@ -230,8 +230,8 @@ class Engine:
         out = self.runner.wait(done[1]) if done else RunnerOutput()
         t4 = clock()
         updates = self.scheduler.update_from_output(done[0], out.sampled, out.stopped) if done else []
-        if self.registry.num_released != released and updates:
-            # released in this step (a failed synthesis): the scheduler drops them at its next schedule(), their
+        if self.registry.num_failed != failed and updates:
+            # a synthesis failed in this step: the scheduler drops its sequences at its next schedule(), their
             # results of a step already in flight are void
             updates = [u for u in updates if u.request_id in self.sequences]
         t5 = clock()

@@ -69,7 +69,7 @@ class SequenceRegistry:
         self.syntheses: dict[str, SynthesisRecord] = {}
         self.sequences: dict[SeqId, SequenceRecord] = {}
         self.failed: list[SynthesisRecord] = []  # failed since the engine last collected outputs
-        self.num_released = 0  # sequences released so far (the engine's step tells whether one left mid-step)
+        self.num_failed = 0  # syntheses failed so far (the engine's step tells whether one failed mid-step)
 
     # ---- in --------------------------------------------------------------------------------------------
     def add_synthesis(self, syn: SynthesisRecord) -> None:
@@ -108,7 +108,6 @@ class SequenceRegistry:
             self.audio.abort(sid)
         del self.sequences[sid]
         del rec.synthesis.seqs[sid]
-        self.num_released += 1
 
     def fail(self, syn: SynthesisRecord, message: str) -> None:
         """The synthesis ends with an error: its sequences go now, its final output at the next collect."""
@@ -116,6 +115,7 @@ class SequenceRegistry:
         for rec in list(syn.seqs.values()):
             self.release(rec)
         self.failed.append(syn)
+        self.num_failed += 1
 
     def release_synthesis(self, syn: SynthesisRecord) -> None:
         """Abort or done: every sequence of it goes, then the synthesis."""
