@@ -22,7 +22,14 @@ import zmq  # noqa: E402
 from ttsserve.bench.corpus import select_texts  # noqa: E402
 from ttsserve.config import EngineConfig  # noqa: E402
 from ttsserve.engine.core.messages import (  # noqa: E402
-    AddRequest, CoreOutputs, Hello, SegmentMsg, SynthesisMsg, core_decoder, encoder)
+    AddRequest,
+    CoreOutputs,
+    Hello,
+    SegmentMsg,
+    SynthesisMsg,
+    core_decoder,
+    encoder,
+)
 from ttsserve.engine.core.proc import EngineCoreProc  # noqa: E402
 from ttsserve.engine.engine import Engine  # noqa: E402
 from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
@@ -37,6 +44,7 @@ def _timed(times: dict, name: str, fn):
             return fn(*args, **kw)
         finally:
             times[name] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -47,8 +55,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=100)
     a = ap.parse_args()
-    engine = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=512 << 20,
-                                 swap_space=0, max_num_seqs=2 * a.concurrency))
+    engine = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            kv_cache_memory=512 << 20,
+            swap_space=0,
+            max_num_seqs=2 * a.concurrency,
+        )
+    )
     address = f"ipc://{tempfile.mkdtemp()}/core"
     core = EngineCoreProc(engine, address)
     ctx = zmq.Context.instance()
@@ -71,8 +87,11 @@ def main() -> int:
         counter[0] += 1
         req = SynthesisRequest(texts[k % len(texts)], code_params=SamplingParams(seed=k, max_new_tokens=96))
         segs = tokenize_segments(req, prepare_segments(req), tok)
-        clients[k % len(clients)].send(encoder.encode(AddRequest(
-            f"r{k}", msgspec.Raw(encoder.encode(SynthesisMsg.of(req))), [SegmentMsg.of(s) for s in segs])))
+        clients[k % len(clients)].send(
+            encoder.encode(
+                AddRequest(f"r{k}", msgspec.Raw(encoder.encode(SynthesisMsg.of(req))), [SegmentMsg.of(s) for s in segs])
+            )
+        )
         in_flight.add(f"r{k}")
 
     def drain_clients() -> None:
@@ -94,6 +113,7 @@ def main() -> int:
     for k in range(a.warmup + a.steps):
         if k == a.warmup:
             times.clear()
+            engine.reset_stats()  # the step's phase timings below cover the measured steps only
             t_start = time.perf_counter()
         while len(in_flight) < a.concurrency:
             add_one()
@@ -105,12 +125,20 @@ def main() -> int:
     wall = time.perf_counter() - t_start
     n = a.steps
     step_only = times["_step"] - times["engine.step"] - times["engine.stats"]
-    print(f"concurrency {a.concurrency}, {a.api_servers} API servers, {n} steps, {wall / n * 1e3:.2f} ms per step "
-          f"(tiny model on the CPU), per step:")
-    for name, t in [("engine.step", times["engine.step"]), ("engine.stats", times["engine.stats"]),
-                    ("_step rest (outputs -> RequestOutput, stats encode)", step_only),
-                    ("_receive (adds included)", times["_receive"]), ("_flush x2", times["_flush"])]:
+    print(
+        f"concurrency {a.concurrency}, {a.api_servers} API servers, {n} steps, {wall / n * 1e3:.2f} ms per step "
+        f"(tiny model on the CPU), per step:"
+    )
+    for name, t in [
+        ("engine.step", times["engine.step"]),
+        ("engine.stats", times["engine.stats"]),
+        ("_step rest (outputs -> RequestOutput, stats encode)", step_only),
+        ("_receive (adds included)", times["_receive"]),
+        ("_flush x2", times["_flush"]),
+    ]:
         print(f"  {name:52s} {t / n * 1e3:7.3f} ms")
+    for name, ms in engine.timings.as_dict(engine.counters.steps).items():  # inside engine.step
+        print(f"    step phase {name:45s} {ms:7.3f} ms")
     return 0
 
 

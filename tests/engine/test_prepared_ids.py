@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from engine_testutil import run_all
+
 from ttsserve.config import EngineConfig
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
@@ -18,14 +18,25 @@ from ttsserve.text.tokenizer import TextTokenizer
 
 PARAMS = SamplingParams(seed=4, min_new_tokens=6, max_new_tokens=6)
 # two segments: the second one's ids are checked too
-TEXT = "Hello there. It is 3 o'clock, time for tea [uv_break] 好的。" + "这是一个非常长的句子它包含了很多很多的汉字目的是让提示词的长度变长一些然后再分开。" * 3
+TEXT = (
+    "Hello there. It is 3 o'clock, time for tea [uv_break] 好的。"
+    + "这是一个非常长的句子它包含了很多很多的汉字目的是让提示词的长度变长一些然后再分开。" * 3
+)
 MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
 def eng() -> Engine:
-    return Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20,
-                               swap_space=0.01, max_model_len=MAX_LEN))
+    return Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            kv_cache_memory=8 << 20,
+            swap_space=0.01,
+            max_model_len=MAX_LEN,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +49,11 @@ def _voices(eng: Engine) -> dict[str, Voice]:
     hidden = eng.model.hidden_size
     spk = np.random.default_rng(0).standard_normal(hidden).astype(np.float16)
     codes = np.random.default_rng(1).integers(0, 100, (4, 5)).astype(np.int32)
-    return {"none": Voice(), "spk_emb": Voice(spk_emb=spk),
-            "reference": Voice(spk_emb=spk, spk_smp=codes, txt_smp="the reference transcript")}
+    return {
+        "none": Voice(),
+        "spk_emb": Voice(spk_emb=spk),
+        "reference": Voice(spk_emb=spk, spk_smp=codes, txt_smp="the reference transcript"),
+    }
 
 
 @pytest.mark.parametrize("voice_name", ["none", "spk_emb", "reference"])
@@ -89,13 +103,22 @@ def _bad_cases(eng: Engine) -> list[tuple[dict, list, str]]:
         ({}, [np.ones((2, 2), np.int32)], "non-empty 1-D integer array"),
         ({}, [np.ones(3, np.float32)], "non-empty 1-D integer array"),
         ({}, [[1, 2, 3]], "non-empty 1-D integer array"),
-        ({}, [ok, np.array([5, vocab], np.int32)],
-         rf"segment 1: code_ids hold ids outside the text vocabulary \[0, {vocab}\)"),
+        (
+            {},
+            [ok, np.array([5, vocab], np.int32)],
+            rf"segment 1: code_ids hold ids outside the text vocabulary \[0, {vocab}\)",
+        ),
         ({}, [np.array([-1, 5], np.int32)], "outside the text vocabulary"),
-        ({}, [ok, np.ones(MAX_LEN, np.int32)],
-         f"segment 1: the prompt has {MAX_LEN} positions, more than the model's {MAX_LEN}; shorten"),
-        ({"voice": Voice(spk_smp=np.zeros((4, MAX_LEN - 2), np.int32))}, [ok],
-         f"segment 0: the prompt has {MAX_LEN + 1} positions"),
+        (
+            {},
+            [ok, np.ones(MAX_LEN, np.int32)],
+            f"segment 1: the prompt has {MAX_LEN} positions, more than the model's {MAX_LEN}; shorten",
+        ),
+        (
+            {"voice": Voice(spk_smp=np.zeros((4, MAX_LEN - 2), np.int32))},
+            [ok],
+            f"segment 0: the prompt has {MAX_LEN + 1} positions",
+        ),
         ({"refine_text": True}, [ok], "segment 0: code_ids with refine_text"),
     ]
 
@@ -106,7 +129,7 @@ def test_bad_ids_are_a_value_error_and_leave_nothing(eng):
         segments = [Segment(k, "x", [], a) for k, a in enumerate(ids)]
         with pytest.raises(ValueError, match=match):
             eng.add_synthesis(req, segments)
-        assert not eng.has_unfinished() and not eng.requests and eng.audio.num_requests == 0, match
+        assert not eng.has_unfinished() and not eng.sequences and eng.audio.num_requests == 0, match
     fine = SynthesisRequest("x", code_params=PARAMS, request_id="fine")
     eng.add_synthesis(fine, [Segment(0, "x", [], np.array([1, 2]))])
     assert run_all(eng)["fine"][1].num_frames == 6  # the engine keeps serving

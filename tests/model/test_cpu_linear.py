@@ -48,8 +48,11 @@ def test_pack_linears_in_place_and_selective() -> None:
 
     gpt = GPT(GPTConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4)).eval()
     assert pack_linears_(gpt) == 8  # qkv / o / gate_up / down of 2 layers
-    assert all(isinstance(getattr(layer, n), PackedLinear) for layer in gpt.layers
-               for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert all(
+        isinstance(getattr(layer, n), PackedLinear)
+        for layer in gpt.layers
+        for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    )
     assert pack_linears_(gpt) == 0  # already packed
     assert not can_pack(torch.device("cpu"), torch.float16) and not can_pack(torch.device("cuda"), torch.float32)
     half = nn.Sequential(nn.Linear(4, 4).half())
@@ -64,12 +67,15 @@ def _greedy_codes(monkeypatch, pack: bool) -> list:
 
     if not pack:
         monkeypatch.setattr(cpu_linear, "pack_linears_", lambda module: 0)
-    eng = Engine(EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", dtype="float32", swap_space=0,
-                              kv_cache_memory=1 << 24))
+    eng = Engine(
+        EngineConfig(
+            load_format="dummy", dummy_size="tiny", device="cpu", dtype="float32", swap_space=0, kv_cache_memory=1 << 24
+        )
+    )
     assert isinstance(eng.model.gpt.layers[0].qkv_proj, PackedLinear) == pack
     params = SamplingParams(greedy=True, min_new_tokens=24, max_new_tokens=24, seed=1)
     rid = eng.add_synthesis(SynthesisRequest("hello there, how are you", code_params=params, split=False))
-    req = eng.requests[f"{rid}/0/code"]
+    req = eng.sequences[f"{rid}/0/code"].request
     while eng.has_unfinished():
         eng.step()
     return list(req.output_token_ids)

@@ -82,15 +82,27 @@ def crop_rows(wav: Tensor, starts: list[int], sizes: list[int]) -> Tensor:
 class StreamingStage:
     """Requests, their frame buffers and the step protocol; subclasses plan and decode (`_launch`)."""
 
-    def __init__(self, decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *,
-                 first_chunk_frames: int, max_chunk_frames: int, device: torch.device | str | None,
-                 dtype: torch.dtype | None, net_dtype: torch.dtype | None, max_windows_per_call: int,
-                 deferred: bool, pool_capacity: int) -> None:
+    def __init__(
+        self,
+        decoder: HiddenDecoder | None,
+        dvae: DVAE | None,
+        vocos: Vocos,
+        *,
+        first_chunk_frames: int,
+        max_chunk_frames: int,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+        net_dtype: torch.dtype | None,
+        max_windows_per_call: int,
+        deferred: bool,
+        pool_capacity: int,
+    ) -> None:
         if decoder is None and dvae is None:
             raise ValueError("AudioStage needs a decoder or a dvae")
         if not (1 <= first_chunk_frames <= max_chunk_frames):
-            raise ValueError(f"need 1 <= first_chunk_frames <= max_chunk_frames, got {first_chunk_frames}, "
-                             f"{max_chunk_frames}")
+            raise ValueError(
+                f"need 1 <= first_chunk_frames <= max_chunk_frames, got {first_chunk_frames}, {max_chunk_frames}"
+            )
         if max_windows_per_call < 1:
             raise ValueError(f"max_windows_per_call must be >= 1, got {max_windows_per_call}")
         param = next(vocos.parameters())
@@ -98,11 +110,13 @@ class StreamingStage:
         self.dtype = dtype or param.dtype
         for net in (decoder, dvae, vocos):
             if net is not None and next(net.parameters()).device.type != self.device.type:
-                raise ValueError(f"AudioStage: {type(net).__name__} is on {next(net.parameters()).device}, "
-                                 f"not on {self.device}")
+                raise ValueError(
+                    f"AudioStage: {type(net).__name__} is on {next(net.parameters()).device}, not on {self.device}"
+                )
         if net_dtype is not None:
-            decoder, dvae, vocos = (None if n is None else copy.deepcopy(n).to(net_dtype)
-                                    for n in (decoder, dvae, vocos))
+            decoder, dvae, vocos = (
+                None if n is None else copy.deepcopy(n).to(net_dtype) for n in (decoder, dvae, vocos)
+            )
         self.decoder, self.dvae, self.vocos = decoder, dvae, vocos
         self.max_windows_per_call = max_windows_per_call
         self.deferred = deferred
@@ -115,6 +129,9 @@ class StreamingStage:
         if dvae is not None:
             self._pools[True] = FramePool(dvae.num_vq, torch.long, self.device, pool_capacity)
         self._streams: dict[str, Stream] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.frames_decoded_total = 0  # real frames in decoded rows (context included)
         self.frames_padded_total = 0  # B * max row length, summed over calls
         self.calls_total = 0  # batched network calls
@@ -156,8 +173,9 @@ class StreamingStage:
         if frames.dim() == 2:
             frames = frames[None]
         if frames.dim() != 3 or frames.shape[1] != n:
-            raise ValueError(f"AudioStage.append_batch: frames must be [{n}, C] or [m, {n}, C], "
-                             f"got {tuple(frames.shape)}")
+            raise ValueError(
+                f"AudioStage.append_batch: frames must be [{n}, C] or [m, {n}, C], got {tuple(frames.shape)}"
+            )
         m = frames.shape[0]
         if not n or not m:
             return
@@ -185,8 +203,7 @@ class StreamingStage:
         if m == 1:
             pool.put(slots, first, frames[0])
         else:
-            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1),
-                     frames.reshape(m * n, -1))
+            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1), frames.reshape(m * n, -1))
 
     def finish(self, req_id: str) -> None:
         """No more frames will come: the next step() flushes the tail and emits the final chunk."""

@@ -21,7 +21,11 @@ class BatchSizeController:
     def __init__(self, target_step_latency_ms: float, max_num_seqs: int) -> None:
         self.target = target_step_latency_ms
         self.max_num_seqs = max_num_seqs
-        self.limit = min(INITIAL_LIMIT, max_num_seqs) if self.enabled else max_num_seqs
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every observed step: the limit starts over from INITIAL_LIMIT."""
+        self.limit = min(INITIAL_LIMIT, self.max_num_seqs) if self.enabled else self.max_num_seqs
         # Weighted sums for the least-squares fit of t = fixed + per_seq * b.
         self._w = self._sb = self._st = self._sbb = self._sbt = 0.0
 

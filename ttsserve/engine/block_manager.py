@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from ttsserve.constants import FRAMES_PER_SECOND
 from ttsserve.engine.request import Request
 
-
 # Dict key of a cached full block: (chain hash, the block's items), so a hash collision alone never aliases two
 # different blocks. A plain tuple, not a NamedTuple: the GC untracks exact tuples of untracked items, and
 # the cache holds one key per full block ever computed (hundreds of thousands on a GPU), which as tracked
@@ -69,6 +68,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of which found in the cache
 
     # ---- stats -------------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)

@@ -11,7 +11,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,7 +19,8 @@ from ttsserve.config import EngineConfig
 from ttsserve.engine.batch_control import BatchSizeController
 from ttsserve.engine.block_manager import KVCacheManager
 from ttsserve.engine.frontend import FrontEnd, Segment, check_room
-from ttsserve.engine.request import Request
+from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, make_seq_id
+from ttsserve.engine.request import Mode, Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.step_stats import EngineCounters, StepTimings, gc_pauses
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
@@ -32,26 +32,6 @@ from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sequence:
-    """One engine sequence: a segment's refine stage or its code stage."""
-
-    synthesis_id: str
-    segment: int
-    mode: str
-
-
-@dataclass
-class _Synthesis:
-    req: SynthesisRequest
-    tracker: SynthesisTracker
-    seed: int
-    segments: list[Segment]
-    seq_ids: set[str] = field(default_factory=set)
-    arrived: float = field(default_factory=time.monotonic)
-    heard: bool = False  # its first audio left
 
 
 class Engine:
@@ -67,28 +47,53 @@ class Engine:
         self.kv_spec = self._plan_kv()
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         burst = cfg.scheduler_steps(self.model.device.type)
-        self.runner = ModelRunner(self.model, self.kv_spec, tok.spk_emb_id, tok.ebreak_id,
-                                  max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=cfg.enforce_eager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  num_scheduler_steps=burst)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_spec,
+            tok.spk_emb_id,
+            tok.ebreak_id,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_scheduler_steps=burst,
+        )
         cadence, admission = cfg.step_intervals(self.model.device.type)
         self.pipelined = cfg.pipelined(self.model.device.type)
         self.runner.pipelined = self.pipelined
         self._in_flight: tuple | None = None  # (SchedulerOutput, launched step) whose results are not read yet
-        self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, cfg.block_size, self.kv_spec.num_cpu_blocks,
-                                         enable_prefix_caching=cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
-            max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_model_len=self.max_model_len, preemption_mode=cfg.preemption_mode,
-            admission_interval=admission, num_scheduler_steps=burst), self.kv_manager)
+        self.kv_manager = KVCacheManager(
+            self.kv_spec.num_blocks,
+            cfg.block_size,
+            self.kv_spec.num_cpu_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+                preemption_mode=cfg.preemption_mode,
+                admission_interval=admission,
+                num_scheduler_steps=burst,
+            ),
+            self.kv_manager,
+        )
         from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
 
-        self.audio = make_audio_stage(self.model.decoder, None, self.model.vocos,
-                                      first_chunk_frames=cfg.first_chunk_frames, max_chunk_frames=cfg.max_chunk_frames,
-                                      lookahead_frames=cfg.lookahead_frames, cadence=cadence,
-                                      device=self.model.device, deferred=self.model.device.type == "cuda",
-                                      net_dtype=vocoder_net_dtype(self.model))
+        self.audio = make_audio_stage(
+            self.model.decoder,
+            None,
+            self.model.vocos,
+            first_chunk_frames=cfg.first_chunk_frames,
+            max_chunk_frames=cfg.max_chunk_frames,
+            lookahead_frames=cfg.lookahead_frames,
+            cadence=cadence,
+            device=self.model.device,
+            deferred=self.model.device.type == "cuda",
+            net_dtype=vocoder_net_dtype(self.model),
+        )
         if self.model.device.type == "cuda":
             self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
             if not cfg.enforce_eager and hasattr(self.audio, "enable_cuda_graphs"):
@@ -96,11 +101,11 @@ class Engine:
         # A stream hears its first audio once its first chunk plus the right context exist.
         self.first_audio_frames = cfg.first_chunk_frames + self.audio.right_context_frames
         self.controller = BatchSizeController(cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)
-        self.requests: dict[str, Request] = {}  # live engine sequences (scheduler Requests)
-        self.sequences: dict[str, _Sequence] = {}
-        self.syntheses: dict[str, _Synthesis] = {}
+        # every request's state, and the one path by which a sequence leaves every owner (engine/registry.py)
+        self.registry = SequenceRegistry(self.scheduler, self.runner, self.audio)
+        self.syntheses = self.registry.syntheses  # request_id -> SynthesisRecord
+        self.sequences = self.registry.sequences  # SeqId -> SequenceRecord
         self.counters, self.timings, self._gc = EngineCounters(), StepTimings(), gc_pauses()
-        self._finishing: dict[str, str] = {}  # code seq_id -> finish reason, until its final audio chunk
         self._ids = itertools.count()
         if self.model.device.type == "cuda" and not cfg.enforce_eager:
             self.warm_up()
@@ -111,6 +116,14 @@ class Engine:
         from ttsserve.engine.warm_up import warm_up
 
         warm_up(self)
+
+    def reset_stats(self) -> None:
+        """Zero every counter and timing of the engine and of the parts it owns (after warm-up)."""
+        self.counters, self.timings = EngineCounters(), StepTimings()
+        self.controller.reset()
+        self.scheduler.reset_stats()
+        self.runner.reset_stats()
+        self.audio.reset_stats()
 
     # ---- memory ------------------------------------------------------------------------------------
     def _plan_kv(self) -> KVCacheSpec:
@@ -126,8 +139,9 @@ class Engine:
             from ttsserve.constants import DEFAULT_CPU_KV_BYTES
 
             budget = DEFAULT_CPU_KV_BYTES
-        return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap,
-                             kv_cache_dtype=cfg.kv_cache_dtype)
+        return plan_kv_cache(
+            model.gpt_config, model.dtype, cfg.block_size, budget, swap, kv_cache_dtype=cfg.kv_cache_dtype
+        )
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until start-up work the runner left to the background is done (False on timeout)."""
@@ -157,67 +171,58 @@ class Engine:
             self.frontend.check_code_ids(req, segments, self.max_model_len)
         seed = req.code_params.seed if req.code_params.seed is not None else random.getrandbits(62)
         dropped = sorted({c for s in segments for c in s.dropped})
-        syn = _Synthesis(req, SynthesisTracker(rid, len(segments), dropped), seed, segments)
-        self.syntheses[rid] = syn
+        syn = SynthesisRecord(rid, req, SynthesisTracker(rid, len(segments), dropped), seed, segments)
+        self.registry.add_synthesis(syn)
         try:
             for seg in segments:
                 if req.refine_text:
                     ids, mask = self.frontend.refine_inputs(seg.text, req.refine_prompt)
-                    self._add_sequence(rid, seg.index, "text", ids, mask)
+                    self._add_sequence(syn, seg.index, "text", ids, mask)
                 else:
-                    self._add_code_sequence(rid, seg.index, seg.text, seg.code_ids)
+                    self._add_code_sequence(syn, seg.index, seg.text, seg.code_ids)
         except BaseException:
             # a later segment was refused: the earlier ones must not stay behind without a consumer
-            self.abort(rid)
+            self.registry.release_synthesis(syn)
             raise
         return rid
 
-    def _add_code_sequence(self, rid: str, seg: int, text: str, code_ids: np.ndarray | None = None) -> None:
-        req = self.syntheses[rid].req
-        ids, mask = self.frontend.code_inputs(text, req.code_prompt, req.voice, code_ids)
-        self._add_sequence(rid, seg, "code", ids, mask)
+    def _add_code_sequence(self, syn: SynthesisRecord, seg: int, text: str, code_ids: np.ndarray | None = None) -> None:
+        ids, mask = self.frontend.code_inputs(text, syn.req.code_prompt, syn.req.voice, code_ids)
+        self._add_sequence(syn, seg, "code", ids, mask)
 
-    def _add_sequence(self, rid: str, seg: int, mode: str, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        syn = self.syntheses[rid]
+    def _add_sequence(self, syn: SynthesisRecord, seg: int, mode: Mode, ids: torch.Tensor, mask: torch.Tensor) -> None:
         params = syn.req.code_params if mode == "code" else syn.req.refine_params
-        seq_id = f"{rid}/{seg}/{mode}"
         spk = syn.req.voice.spk_emb
         spk_t = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         # The seed schedule: segment k of a request uses seed + k, so a long text is reproducible.
         seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
         room = check_room(seg, ids.shape[0], self.max_model_len)
-        self.runner.add_sequence(seq_id, SequenceInputs(ids, mask, spk_t, mode, params, seed))
         items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
-        req = Request(seq_id, items, mode=mode, max_new_tokens=min(params.max_new_tokens, room),
-                      prefix_key=syn.req.voice.key + syn.req.code_prompt,
-                      first_audio_frames=self.first_audio_frames if mode == "code" else 0)
-        self.requests[seq_id] = req
-        self.sequences[seq_id] = _Sequence(rid, seg, mode)
-        syn.seq_ids.add(seq_id)
-        self.scheduler.add_request(req)
-        if mode == "code":
-            self.audio.add_request(seq_id)
+        req = Request(
+            make_seq_id(syn.request_id, seg, mode),
+            items,
+            mode=mode,
+            max_new_tokens=min(params.max_new_tokens, room),
+            prefix_key=syn.req.voice.key + syn.req.code_prompt,
+            first_audio_frames=self.first_audio_frames if mode == "code" else 0,
+        )
+        self.registry.add_sequence(syn, seg, req, SequenceInputs(ids, mask, spk_t, mode, params, seed))
 
     def abort(self, rid: str) -> None:
         """Abort a synthesis: its sequences leave the batch and free their blocks at the next step."""
         syn = self.syntheses.get(rid)
-        if syn is None:
-            return
-        for seq_id in list(syn.seq_ids):
-            self.scheduler.abort_request(seq_id)
-            self._drop_sequence(seq_id)
-        for seq_id in [k for k in self._finishing if self._segment_of(k)[0] == rid]:
-            del self._finishing[seq_id]  # exact: another request's id may start with this one's
-        self.syntheses.pop(rid, None)
+        if syn is not None:
+            self.registry.release_synthesis(syn)
 
-    def _drop_sequence(self, seq_id: str) -> None:
-        seq = self.sequences.pop(seq_id, None)
-        self.requests.pop(seq_id, None)
-        self.runner.remove_sequence(seq_id)
-        if seq is not None and seq.mode == "code":
-            self.audio.abort(seq_id)
-        if seq is not None and seq.synthesis_id in self.syntheses:
-            self.syntheses[seq.synthesis_id].seq_ids.discard(seq_id)
+    def fail_all(self, message: str) -> list[AudioOutput]:
+        """Abort every synthesis (after a failed step) -> one final error output each."""
+        outputs = []
+        for syn in list(self.syntheses.values()):
+            self.registry.release_synthesis(syn)
+            outputs.append(
+                AudioOutput(syn.request_id, np.zeros(0, np.float32), True, finish_reason="error", error=message)
+            )
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self.syntheses)
@@ -229,13 +234,6 @@ class Engine:
 
     def has_synthesis(self, rid: str) -> bool:
         return rid in self.syntheses
-
-    def abort_all(self) -> list[str]:
-        """Abort every synthesis (after a failed step) -> their ids."""
-        rids = list(self.syntheses)
-        for rid in rids:
-            self.abort(rid)
-        return rids
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self, emit: Callable[[list[AudioOutput]], None] | None = None) -> list[AudioOutput]:
@@ -250,12 +248,13 @@ class Engine:
         t0, gc_s = clock(), self._gc.total_s()
         vocoder0 = (self.audio.calls_total, self.audio.frames_decoded_total)
         self.scheduler.max_num_seqs_limit = self.controller.limit
+        failed = self.registry.num_failed
         sched = self.scheduler.schedule()
-        self._handle_scheduler_finished(sched.finished_ids)
+        self._handle_scheduler_finished(sched)
         self.counters.preemptions += len(sched.preempted_ids)
         self.counters.swaps += len(sched.swapped_out_ids)
         t1 = clock()
-        launched = self.runner.launch(sched, self.requests)
+        launched = self.runner.launch(sched, self.scheduler.requests)
         t2 = clock()
         if emit is not None and (early := self.poll_audio()):
             emit(early)
@@ -268,6 +267,10 @@ class Engine:
         out = self.runner.wait(done[1]) if done else RunnerOutput()
         t4 = clock()
         updates = self.scheduler.update_from_output(done[0], out.sampled, out.stopped) if done else []
+        if self.registry.num_failed != failed and updates:
+            # a synthesis failed in this step: the scheduler drops its sequences at its next schedule(), their
+            # results of a step already in flight are void
+            updates = [u for u in updates if u.request_id in self.sequences]
         t5 = clock()
         if out.frames:
             self._append_frames(out.frames, updates)
@@ -281,9 +284,15 @@ class Engine:
         t8 = clock()
         outputs = self._collect_audio(chunks)
         t9 = clock()
-        phases = {"schedule_ms": t1 - t0, "runner_ms": t2 - t1 + t4 - t3, "update_ms": t5 - t4,
-                  "audio_append_ms": t6 - t5, "finish_ms": t7 - t6, "audio_step_ms": t3 - t2 + t8 - t7,
-                  "outputs_ms": t9 - t8}
+        phases = {
+            "schedule_ms": t1 - t0,
+            "runner_ms": t2 - t1 + t4 - t3,
+            "update_ms": t5 - t4,
+            "audio_append_ms": t6 - t5,
+            "finish_ms": t7 - t6,
+            "audio_step_ms": t3 - t2 + t8 - t7,
+            "outputs_ms": t9 - t8,
+        }
         for name, dt in phases.items():
             setattr(tm, name, getattr(tm, name) + dt * 1e3)
         vocoder = (self.audio.calls_total - vocoder0[0], self.audio.frames_decoded_total - vocoder0[1])
@@ -321,10 +330,10 @@ class Engine:
         """hiddens: [n, H] or [m, n, H] (m frames of each)."""
         self.audio.append_batch(seq_ids, hiddens)
         m = 1 if hiddens.dim() == 2 else hiddens.shape[0]
-        sequences, syntheses = self.sequences, self.syntheses
+        sequences = self.sequences
         for seq_id in seq_ids:
-            seq = sequences[seq_id]
-            syntheses[seq.synthesis_id].tracker.add_frames(seq.segment, m)
+            rec = sequences[seq_id]
+            rec.synthesis.tracker.add_frames(rec.segment, m)
         self.counters.frames += m * len(seq_ids)
 
     def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
@@ -334,89 +343,91 @@ class Engine:
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
 
-    def _handle_scheduler_finished(self, finished_ids: list[str]) -> None:
-        """Requests the scheduler ended on its own (impossible to serve) fail their synthesis."""
-        for seq_id in finished_ids:
-            req = self.requests.get(seq_id)
-            seq = self.sequences.get(seq_id)
-            if req is None or seq is None:
-                continue
-            syn = self.syntheses.get(seq.synthesis_id)
-            if syn is not None and req.error:
-                syn.tracker.fail(f"segment {seq.segment}: {req.error}")
-                self._finish_synthesis_on_error(seq.synthesis_id)
+    def _handle_scheduler_finished(self, sched) -> None:
+        """Requests the scheduler ended on its own (impossible to serve) fail their synthesis; the ids of
+        sequences the engine released come back here too, and are gone from the registry. The failed
+        syntheses' other sequences may be in this step's batch: they leave it (the runner forgot them)."""
+        failed = False
+        for sid in sched.finished_ids:
+            rec = self.sequences.get(sid)
+            if rec is not None and rec.request.error:
+                self.registry.fail(rec.synthesis, f"segment {rec.segment}: {rec.request.error}")
+                failed = True
+        if failed:
+            live = self.sequences
+            sched.scheduled = [s for s in sched.scheduled if s.request_id in live]
 
-    def _finish_synthesis_on_error(self, rid: str) -> None:
-        syn = self.syntheses[rid]
-        for seq_id in list(syn.seq_ids):
-            self.scheduler.abort_request(seq_id)
-            self._drop_sequence(seq_id)
-
-    def _finish_sequence(self, seq_id: str, reason: str) -> None:
-        seq, req = self.sequences[seq_id], self.requests[seq_id]
-        syn = self.syntheses[seq.synthesis_id]
-        if seq.mode == "text":
-            # Refine finished: hand the refined text to the code stage of the same segment.
-            text = self.frontend.decode_refined(list(req.output_token_ids))
-            self._drop_sequence(seq_id)
-            try:
-                self._add_code_sequence(seq.synthesis_id, seq.segment, text or syn.segments[seq.segment].text)
-            except ValueError as e:  # the refined prompt is too long: fail this synthesis, not the step
-                syn.tracker.fail(f"segment {seq.segment}: {e}")
-                self._finish_synthesis_on_error(seq.synthesis_id)
+    def _finish_sequence(self, sid: str, reason: str) -> None:
+        rec = self.sequences.get(sid)
+        if rec is None:  # released earlier in this loop: a sibling's refine -> code hand-off failed
             return
-        self.audio.finish(seq_id)
+        if rec.mode == "text":
+            # Refine finished: hand the refined text to the code stage of the same segment.
+            syn, seg = rec.synthesis, rec.segment
+            text = self.frontend.decode_refined(list(rec.request.output_token_ids))
+            self.registry.release(rec)
+            try:
+                self._add_code_sequence(syn, seg, text or syn.segments[seg].text)
+            except ValueError as e:  # the refined prompt is too long: fail this synthesis, not the step
+                self.registry.fail(syn, f"segment {seg}: {e}")
+            return
         # the segment ends with its final audio chunk, which may leave the (deferred) audio stage later
-        self._finishing[seq_id] = reason
-        self.sequences.pop(seq_id)
-        self.requests.pop(seq_id)
-        self.runner.remove_sequence(seq_id)
-        syn.seq_ids.discard(seq_id)
+        self.registry.end_generation(rec, reason)
 
     def _collect_audio(self, chunks: list) -> list[AudioOutput]:
-        touched: set[str] = set()
+        touched: dict[str, SynthesisRecord] = {}
+        sequences = self.sequences
         for chunk in chunks:
-            rid, seg = self._segment_of(chunk.req_id)
-            reason = self._finishing.pop(chunk.req_id, None) if chunk.is_final else None
-            if rid in self.syntheses:
-                tracker = self.syntheses[rid].tracker
-                tracker.add_audio(seg, chunk.samples)
-                if reason is not None:
-                    tracker.finish_segment(seg, reason)
-                touched.add(rid)
-        touched.update(rid for rid, s in self.syntheses.items() if s.tracker.error)
+            rec = sequences.get(chunk.req_id)
+            if rec is None:  # released (its synthesis aborted or failed) while this chunk was in flight
+                continue
+            syn = rec.synthesis
+            syn.tracker.add_audio(rec.segment, chunk.samples)
+            if chunk.is_final and rec.finishing is not None:
+                syn.tracker.finish_segment(rec.segment, rec.finishing)
+                self.registry.release(rec)
+            touched[syn.request_id] = syn
+        for syn in self.registry.take_failed():
+            touched[syn.request_id] = syn
         outputs: list[AudioOutput] = []
-        for rid in touched:
-            syn = self.syntheses[rid]
+        for syn in touched.values():
             drained = syn.tracker.drain()
             if not syn.heard and any(o.samples.size for o in drained):
                 syn.heard = True
                 self.counters.first_audio.observe(time.monotonic() - syn.arrived)
             outputs.extend(drained)
             if syn.tracker.done:
-                del self.syntheses[rid]
+                self.registry.release_synthesis(syn)
         return outputs
-
-    @staticmethod
-    def _segment_of(seq_id: str) -> tuple[str, int]:
-        rid, seg, _ = seq_id.rsplit("/", 2)
-        return rid, int(seg)
 
     def stats(self) -> dict:
         s, c, rt = self.scheduler, self.counters, self.runner.timings
         return {
-            "num_running": s.num_running, "num_waiting": s.num_waiting, "num_swapped": s.num_swapped,
-            "num_syntheses": len(self.syntheses), "kv_cache_usage": self.kv_manager.usage,
-            "num_free_blocks": self.kv_manager.num_free_blocks, "num_blocks": self.kv_spec.num_blocks,
-            "num_preemptions_total": c.preemptions, "num_swaps_total": c.swaps, "steps_total": c.steps,
-            "frames_total": c.frames, "step_time_ms_ema": c.step_time_ms_ema,
-            "step_time_histogram": c.step_times.as_dict(), "first_audio_histogram": c.first_audio.as_dict(),
-            "audio_collects_total": self.audio.collects_total, "audio_polled_total": self.audio.polled_total,
-            "slow_steps_total": c.slow_steps, "gc_pause_seconds_total": list(self._gc.seconds),
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_swapped": s.num_swapped,
+            "num_syntheses": self.num_syntheses,
+            "kv_cache_usage": self.kv_manager.usage,
+            "num_free_blocks": self.kv_manager.num_free_blocks,
+            "num_blocks": self.kv_spec.num_blocks,
+            "num_preemptions_total": c.preemptions,
+            "num_swaps_total": c.swaps,
+            "steps_total": c.steps,
+            "frames_total": c.frames,
+            "step_time_ms_ema": c.step_time_ms_ema,
+            "step_time_histogram": c.step_times.as_dict(),
+            "first_audio_histogram": c.first_audio.as_dict(),
+            "audio_collects_total": self.audio.collects_total,
+            "audio_polled_total": self.audio.polled_total,
+            "slow_steps_total": c.slow_steps,
+            "gc_pause_seconds_total": list(self._gc.seconds),
             "gc_collections_total": list(self._gc.counts),
-            "batch_size_limit": self.controller.limit, "last_batch_size": c.last_batch_size,
-            "cuda_graphs": self.runner.graphs is not None, "graph_steps_total": rt.graph_steps,
-            "mixed_graph_steps_total": rt.mixed_graph_steps, "piecewise_prefill_steps_total": rt.piecewise_steps,
+            "batch_size_limit": self.controller.limit,
+            "last_batch_size": c.last_batch_size,
+            "cuda_graphs": self.runner.graphs is not None,
+            "graph_steps_total": rt.graph_steps,
+            "mixed_graph_steps_total": rt.mixed_graph_steps,
+            "piecewise_prefill_steps_total": rt.piecewise_steps,
             "sampler_graph_steps_total": rt.sampler_graph_steps,
             "step_breakdown_ms": self.timings.as_dict(c.steps),
             "runner_breakdown_ms": rt.per_step(),

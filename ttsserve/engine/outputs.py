@@ -23,8 +23,6 @@ class ScheduledRequest:
     will_sample: bool  # this chunk reaches the last token: sample one token from its last position
     num_prompt_tokens: int  # positions < this are prompt, the rest are earlier outputs
     num_output_tokens: int  # outputs before this step (for min_new_tokens / penalty windows)
-    sampling_params: object | None = None  # Request.sampling_params, unread by the scheduler
-    payload: object | None = None  # Request.payload (e.g. speaker embedding), unread by the scheduler
     # A decode burst (multi-step decoding, num_steps > 1): the num_new_tokens == num_steps positions are that
     # many decode steps in a row on the device, each sampling a frame whose input is the previous sample.
     num_steps: int = 1

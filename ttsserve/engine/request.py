@@ -55,8 +55,6 @@ class Request:
         with another speaker never shares KV blocks.
     first_audio_frames: frames this request needs before its first audio chunk can leave; a code request
         with fewer outputs than this is "still waiting for its first audio" and is preempted last.
-    sampling_params / payload: opaque to the scheduler, passed on to the runner (payload: e.g. the
-        speaker embedding).
 
     Mutated only by the scheduler (status, outputs, num_computed_tokens, the in-flight counts) and the
     block manager (block_table).
@@ -74,8 +72,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prefix_key: str | None = None
     first_audio_frames: int = 1
-    sampling_params: object | None = None
-    payload: object | None = None
 
     output_token_ids: list = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -149,7 +145,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop" | "length" | "abort" | "error" once finished, else None."""
+        """ "stop" | "length" | "abort" | "error" once finished, else None."""
         return self.status.value if self.status.is_finished else None
 
     @property

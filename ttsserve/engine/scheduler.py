@@ -81,8 +81,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> None:
-        """Takes effect at the next schedule(); unknown or already finished ids are ignored."""
-        self._pending_aborts[request_id] = None
+        """Takes effect at the next schedule(). An id the scheduler does not hold (unknown, finished) is ignored
+        at once: a pending abort must not outlive its request, or a new request under that id would inherit it."""
+        if request_id in self.requests:
+            self._pending_aborts[request_id] = None
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is unfinished or a finish is still to be reported by schedule()."""
@@ -112,10 +114,19 @@ class Scheduler:
             raise ValueError(f"max_num_seqs_limit must be in [1, {self.config.max_num_seqs}], got {value}")
         self._max_num_seqs_limit = value
 
+    def reset_stats(self) -> None:
+        """Zero the counters (the scheduler's and its block manager's); queues and requests stay."""
+        self.num_preemptions = 0
+        self.block_manager.reset_stats()
+
     def get_stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(
-            len(self.running), len(self.waiting), len(self.swapped), bm.usage, bm.prefix_cache_hit_rate,
+            len(self.running),
+            len(self.waiting),
+            len(self.swapped),
+            bm.usage,
+            bm.prefix_cache_hit_rate,
             self.num_preemptions,
         )
 
@@ -170,8 +181,13 @@ class Scheduler:
                 num_new = self._chunk(req, st.budget)
             elif st.budget < 1:
                 num_new = 0
-            elif burst > 1 and start >= n_prompt and req.mode == "code" and start + burst <= limit \
-                    and st.budget - burst >= len(running) - i - 1:  # a token left for each request after it
+            elif (
+                burst > 1
+                and start >= n_prompt
+                and req.mode == "code"
+                and start + burst <= limit
+                and st.budget - burst >= len(running) - i - 1
+            ):  # a token left for each request after it
                 num_new = num_steps = burst  # a decode burst: positions [start, start + burst)
             if num_new == 0:
                 continue
@@ -239,9 +255,7 @@ class Scheduler:
             will_sample,  # will_sample
             n_prompt,  # num_prompt_tokens
             num_outputs,  # num_output_tokens
-            req.sampling_params,
-            req.payload,
-            num_steps,
+            num_steps,  # num_steps
         )
         req.num_inflight_tokens += num_new
         req.num_inflight_outputs += num_steps if will_sample else 0

@@ -6,8 +6,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ttsserve.engine.batch_control import BatchSizeController
-from ttsserve.engine.step_stats import EngineCounters, StepTimings
 from ttsserve.params import SamplingParams, SynthesisRequest
 
 if TYPE_CHECKING:
@@ -35,14 +33,12 @@ def warm_up(engine: Engine) -> None:
             engine.step()
     _run_to_end(engine)
     # one first chunk and one full chunk per row: every pool grows to a full batch of both
-    _wide_wave(engine, min(engine.scheduler.config.max_num_seqs, WIDE_WAVE_CAP),
-               engine.first_audio_frames + engine.cfg.max_chunk_frames)
-    engine.counters, engine.timings = EngineCounters(), StepTimings()
-    engine.runner.timings = type(engine.runner.timings)()
-    engine.controller = BatchSizeController(engine.cfg.target_step_latency_ms, engine.scheduler.config.max_num_seqs)
-    audio = engine.audio
-    audio.calls_total = audio.frames_decoded_total = audio.frames_padded_total = 0
-    audio.chunks_total = audio.collects_total = audio.polled_total = 0
+    _wide_wave(
+        engine,
+        min(engine.scheduler.config.max_num_seqs, WIDE_WAVE_CAP),
+        engine.first_audio_frames + engine.cfg.max_chunk_frames,
+    )
+    engine.reset_stats()
     logger.info("warmed up in %.1f s", time.perf_counter() - t0)
 
 
@@ -60,6 +56,7 @@ def _wide_wave(engine: Engine, rows: int, frames: int) -> None:
         return
     for i in range(rows):
         p = SamplingParams(seed=1000 + i, min_new_tokens=frames, max_new_tokens=frames)
-        engine.add_synthesis(SynthesisRequest("warm up a full batch", code_params=p, raw_text=True,
-                                              request_id=f"__warmup_wide{i}"))
+        engine.add_synthesis(
+            SynthesisRequest("warm up a full batch", code_params=p, raw_text=True, request_id=f"__warmup_wide{i}")
+        )
     _run_to_end(engine)

@@ -30,7 +30,13 @@ from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
 from ttsserve.runner.step_inputs import gather_input_rows
 from ttsserve.runner.step_outputs import runner_output
 from ttsserve.runner.step_types import (
-    LaunchedStep, RunnerOutput, RunnerTimings, SequenceInputs, SequenceState, StepGroup)
+    LaunchedStep,
+    RunnerOutput,
+    RunnerTimings,
+    SequenceInputs,
+    SequenceState,
+    StepGroup,
+)
 from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState
 
@@ -47,8 +53,9 @@ def runner_backend(device: torch.device, head_dim: int):
 
         if head_dim in SUPPORTED_HEAD_DIMS:
             return backend, True
-        logger.warning("head_dim %d is not supported by the Triton kernels: torch reference attention, "
-                       "no CUDA graphs", head_dim)
+        logger.warning(
+            "head_dim %d is not supported by the Triton kernels: torch reference attention, no CUDA graphs", head_dim
+        )
         from ttsserve.attention.torch_ref import TorchPagedAttention
 
         return TorchPagedAttention(), False
@@ -59,10 +66,20 @@ class ModelRunner:
     """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
     (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs."""
 
-    def __init__(self, model: ChatTTSModel, kv_spec: KVCacheSpec, spk_emb_id: int, text_eos_id: int, *,
-                 max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 capture_sizes: list[int] | None = None, max_num_batched_tokens: int = 4096,
-                 num_scheduler_steps: int = 1) -> None:
+    def __init__(
+        self,
+        model: ChatTTSModel,
+        kv_spec: KVCacheSpec,
+        spk_emb_id: int,
+        text_eos_id: int,
+        *,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        capture_sizes: list[int] | None = None,
+        max_num_batched_tokens: int = 4096,
+        num_scheduler_steps: int = 1,
+    ) -> None:
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.cfg = model.gpt_config
@@ -90,8 +107,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager and graphable:
             from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
-            self.graphs = DecodeGraphs(self, capture_sizes or default_capture_sizes(max_num_seqs),
-                                       max_steps=num_scheduler_steps)
+            self.graphs = DecodeGraphs(
+                self, capture_sizes or default_capture_sizes(max_num_seqs), max_steps=num_scheduler_steps
+            )
             self.graphs.capture()
             from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
 
@@ -118,8 +136,12 @@ class ModelRunner:
             self.cpu_graph = CpuDecodeGraph(self.model.gpt, self.kv.layers, self.scale)
         # one thread compiles both, one after the other (the graph after the quicker attention kernel)
         graph = self.cpu_graph
-        self.backend.warmup(self.kv.layers[0], self.cfg.num_heads, background=True,
-                            then=None if graph is None else lambda: graph.start(background=False))
+        self.backend.warmup(
+            self.kv.layers[0],
+            self.cfg.num_heads,
+            background=True,
+            then=None if graph is None else lambda: graph.start(background=False),
+        )
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until start-up work left to the background (the CPU compilations) is done."""
@@ -148,8 +170,12 @@ class ModelRunner:
         self.states[req_id] = SequenceState(ids, mask, spk, spk_rows, inputs.mode, inputs.params, inputs.seed)
 
     def remove_sequence(self, req_id: str) -> None:
+        """Forget a sequence (its batch row and prompt state); an unknown id is ignored."""
         self.states.pop(req_id, None)
         self.input_batch.release(req_id)
+
+    def reset_stats(self) -> None:
+        self.timings = RunnerTimings()
 
     @property
     def generation(self) -> tuple[int, int, int]:
@@ -178,13 +204,20 @@ class ModelRunner:
         tm = self.timings
         tm.steps += 1
         # decode rows: code requests past their prompt advancing by the frame(s) they sample (num_steps of them)
-        decode = [i for i, s in enumerate(scheduled) if s.num_new_tokens == s.num_steps and s.will_sample
-                  and s.mode == "code" and s.num_computed_tokens >= s.num_prompt_tokens]
+        decode = [
+            i
+            for i, s in enumerate(scheduled)
+            if s.num_new_tokens == s.num_steps
+            and s.will_sample
+            and s.mode == "code"
+            and s.num_computed_tokens >= s.num_prompt_tokens
+        ]
         bursts = {scheduled[i].num_steps for i in decode}
         if len(decode) == len(scheduled) and len(bursts) == 1:
             groups = [self._decode_group(scheduled, rows, bursts.pop())]
-        elif decode and (self.pipelined or max(bursts) > 1
-                         or self.graphs is not None and self.graphs.can_run(len(decode))):
+        elif decode and (
+            self.pipelined or max(bursts) > 1 or self.graphs is not None and self.graphs.can_run(len(decode))
+        ):
             # A mixed step: the decode rows replay their graph, the prefill / text rows run after it on the
             # general path. Off CUDA one forward over all rows reads the weights once, which is what a CPU
             # step is bound by; but pipelined, the decode rows' inputs may be on the device only, which
@@ -264,8 +297,13 @@ class ModelRunner:
             self.sampling.grow(num_rows=ib.max_rows)
         if new_rows:
             sts = [self.states[r] for r in new_ids]
-            self.sampling.set_rows(new_rows, [st.params for st in sts], [st.seed for st in sts],
-                                   [st.mode for st in sts], [requests[r].output_token_ids for r in new_ids])
+            self.sampling.set_rows(
+                new_rows,
+                [st.params for st in sts],
+                [st.seed for st in sts],
+                [st.mode for st in sts],
+                [requests[r].output_token_ids for r in new_ids],
+            )
         ib.flush_block_tables()
         return rows
 
@@ -281,8 +319,11 @@ class ModelRunner:
             seq_lens=async_h2d(torch.from_numpy(arr.seq_lens), self.device),
             block_tables=tables,
             slot_mapping=async_h2d(torch.from_numpy(arr.slot_mapping), self.device),
-            max_query_len=int(arr.num_new.max()), max_seq_len=int(arr.seq_lens.max()), block_size=self.block_size,
-            cu_seqlens_q_cpu=arr.cu_seqlens_q.tolist(), seq_lens_cpu=arr.seq_lens.tolist(),
+            max_query_len=int(arr.num_new.max()),
+            max_seq_len=int(arr.seq_lens.max()),
+            block_size=self.block_size,
+            cu_seqlens_q_cpu=arr.cu_seqlens_q.tolist(),
+            seq_lens_cpu=arr.seq_lens.tolist(),
         )
         return md, async_h2d(torch.from_numpy(arr.positions), self.device)
 
@@ -307,8 +348,9 @@ class ModelRunner:
         hidden = (self._forward(x, md, positions) if hidden is None else hidden).float()
         return self.sample_rows(hidden, rows_t, async_h2d(torch.from_numpy(steps), self.device), "code"), hidden
 
-    def sample_rows(self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str,
-                    sample_fn=sample) -> torch.Tensor:
+    def sample_rows(
+        self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str, sample_fn=sample
+    ) -> torch.Tensor:
         """Heads + sampler for hidden [B, H] fp32 of `rows` at `steps`; records the tokens in the rows'
         histories. Returns [B, num_vq] (code) or [B, 1] (text) int64 on the device. Graph-capturable."""
         embed = self.model.embed
@@ -344,8 +386,9 @@ class ModelRunner:
             else:
                 rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
                 tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
-            groups.append(StepGroup(mode, [scheduled[i] for i in idx], tokens[:, None],
-                                    h[None] if mode == "code" else None))
+            groups.append(
+                StepGroup(mode, [scheduled[i] for i in idx], tokens[:, None], h[None] if mode == "code" else None)
+            )
         return groups
 
     def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:

@@ -81,10 +81,7 @@ class EngineCore:
 
     def fail_all(self, message: str) -> list[AudioOutput]:
         """Abort every synthesis -> one final error output each."""
-        return [
-            AudioOutput(rid, np.zeros(0, np.float32), True, finish_reason="error", error=message)
-            for rid in self.engine.abort_all()
-        ]
+        return self.engine.fail_all(message)
 
     # ---- utilities ---------------------------------------------------------------------------------
     def stats(self) -> dict:
