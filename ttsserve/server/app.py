@@ -64,7 +64,7 @@ from ttsserve.server.streaming import (
     until_disconnect,
 )
 from ttsserve.server.voice_routes import register_voice_routes
-from ttsserve.server.voices import VoiceResolver, VoiceScope, VoiceStore
+from ttsserve.server.voices import UnknownVoiceError, VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
 from ttsserve.text.split import LATIN_WEIGHT, MAX_UNITS_PER_SECOND, min_speech_seconds
 
@@ -130,6 +130,8 @@ class ServerState:
             voice = self.voices.resolve(spec, scope)
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
+        except UnknownVoiceError as e:
+            raise ApiError(404, f"voice {e.name!r} not found", param=param, code="voice_not_found") from None
         if voice is None:
             raise ApiError(
                 404,
