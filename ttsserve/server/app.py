@@ -86,7 +86,7 @@ class ServerState:
         self.auth = ApiKeyAuth(cfg.api_keys, cfg.admin_api_keys)
         self.rate = rate_limiter or RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
         self.gate = AdmissionGate(cfg.max_in_flight)
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, (cfg.served_model_names or (engine.model_name,))[0])
         self.store = VoiceStore(cfg.voices_db)
         self.voices = VoiceResolver(self.store, engine.random_speaker, engine.parse_speaker)
         names = cfg.served_model_names or (engine.model_name, *OPENAI_MODEL_NAMES)
