@@ -32,6 +32,11 @@ SPEECH = {
 LONG = {**SPEECH, "input": "long " * 40, "min_new_tokens": 3000, "max_new_tokens": 3000, "seed": 1}
 
 
+def _total(text: str, name: str) -> float:
+    """The sum of a metric's samples over all label values."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
 def _metric(text: str, name: str, labels: str = "") -> float:
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
@@ -56,6 +61,7 @@ def test_both_api_servers_serve_and_metrics_sum_over_them(server):
     before = _metric(
         clients["0"].get("/metrics").text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}'
     )
+    vllm_before = _total(clients["0"].get("/metrics").text, "vllm:e2e_request_latency_seconds_count")
     statuses: dict[str, list[int]] = {}
 
     def run(index: str) -> None:
@@ -73,6 +79,11 @@ def test_both_api_servers_serve_and_metrics_sum_over_them(server):
         text = client.get("/metrics").text
         assert _metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}') == before + 4
         assert _metric(text, "ttsserve_step_time_ms") > 0
+        # vLLM's names sum over the API servers too; the engine's gauges appear once
+        assert wait_until(
+            lambda: _total(client.get("/metrics").text, "vllm:e2e_request_latency_seconds_count") == vllm_before + 4
+        )
+        assert len(re.findall(r"^vllm:num_requests_running\{", text, re.MULTILINE)) == 1
         # engine gauges come from the core's stats, which reach each API server within ~0.1 s
         assert wait_until(lambda: _metric(client.get("/metrics").text, "ttsserve_num_requests_running") == 0)
     assert clients["1"].get("/ready").json()["status"] == "ready"

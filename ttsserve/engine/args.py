@@ -44,7 +44,7 @@ HELP = {
     "load_format": "auto | safetensors | dummy (random weights)",
     "dummy_size": "real | tiny: size of random weights for --load-format dummy",
     "device": "auto | cpu | cuda | cuda:N",
-    "dtype": "auto | float32 | bfloat16 | float16",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and on CPUs with native bf16, else fp32)",
     "quantization": "int8 | awq-int4 (weight-only; a quantized checkpoint from `ttsserve quantize` is detected)",
     "kv_cache_dtype": "auto | fp8 (e4m3 KV cache with per-token-head scales; CUDA only)",
     "lookahead_frames": "right context of streamed windows; unset = exact (stitched stream == one-shot decode)",

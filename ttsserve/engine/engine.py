@@ -251,6 +251,7 @@ class Engine:
         failed = self.registry.num_failed
         sched = self.scheduler.schedule()
         self._handle_scheduler_finished(sched)
+        self._observe_queue_times(sched)
         self.counters.preemptions += len(sched.preempted_ids)
         self.counters.swaps += len(sched.swapped_out_ids)
         t1 = clock()
@@ -374,6 +375,17 @@ class Engine:
         # the segment ends with its final audio chunk, which may leave the (deferred) audio stage later
         self.registry.end_generation(rec, reason)
 
+    def _observe_queue_times(self, sched) -> None:
+        """A synthesis waits in the queue from its arrival to the first step that schedules one of its sequences."""
+        now = None
+        for s in sched.scheduled:
+            rec = self.sequences.get(s.request_id)
+            if rec is None or rec.synthesis.scheduled:
+                continue
+            rec.synthesis.scheduled = True
+            now = now or time.monotonic()
+            self.counters.queue_time.observe(now - rec.synthesis.arrived)
+
     def _collect_audio(self, chunks: list) -> list[AudioOutput]:
         touched: dict[str, SynthesisRecord] = {}
         sequences = self.sequences
@@ -417,6 +429,7 @@ class Engine:
             "step_time_ms_ema": c.step_time_ms_ema,
             "step_time_histogram": c.step_times.as_dict(),
             "first_audio_histogram": c.first_audio.as_dict(),
+            "queue_time_histogram": c.queue_time.as_dict(),
             "audio_collects_total": self.audio.collects_total,
             "audio_polled_total": self.audio.polled_total,
             "slow_steps_total": c.slow_steps,

@@ -48,6 +48,7 @@ class SynthesisRecord:
     seqs: dict[SeqId, SequenceRecord] = field(default_factory=dict)  # its live sequences
     arrived: float = field(default_factory=time.monotonic)
     heard: bool = False  # its first audio left
+    scheduled: bool = False  # one of its sequences was scheduled: its wait in the queue is over
 
 
 @dataclass(eq=False, slots=True)

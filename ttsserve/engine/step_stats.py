@@ -13,6 +13,11 @@ logger = logging.getLogger("ttsserve.engine.engine")
 # Upper bounds (s) of the step-time histogram: a served H200 step is ~10 ms; a tail of first audio comes from
 # steps far beyond it (a large prefill, many final vocoder calls, a stalled host), which the mean hides.
 STEP_TIME_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+# vLLM's request-latency layout (its e2e and queue-time histograms), so its dashboards' quantiles read the same.
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
 # ... and of the engine's time to first audio (add_synthesis -> the first output with samples): 25-ms steps
 # around the H200's ~0.2 s, so its p99 can be told from the API servers' and the clients'.
 FIRST_AUDIO_BUCKETS_S = (
@@ -90,6 +95,7 @@ class EngineCounters:
     last_batch_size: int = 0
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS_S))
     first_audio: Histogram = field(default_factory=lambda: Histogram(FIRST_AUDIO_BUCKETS_S))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS_S))
     slow_steps: int = 0
     slow_step_logged_at: float = float("-inf")
 

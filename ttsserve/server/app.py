@@ -64,7 +64,7 @@ from ttsserve.server.streaming import (
     until_disconnect,
 )
 from ttsserve.server.voice_routes import register_voice_routes
-from ttsserve.server.voices import VoiceResolver, VoiceScope, VoiceStore
+from ttsserve.server.voices import UnknownVoiceError, VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
 from ttsserve.text.split import LATIN_WEIGHT, MAX_UNITS_PER_SECOND, min_speech_seconds
 
@@ -86,7 +86,7 @@ class ServerState:
         self.auth = ApiKeyAuth(cfg.api_keys, cfg.admin_api_keys)
         self.rate = rate_limiter or RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
         self.gate = AdmissionGate(cfg.max_in_flight)
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, (cfg.served_model_names or (engine.model_name,))[0])
         self.store = VoiceStore(cfg.voices_db)
         self.voices = VoiceResolver(self.store, engine.random_speaker, engine.parse_speaker)
         names = cfg.served_model_names or (engine.model_name, *OPENAI_MODEL_NAMES)
@@ -130,6 +130,8 @@ class ServerState:
             voice = self.voices.resolve(spec, scope)
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
+        except UnknownVoiceError as e:
+            raise ApiError(404, f"voice {e.name!r} not found", param=param, code="voice_not_found") from None
         if voice is None:
             raise ApiError(
                 404,

@@ -23,6 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ttsserve.engine.step_stats import FIRST_AUDIO_BUCKETS_S
+from ttsserve.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics
 
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
@@ -144,10 +145,11 @@ class ServerMetrics:
 
     requests_total{endpoint, status}; time_to_first_audio_seconds and request_latency_seconds histograms
     {endpoint}; audio_seconds_total; real_time_factor histogram (wall seconds / audio seconds, < 1 is faster
-    than real time); plus the engine gauges/counters above.
+    than real time); plus the engine gauges/counters above, and vLLM's names for the same (vllm_metrics.py)
+    with model_name: the served model's name.
     """
 
-    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict], model_name: str = "chattts") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -177,8 +179,11 @@ class ServerMetrics:
         self.aborted = Counter(
             "ttsserve_requests_aborted", "Syntheses aborted because the client went away", registry=r
         )
+        self.vllm = VllmRequestMetrics(r, model_name)
         self._engine = _EngineCollector(engine_stats)
+        self._vllm_engine = VllmEngineCollector(engine_stats, model_name)
         r.register(self._engine)
+        r.register(self._vllm_engine)
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -188,6 +193,7 @@ class ServerMetrics:
     ) -> None:
         if ttfa_s is not None:
             self.ttfa.labels(endpoint=endpoint).observe(ttfa_s)
+        self.vllm.observe(ttfa_s, total_s, finish_reason)
         if finish_reason == "abort":
             self.aborted.inc()
         self.audio_seconds.inc(max(0.0, audio_s))
@@ -203,5 +209,6 @@ class ServerMetrics:
             registry = CollectorRegistry()
             MultiProcessCollector(registry, _MULTIPROC_DIR)
             registry.register(self._engine)
+            registry.register(self._vllm_engine)
             return generate_latest(registry)
         return generate_latest(self.registry)

@@ -24,6 +24,7 @@ from ttsserve.params import Voice
 from ttsserve.server.protocol import (
     VOICE_NAME_PATTERN,
 )
+from ttsserve.server.voice_mix import VoiceMixError, is_mix, mix_speakers, parse_voice_mix
 
 # OpenAI's voice names (the SDK's list) -> fixed speaker seeds.
 BUILTIN_VOICES: dict[str, int] = {
@@ -101,6 +102,14 @@ class VoiceRecord:
             "created_at": self.created_at,
             "seed": self.seed,
         }
+
+
+class UnknownVoiceError(LookupError):
+    """A voice named in a mix does not exist (or is another API key's)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
 
 
 class VoiceConflictError(ValueError):
@@ -271,10 +280,12 @@ class VoiceResolver:
         """spec: None (default voice), a name/id string, or a VoiceRef. None if the name/id is unknown (or
         another API key's).
 
-        Raises ValueError for a bad speaker string.
+        Raises ValueError for a bad speaker string or mix, UnknownVoiceError for an unknown voice in a mix.
         """
         if spec is None:
             spec = DEFAULT_VOICE
+        if isinstance(spec, str) and is_mix(spec):
+            return self.resolve_mix(spec, scope)
         if isinstance(spec, str):
             rec = self.lookup(spec, scope)
             return None if rec is None else self.to_voice(rec)
@@ -283,3 +294,22 @@ class VoiceResolver:
         if spec.seed is not None:
             return Voice(spk_emb=self.speaker_for_seed(spec.seed), name=f"seed:{spec.seed}")
         return Voice(spk_emb=self.parse_speaker(spec.speaker), name="speaker")
+
+    def resolve_mix(self, spec: str, scope: VoiceScope = PUBLIC) -> Voice:
+        """ "a(0.7)+b(0.3)" -> one Voice whose speaker vector mixes theirs (voice_mix.mix_speakers).
+
+        VoiceMixError for bad syntax, a bad weight, or a recording-based voice (its audio prompt is a sequence
+        of codes with a transcript, which has no meaningful average); UnknownVoiceError for an unknown name.
+        """
+        terms = parse_voice_mix(spec)
+        vectors = []
+        for name, _ in terms:
+            rec = self.lookup(name, scope)
+            if rec is None:
+                raise UnknownVoiceError(name)
+            voice = self.to_voice(rec)
+            if voice.spk_smp is not None or voice.spk_emb is None:
+                raise VoiceMixError(f"voice {name!r} is a reference recording (audio prompt) and cannot be mixed")
+            vectors.append(voice.spk_emb)
+        label = "+".join(f"{name}({w:.3g})" for name, w in terms)
+        return Voice(spk_emb=mix_speakers(vectors, [w for _, w in terms]), name=label)
