@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import importlib.util
 import json
 import os
 import signal
@@ -26,9 +27,14 @@ from tests.server.conftest import REAL_MAX_NEW_TOKENS, LiveServer, make_real_eng
 from tests.server.multiproc_helpers import REPO, SERVE_FLAGS, free_port
 from ttsserve.server.app import ServerConfig, create_app
 
-pytestmark = pytest.mark.skipif(
-    chromium_path() is None, reason="needs Chromium (scripts/ci_deps.sh installs Debian's chromium package)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        chromium_path() is None, reason="needs Chromium (scripts/ci_deps.sh installs Debian's chromium package)"
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("websockets") is None, reason="needs the websockets package (uvicorn[standard])"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
