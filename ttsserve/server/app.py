@@ -41,6 +41,7 @@ from ttsserve.server.limits import (
 )
 from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ttsserve.server.metrics import ServerMetrics
+from ttsserve.server.playground import register_playground
 from ttsserve.server.protocol import (
     ChatTTSOptions,
     ErrorResponse,
@@ -389,6 +390,8 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         version="0.1.0",
         lifespan=lifespan,
         description="ChatTTS serving: OpenAI-compatible speech API, voices, streaming audio.",
+        docs_url=None,  # server/playground.py serves /docs and /redoc from local assets
+        redoc_url=None,
     )
     app.state.server = st
     install_error_handlers(app)
@@ -451,6 +454,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         return ModelObject(id=model, created=st.created)
 
     register_voice_routes(app, st, identity, _ERRORS)
+    register_playground(app)
 
     @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health():
