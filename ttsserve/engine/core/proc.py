@@ -57,6 +57,9 @@ logger = logging.getLogger("ttsserve.core")
 
 IDLE_POLL_MS = 50  # how long an idle loop sleeps in poll(); new messages wake it at once
 STATS_INTERVAL_S = 0.05  # changed stats reach each API server at most this often
+# Every API server hears from the loop at least this often, idle or not: silence means the loop is stuck
+# (CoreClient's stall rule), which a connection that stays up (a SIGSTOPped or hung core) cannot tell.
+HEARTBEAT_INTERVAL_S = 0.5
 MAX_MESSAGES_PER_ITERATION = 4096  # a flood of messages cannot starve the running streams of steps
 _RESULTS_ADDRESS = "inproc://ttsserve-utility-results"
 
@@ -70,13 +73,17 @@ class _Batch:
     outputs: list[RequestOutput] = field(default_factory=list)
     stats_version: int = -1  # the stats version it last received
     stats_sent_at: float = 0.0
+    sent_at: float = 0.0  # its last CoreOutputs (the heartbeat's clock)
 
 
 class EngineCoreProc:
     """The step loop of one EngineCore, serving any number of API servers (see the module docstring)."""
 
-    def __init__(self, engine, address: str, drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, engine, address: str, drain_timeout_s: float = 30.0, heartbeat=None) -> None:
+        """heartbeat: a shared double (multiprocessing.Value) the loop sets to time.monotonic() on every turn,
+        for the launcher's stall check; None: not watched."""
         self.engine = engine
+        self.heartbeat = heartbeat
         self.core = EngineCore(engine)
         self.drain_timeout_s = drain_timeout_s
         self.ctx = zmq.Context()
@@ -118,8 +125,11 @@ class EngineCoreProc:
 
     def run(self) -> None:
         core = self.core
+        beat = self.heartbeat
         try:
             while True:
+                if beat is not None:
+                    beat.value = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
                 busy = core.busy()
                 if self._stop_deadline is not None and (not busy or time.monotonic() > self._stop_deadline):
                     break
@@ -276,10 +286,12 @@ class EngineCoreProc:
                 if stats_raw is None:
                     stats_raw = msgspec.Raw(encoder.encode(self.core.stats()))
                 stats, b.stats_version, b.stats_sent_at = stats_raw, self._stats_version, now
-            if not (b.admitted or b.rejected or b.outputs or stats is not None):
+            if not (
+                b.admitted or b.rejected or b.outputs or stats is not None or now - b.sent_at >= HEARTBEAT_INTERVAL_S
+            ):
                 continue
             msg = CoreOutputs(b.admitted, b.rejected, b.outputs, stats)
-            b.admitted, b.rejected, b.outputs = [], [], []
+            b.admitted, b.rejected, b.outputs, b.sent_at = [], [], [], now
             self._send(ident, encoder.encode(msg))
 
     def _send(self, ident: bytes, payload: bytes) -> None:
@@ -303,7 +315,7 @@ class EngineCoreProc:
         return len(rids)
 
 
-def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float = 30.0) -> int:
+def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float = 30.0, heartbeat=None) -> int:
     """The core process's main: build the Engine from `cfg` (EngineConfig), bind `address`, report on
     `ready` ("ready", pid) or ("error", message), then serve until SIGTERM (drain, then return 0).
 
@@ -316,7 +328,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
     from ttsserve.engine.engine import Engine
 
     try:
-        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s)
+        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s, heartbeat)
     except Exception as e:  # reported to the launcher, which exits with a one-line reason
         logger.exception("the engine core failed to start")
         ready.send(("error", f"{type(e).__name__}: {e}"))
