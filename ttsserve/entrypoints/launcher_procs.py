@@ -53,6 +53,7 @@ def _api_server_main(
 
     from ttsserve.engine.core.client import CoreClient
     from ttsserve.server.app import create_app
+    from ttsserve.server.drain import DrainingServer
 
     rate = None
     if limits_address is not None:
@@ -71,7 +72,7 @@ def _api_server_main(
         lifespan="on",
         timeout_graceful_shutdown=server_cfg.drain_timeout_s,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, app.state.drain, server_cfg.drain_timeout_s).run(sockets=[sock])
 
 
 class ApiServerHeader:

@@ -65,12 +65,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
+    from ttsserve.server.drain import DrainingServer
 
     _configure_logging(log_level)
     server_cpu_defaults(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     try:
         engine = AsyncEngine.from_config(engine_cfg)
+        engine.stall_timeout_s = server_cfg.engine_stall_timeout_s
     except ValueError as e:  # what only the checkpoint's contents reveal (a bad tensor, a quantization mismatch)
         sock.close()
         return _config_error(e)
@@ -78,8 +80,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap("server")
-    # Our own JSON access log replaces uvicorn's; graceful shutdown waits for streams up to the drain timeout.
-    # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
+    # Our own JSON access log replaces uvicorn's. SIGTERM drains (server/drain.py: new requests get 503 while
+    # accepted ones finish, up to the drain timeout) and the exit status is 0, as under the launcher.
     config = uvicorn.Config(
         app,
         log_level=log_level.lower(),
@@ -89,7 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     shown = f"[{host}]" if ":" in host else host
     logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
-    uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)
+    # exits 3 itself if the app fails to start (as uvicorn.run)
+    DrainingServer(config, app.state.drain, server_cfg.drain_timeout_s).run(sockets=[sock])
     return 0
 
 

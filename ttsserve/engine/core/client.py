@@ -194,7 +194,9 @@ class CoreClient:
                 if isinstance(out, EngineDeadError):  # the core died: a 503 if nothing went out yet
                     if not yielded:
                         raise out
-                    out = AudioOutput(req.request_id or rid, np.zeros(0, np.float32), True, "error", error=str(out))
+                    out = AudioOutput(
+                        req.request_id or rid, np.zeros(0, np.float32), True, finish_reason="error", error=str(out)
+                    )
                 yielded = True
                 finished = out.finished
                 yield out
