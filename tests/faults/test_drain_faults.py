@@ -83,3 +83,4 @@ def test_sigterm_under_load_drains_and_refuses_new_requests_with_503(tmp_path, c
     if count:
         assert m and not os.path.exists(m.group(1)), srv.log()[-2000:]
     assert "not cleanly" not in srv.log()
+    assert f"writes voices (--voices-db, TTSSERVE_VOICES_DB): {tmp_path / 'v.db'}" in srv.log()  # files outside the run

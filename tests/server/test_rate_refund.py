@@ -75,6 +75,7 @@ def test_at_capacity_is_503_and_not_charged(serve_limited):
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded", r.text
         t.join(10)
         assert got["status"] == 200
+        assert wait_until(lambda: srv.app.state.server.gate.in_flight == 0)  # released after its last byte
         assert c.post("/v1/audio/speech", json=SPEECH).status_code == 200
         assert c.post("/v1/audio/speech", json=SPEECH).status_code == 429
 

@@ -53,6 +53,7 @@ import time
 
 from ttsserve.entrypoints.launcher_procs import _api_server_main, _configure_logging, _core_main
 from ttsserve.entrypoints.supervision import DeathBudget, RestartBackoff, clean_stale_run_dirs, make_run_dir
+from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket
 
 logger = logging.getLogger("ttsserve.launcher")
@@ -95,6 +96,7 @@ def run_api_servers(
     first listening socket, bound but not listening (None: bound here); with count > 1 on Linux, bound with
     preflight.bind_socket(reuse_port=True)."""
     _configure_logging(log_level, "launcher")
+    log_outside_paths(engine_cfg, server_cfg)
     clean_stale_run_dirs()
     run_dir = make_run_dir()
     logger.info("run directory: %s", run_dir)

@@ -15,6 +15,7 @@ import sys
 from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
 from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, run_data_parallel
 from ttsserve.server.args import add_serve_arguments, build_configs, server_cpu_defaults
+from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
 
 logger = logging.getLogger("ttsserve.server")
@@ -68,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ttsserve.server.drain import DrainingServer
 
     _configure_logging(log_level)
+    log_outside_paths(engine_cfg, server_cfg)
     server_cpu_defaults(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     try:
