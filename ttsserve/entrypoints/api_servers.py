@@ -337,8 +337,8 @@ class _Launcher:
         for p in servers:
             clean &= _join(p, grace) in (0, -signal.SIGTERM)
         if self.core is not None and self.core.pid is not None and self.core.is_alive():  # not one that died
-            self.core.terminate()
-            clean &= _join(self.core, 15) == 0
+            self.core.terminate()  # a core still loading its model dies of it: that is clean too
+            clean &= _join(self.core, 15) in (0, -signal.SIGTERM)
         if self.limiter is not None:
             self.limiter.stop()
         logger.info("stopped" if clean else "stopped, not cleanly")

@@ -8,6 +8,11 @@ is rejected by id with its typed error (ErrorInfo), a failing step fails that st
 keeps serving; a utility call that raises answers its caller with the error. Only the DVAE reference encoder
 (slow, rare) runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
 
+Liveness: every turn of the loop (every IDLE_POLL_MS when idle, once per step when busy) stamps the
+launcher's shared heartbeat, and every API server gets a message at least every HEARTBEAT_INTERVAL_S (stats,
+or an empty CoreOutputs), so a loop stuck in a step, or a stopped process, is seen by both although its
+connections stay up.
+
 Sockets: ROUTER bound at the ipc address, ROUTER_MANDATORY (a send to an API server that is gone raises, and
 its requests are aborted), ROUTER_HANDOVER (a restarted API server reconnecting with its identity takes it
 over; its Hello aborts what its predecessor left) and no high-water mark (audio is never dropped; a stalled API
