@@ -72,7 +72,10 @@ def _ready_again(srv: ServeProcess, timeout_s: float = 90) -> list[int]:
 
 
 def test_a_killed_core_is_restarted_and_the_server_recovers(tmp_path):
-    srv = ServeProcess(tmp_path, "--max-new-tokens", "3000", "--voices-db", str(tmp_path / "v.db"))
+    # with a rate limit: the shared limiter's refund of a refused request must not turn the 503 into a 500
+    srv = ServeProcess(
+        tmp_path, "--max-new-tokens", "3000", "--voices-db", str(tmp_path / "v.db"), "--requests-per-minute", "1000"
+    )
     try:
         srv.wait_ready()
         streams = Streams(srv.url, 3)
