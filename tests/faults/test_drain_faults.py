@@ -14,10 +14,11 @@ import time
 import httpx
 import pytest
 
+from tests.server.conftest import wait_until
 from tests.server.multiproc_helpers import ServeProcess
 
 SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm", "seed": 5}
-STREAM = {**SPEECH, "input": "long " * 20, "min_new_tokens": 600, "max_new_tokens": 600}
+STREAM = {**SPEECH, "input": "long " * 20, "min_new_tokens": 1000, "max_new_tokens": 1000}
 
 
 def _wait_ready(url: str, proc, log, timeout_s: float = 150) -> None:
@@ -63,7 +64,11 @@ def test_sigterm_under_load_drains_and_refuses_new_requests_with_503(tmp_path, c
         for _ in threads:
             assert started.acquire(timeout=60)
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # the signal reached the API servers
+
+        def draining() -> bool:  # on every API server (each fresh connection may reach another)
+            return all(httpx.get(srv.url + "/ready", timeout=10).status_code == 503 for _ in range(4))
+
+        assert wait_until(draining, timeout=10, interval=0.05), srv.log()[-2000:]
         for client in (keep_alive, httpx.Client(base_url=srv.url, timeout=10)):
             r = client.post("/v1/audio/speech", json=SPEECH)
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
@@ -73,9 +78,9 @@ def test_sigterm_under_load_drains_and_refuses_new_requests_with_503(tmp_path, c
         assert r.status_code == 503 and r.headers["connection"] == "close"
         for t in threads:
             t.join(60)
-        # every accepted request ran to its end: 600 frames of 24 kHz 16-bit audio each
+        # every accepted request ran to its end: 1000 frames of 24 kHz 16-bit audio each
         assert [res[0] if isinstance(res, tuple) else res for res in results] == [200] * 3, results
-        assert all(res[1] >= 600 * 512 * 2 * 0.9 for res in results), results
+        assert all(res[1] >= 1000 * 512 * 2 * 0.9 for res in results), results
         assert srv.proc.wait(60) == 0, srv.log()[-3000:]
     finally:
         srv.stop()
