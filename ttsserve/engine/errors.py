@@ -4,7 +4,7 @@ server maps them to HTTP with one isinstance table (server/errors.engine_error).
 
     InvalidRequestError   the request as given is refused (a ValueError; `param` names the field) -> 400
     EngineOverloadedError the engine cannot take the request now (queue full, starting, shutting down) -> 503
-    EngineDeadError       the engine can never serve again (its process or thread is gone) -> 503 engine_dead
+    EngineDeadError       the engine cannot serve now (gone, restarting, or stalled) -> 503 engine_dead
 """
 
 from __future__ import annotations
