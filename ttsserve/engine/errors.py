@@ -19,5 +19,6 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(EngineOverloadedError):
-    """The engine is gone for good (a dead engine-core process, an engine thread that died): nothing here
-    will serve again. An EngineOverloadedError, so callers that only retry elsewhere need not tell them apart."""
+    """The engine cannot serve now: an engine thread that died (for good), an engine-core process that died
+    (until the launcher's new core is up), or a loop that is stalled. The requests it held are lost. An
+    EngineOverloadedError, so callers that only retry elsewhere need not tell them apart."""
