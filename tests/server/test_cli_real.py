@@ -72,7 +72,7 @@ def test_serve_process_end_to_end(tmp_path):
         assert r.status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn drains, then re-raises the signal
+        assert proc.wait(60) == 0  # a clean drain exits 0 (server/drain.py)
     finally:
         if proc.poll() is None:
             proc.kill()

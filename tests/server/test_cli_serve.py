@@ -142,6 +142,8 @@ def test_env_vars_and_precedence():
         ([], {"TTSSERVE_ENFORCE_EAGER": "maybe"}, "TTSSERVE_ENFORCE_EAGER"),
         (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory"),
         (["--port", "70000", "--voices-db", ":memory:"], {}, "--port"),
+        (["--engine-stall-timeout", "0.5"], {}, "engine_stall_timeout_s"),
+        ([], {"TTSSERVE_CORE_RESTART_LIMIT": "-1"}, "core_restart_limit"),
     ],
 )
 def test_bad_values_name_their_source(argv, env, needle):

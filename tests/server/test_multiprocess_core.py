@@ -23,7 +23,7 @@ from ttsserve.engine.core.messages import (
     decode_synthesis,
     encoder,
 )
-from ttsserve.engine.errors import EngineOverloadedError
+from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 
@@ -297,23 +297,69 @@ def test_vanished_or_restarted_api_server_loses_its_requests(core_address):
     asyncio.run(main())
 
 
-def test_core_death_fails_in_flight_requests(tmp_path):
-    proc = start_core(f"ipc://{tmp_path}/core.sock")
+def test_core_death_fails_in_flight_requests_and_a_new_core_is_reconnected(tmp_path):
+    address = f"ipc://{tmp_path}/core.sock"
+    procs = [start_core(address)]
 
     async def main():
-        client = CoreClient(f"ipc://{tmp_path}/core.sock", 0)
+        client = CoreClient(address, 0)
         await client.start()
         gen = client.generate(_req(params=LONG))
         await anext(gen)
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(procs[0].pid, signal.SIGKILL)
         final = await asyncio.wait_for(_last(gen), 10)
         assert final.finished and final.finish_reason == "error" and "engine core" in final.error
         assert client.dead and not client.ready and client.stats() == {"num_streams": 0}
-        with pytest.raises(EngineOverloadedError, match="engine core"):
+        with pytest.raises(EngineDeadError, match="engine core"):
             await anext(client.generate(_req()))
         with pytest.raises(RuntimeError, match="engine core"):
             await client.call("stats")
-        await asyncio.wait_for(client.shutdown(5), 5)  # nothing waits on a dead core
+        # the launcher's new core at the same address: the client says hello again and serves
+        procs.append(await asyncio.to_thread(start_core, address))
+
+        async def back() -> bool:
+            return client.ready
+
+        assert await _until(back, 20)
+        assert not client.dead and client.dead_reason is None
+        samples, final = await _collect(client, _req())
+        assert final.finish_reason in ("stop", "length") and samples.size
+        await asyncio.wait_for(client.shutdown(5), 5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+def test_a_stopped_core_is_stalled_for_its_clients_until_it_turns_again(tmp_path):
+    address = f"ipc://{tmp_path}/core.sock"
+    proc = start_core(address)
+
+    async def main():
+        client = CoreClient(address, 0, stall_timeout_s=1.0)
+        await client.start()
+        await asyncio.sleep(1.5)  # idle: the core's heartbeats keep it alive
+        assert client.ready and not client.dead
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+
+            async def stalled() -> bool:
+                return client.stalled
+
+            assert await _until(stalled, 5)
+            assert "stalled" in client.dead_reason and not client.ready
+            with pytest.raises(EngineDeadError, match="stalled"):
+                await anext(client.generate(_req()))
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+
+        async def alive() -> bool:
+            return client.ready
+
+        assert await _until(alive, 5)
+        await client.shutdown(5)
 
     try:
         asyncio.run(main())

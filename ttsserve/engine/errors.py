@@ -4,7 +4,7 @@ server maps them to HTTP with one isinstance table (server/errors.engine_error).
 
     InvalidRequestError   the request as given is refused (a ValueError; `param` names the field) -> 400
     EngineOverloadedError the engine cannot take the request now (queue full, starting, shutting down) -> 503
-    EngineDeadError       the engine can never serve again (its process or thread is gone) -> 503 engine_dead
+    EngineDeadError       the engine cannot serve now (gone, restarting, or stalled) -> 503 engine_dead
 """
 
 from __future__ import annotations
@@ -19,5 +19,6 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(EngineOverloadedError):
-    """The engine is gone for good (a dead engine-core process, an engine thread that died): nothing here
-    will serve again. An EngineOverloadedError, so callers that only retry elsewhere need not tell them apart."""
+    """The engine cannot serve now: an engine thread that died (for good), an engine-core process that died
+    (until the launcher's new core is up), or a loop that is stalled. The requests it held are lost. An
+    EngineOverloadedError, so callers that only retry elsewhere need not tell them apart."""

@@ -34,7 +34,9 @@ class EngineClient(Protocol):
 
     @property
     def dead(self) -> bool:
-        """True once the engine can never serve again (then dead_reason says why)."""
+        """True while the engine cannot serve (then dead_reason says why): gone (an in-process engine for
+        good; an engine core until the launcher's new core is up), or stalled (its loop has not turned within
+        the stall timeout; `stalled` says which, where the client has it)."""
 
     @property
     def dead_reason(self) -> str | None: ...

@@ -24,11 +24,19 @@ Shared state: voices in one SQLite file (a `:memory:` store becomes a file in th
 made through one API server is visible to all), Prometheus counters in PROMETHEUS_MULTIPROC_DIR (a scrape
 of any API server sums all of them), rate limits in the launcher. Request ids are namespaced per API server.
 
-Lifecycle: SIGTERM / SIGINT -> the API servers drain (uvicorn's graceful shutdown, then the client waits for
-its streams, up to --drain-timeout), then the core stops; exit status 0. A second signal kills everything
-at once. An API server that dies is restarted (backoff 1 s doubling to 30 s); its requests are aborted in the
-core. If the core dies, every in-flight request fails, /ready and /health answer 503 for CORE_DEATH_LINGER_S,
-then the launcher stops the API servers and exits with status 1, for a supervisor to restart it.
+Lifecycle: SIGTERM / SIGINT -> the API servers drain (server/drain.py: they keep listening and answer new
+requests 503 until their streams finish, up to --drain-timeout), then the core stops; exit status 0, as the
+single-process server. A second signal kills everything at once. An API server that dies is restarted
+(backoff 1 s doubling to 30 s, back to 1 s after 60 s up); its requests are aborted in the core.
+
+The core is restarted in place the same way: when it dies, or stalls (its loop has not turned for
+--engine-stall-timeout s: it is killed), its in-flight requests fail with 503 `engine_dead` (a stream already
+under way ends with an error), /ready and /health answer 503 until the new core is up, and each API server's
+CoreClient reconnects to it. More than --core-restart-limit core deaths within --core-restart-window s and
+the launcher stops everything and exits with status 1, for an orchestrator to see.
+
+The run directory ($TMPDIR/ttsserve-*: core.sock, limits.sock, metrics/, voices.db when --voices-db is
+:memory:) is removed at exit; one left by a launcher that was SIGKILLed is removed by the next launcher.
 """
 
 from __future__ import annotations
@@ -41,17 +49,16 @@ import os
 import shutil
 import signal
 import socket
-import sys
-import tempfile
 import time
 
+from ttsserve.entrypoints.launcher_procs import _api_server_main, _configure_logging, _core_main
+from ttsserve.entrypoints.supervision import DeathBudget, RestartBackoff, clean_stale_run_dirs, make_run_dir
+from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket
 
 logger = logging.getLogger("ttsserve.launcher")
 ENV_COUNT = "TTSSERVE_API_SERVER_COUNT"
-CORE_DEATH_LINGER_S = 5.0
 _BACKLOG = 2048  # uvicorn's default
-_LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
 
 
 def add_api_server_args(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +96,10 @@ def run_api_servers(
     first listening socket, bound but not listening (None: bound here); with count > 1 on Linux, bound with
     preflight.bind_socket(reuse_port=True)."""
     _configure_logging(log_level, "launcher")
-    run_dir = tempfile.mkdtemp(prefix="ttsserve-")
+    log_outside_paths(engine_cfg, server_cfg)
+    clean_stale_run_dirs()
+    run_dir = make_run_dir()
+    logger.info("run directory: %s", run_dir)
     try:
         launcher = _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir)
         launcher.sock = sock
@@ -113,9 +123,14 @@ class _Launcher:
         self.mp = multiprocessing.get_context("spawn")
         self.signals = 0
         self.core = None
+        self.core_ready = None  # the starting core's pipe; None once it is up
+        self.core_restart_at: float | None = None  # the core is down until then
+        self.core_backoff = RestartBackoff()
+        self.core_deaths = DeathBudget(server_cfg.core_restart_limit, server_cfg.core_restart_window_s)
+        self.heartbeat = self.mp.Value("d", 0.0, lock=False)  # the core loop's last turn (time.monotonic())
         self.servers: list = [None] * count
         self.restart_at = [0.0] * count
-        self.backoff = [1.0] * count
+        self.backoff = [RestartBackoff() for _ in range(count)]
         self.sock: socket.socket | None = None  # the first listening socket
         self.reuse_port = count > 1 and REUSE_PORT_BALANCES
         self.socks: list[socket.socket | None] = []  # API server i's (one shared socket without reuse_port)
@@ -159,6 +174,14 @@ class _Launcher:
 
     def _start_core(self) -> bool:
         """Start the engine core and wait until it has built its Engine. False if it failed or we were told to stop."""
+        self._spawn_core()
+        while not self.signals:
+            started = self._core_started(0.5)
+            if started is not None:
+                return started
+        return False
+
+    def _spawn_core(self) -> None:
         ready_r, ready_w = self.mp.Pipe(duplex=False)
         # not daemonic: a daemonic process may not start processes of its own (torch.compile's workers)
         self.core = self.mp.Process(
@@ -172,24 +195,32 @@ class _Launcher:
                 self.server_cfg.drain_timeout_s,
                 self.log_level,
                 os.getpid(),
+                self.heartbeat,
             ),
         )
         self.core.start()
         ready_w.close()  # the core holds the only write end now: its death reads as EOF
+        self.core_ready, self.core_restart_at = ready_r, None
         logger.info("engine core: pid %d, loading the model", self.core.pid)
-        while not self.signals:
-            if not multiprocessing.connection.wait([ready_r, self.core.sentinel], timeout=0.5):
-                continue
-            try:
-                status, detail = ready_r.recv()
-            except EOFError:
-                logger.error("the engine core exited while starting (status %s)", self.core.exitcode)
-                return False
-            if status == "ready":
-                ready_r.close()
-                return True
-            logger.error("the engine core failed to start: %s", detail)
+
+    def _core_started(self, timeout_s: float) -> bool | None:
+        """The starting core's news: True (ready), False (failed), None (still loading)."""
+        if not multiprocessing.connection.wait([self.core_ready, self.core.sentinel], timeout=timeout_s):
+            return None
+        ready_r, self.core_ready = self.core_ready, None
+        try:
+            status, detail = ready_r.recv()
+        except EOFError:
+            logger.error("the engine core exited while starting (status %s)", self.core.exitcode)
             return False
+        finally:
+            ready_r.close()
+        if status == "ready":
+            self.heartbeat.value = time.monotonic()
+            self.core_backoff.started(time.monotonic())
+            logger.info("engine core ready (pid %d)", self.core.pid)
+            return True
+        logger.error("the engine core failed to start: %s", detail)
         return False
 
     def _start_limiter(self) -> None:
@@ -226,8 +257,9 @@ class _Launcher:
         try:
             sock = self._socket_for(i)
         except ValueError as e:  # the port's group could not take another socket: retry like a crash
-            logger.error("API server %d: %s; retrying in %.0f s", i, e, self.backoff[i])
-            self.restart_at[i] = time.monotonic() + self.backoff[i]
+            delay = self.backoff[i].next_delay(time.monotonic())
+            logger.error("API server %d: %s; retrying in %.0f s", i, e, delay)
+            self.restart_at[i] = time.monotonic() + delay
             return
         p = self.mp.Process(
             target=_api_server_main,
@@ -237,33 +269,61 @@ class _Launcher:
         )
         p.start()
         self.servers[i] = p
+        self.backoff[i].started(time.monotonic())
         logger.info("API server %d: pid %d", i, p.pid)
 
     def _supervise(self) -> int:
-        """Until a signal (-> 0) or the core's death (-> 1); restarts API servers that die."""
+        """Until a signal (-> 0) or too many core deaths (-> 1); restarts API servers and the core when they die."""
         while not self.signals:
-            waiting = [self.core.sentinel] + [p.sentinel for p in self.servers if p is not None]
-            multiprocessing.connection.wait(waiting, timeout=0.5)
-            if not self.core.is_alive():
-                logger.error(
-                    "the engine core exited (status %s); stopping in %.0f s", self.core.exitcode, CORE_DEATH_LINGER_S
-                )
-                deadline = time.monotonic() + CORE_DEATH_LINGER_S
-                while time.monotonic() < deadline and not self.signals:
-                    time.sleep(0.1)  # meanwhile /ready and /health say 503: balancers and probes notice
+            waiting = [p.sentinel for p in [self.core, *self.servers] if p is not None]
+            multiprocessing.connection.wait(waiting + ([self.core_ready] if self.core_ready else []), timeout=0.2)
+            if not self._supervise_core():
                 return 1
             now = time.monotonic()
             for i, p in enumerate(self.servers):
                 if p is not None and not p.is_alive():
                     self._drop_socket(i)
-                    logger.error(
-                        "API server %d exited (status %s); restarting in %.0f s", i, p.exitcode, self.backoff[i]
-                    )
-                    self.servers[i], self.restart_at[i] = None, now + self.backoff[i]
-                    self.backoff[i] = min(self.backoff[i] * 2, 30.0)
+                    delay = self.backoff[i].next_delay(now)
+                    logger.error("API server %d exited (status %s); restarting in %.0f s", i, p.exitcode, delay)
+                    self.servers[i], self.restart_at[i] = None, now + delay
                 elif p is None and now >= self.restart_at[i]:
                     self._start_server(i)
         return 0
+
+    def _supervise_core(self) -> bool:
+        """Restart a core that died or stalled; False once the deaths are over the budget."""
+        now = time.monotonic()
+        if self.core_restart_at is not None:  # down, waiting for its backoff
+            if now >= self.core_restart_at:
+                self._spawn_core()
+            return True
+        if self.core_ready is not None:  # loading
+            started = self._core_started(0)
+            if started is not False:
+                return True
+            reason = "failed to start"
+        elif not self.core.is_alive():
+            reason = f"exited (status {self.core.exitcode})"
+        elif now - self.heartbeat.value > self.server_cfg.engine_stall_timeout_s:
+            reason = f"stalled (its loop has not turned in {now - self.heartbeat.value:.1f} s): killed"
+            self.core.kill()
+        else:
+            return True
+        self.core.join(5)
+        if not self.core_deaths.record(now):
+            cfg = self.server_cfg
+            logger.error(
+                "the engine core %s; %d deaths within %.0f s is over --core-restart-limit %d: stopping",
+                reason,
+                len(self.core_deaths.deaths),
+                cfg.core_restart_window_s,
+                cfg.core_restart_limit,
+            )
+            return False
+        delay = self.core_backoff.next_delay(now)
+        logger.error("the engine core %s; restarting it in %.0f s", reason, delay)
+        self.core_restart_at = now + delay
+        return True
 
     def _stop_all(self) -> int:
         """API servers first (they drain), then the core. 0 when everything exited cleanly."""
@@ -276,10 +336,9 @@ class _Launcher:
         grace = self.server_cfg.drain_timeout_s + 10
         for p in servers:
             clean &= _join(p, grace) in (0, -signal.SIGTERM)
-        if self.core is not None and self.core.pid is not None:
-            if self.core.is_alive():
-                self.core.terminate()
-            clean &= _join(self.core, 15) == 0
+        if self.core is not None and self.core.pid is not None and self.core.is_alive():  # not one that died
+            self.core.terminate()  # a core still loading its model dies of it: that is clean too
+            clean &= _join(self.core, 15) in (0, -signal.SIGTERM)
         if self.limiter is not None:
             self.limiter.stop()
         logger.info("stopped" if clean else "stopped, not cleanly")
@@ -293,78 +352,3 @@ def _join(p, timeout_s: float) -> int | None:
         p.kill()
         p.join(5)
     return p.exitcode
-
-
-def _configure_logging(level: str, role: str) -> None:
-    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT.format(role=role), stream=sys.stderr)
-
-
-def _child_setup(parent_pid: int, log_level: str, role: str) -> None:
-    from ttsserve.engine.core.parent_death import die_with_parent
-
-    os.setpgrp()  # terminal signals go to the launcher, which orders the shutdown
-    die_with_parent(parent_pid)
-    _configure_logging(log_level, role)
-
-
-# ---- the children ----------------------------------------------------------------------------------
-def _core_main(engine_cfg, address: str, ready, drain_timeout_s: float, log_level: str, parent_pid: int) -> None:
-    _child_setup(parent_pid, log_level, "core")
-    from ttsserve.runner.cpu_threads import openmp_env_defaults
-
-    openmp_env_defaults()  # before torch loads (the next import): idle OpenMP threads must sleep, not spin
-    from ttsserve.engine.core.proc import run_engine_core
-    from ttsserve.server.args import server_cpu_defaults
-
-    server_cpu_defaults(engine_cfg)
-    sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s))
-
-
-def _api_server_main(
-    index: int,
-    sock: socket.socket,
-    server_cfg,
-    core_address: str,
-    limits_address: str | None,
-    log_level: str,
-    parent_pid: int,
-) -> None:
-    _child_setup(parent_pid, log_level, f"api{index}")
-    from ttsserve.server.http_server import raise_fd_limit, uvicorn_config
-
-    raise_fd_limit()
-    import uvicorn
-
-    from ttsserve.engine.core.client import CoreClient
-    from ttsserve.server.app import create_app
-
-    rate = None
-    if limits_address is not None:
-        from ttsserve.server.shared_limits import SharedRateLimiter
-
-        rate = SharedRateLimiter(limits_address)
-    app = create_app(CoreClient(core_address, index), server_cfg, rate_limiter=rate)
-    from ttsserve.engine.core.heap import freeze_startup_heap
-
-    freeze_startup_heap(f"API server {index}")
-    config = uvicorn_config(ApiServerHeader(app, index), server_cfg, log_level)
-    uvicorn.Server(config).run(sockets=[sock])
-
-
-class ApiServerHeader:
-    """Pure ASGI: `X-API-Server: <index>` on every response, so logs and clients can tell which process answered."""
-
-    def __init__(self, app, index: int) -> None:
-        self.app = app
-        self.header = (b"x-api-server", str(index).encode())
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_with_header(msg) -> None:
-            if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": [*msg.get("headers", []), self.header]}
-            await send(msg)
-
-        await self.app(scope, receive, send_with_header)

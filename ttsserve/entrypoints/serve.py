@@ -15,6 +15,7 @@ import sys
 from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
 from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, run_data_parallel
 from ttsserve.server.args import add_serve_arguments, build_configs, server_cpu_defaults
+from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
 
 logger = logging.getLogger("ttsserve.server")
@@ -61,18 +62,19 @@ def run_serve(args: argparse.Namespace) -> int:
         return _config_error(e)
     if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (api_servers.py)
         return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock=sock)
-    import uvicorn
-
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
+    from ttsserve.server.drain import DrainingServer
     from ttsserve.server.http_server import raise_fd_limit, uvicorn_config
 
     _configure_logging(log_level)
     raise_fd_limit()
+    log_outside_paths(engine_cfg, server_cfg)
     server_cpu_defaults(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     try:
         engine = AsyncEngine.from_config(engine_cfg)
+        engine.stall_timeout_s = server_cfg.engine_stall_timeout_s
     except ValueError as e:  # what only the checkpoint's contents reveal (a bad tensor, a quantization mismatch)
         sock.close()
         return _config_error(e)
@@ -80,11 +82,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap("server")
-    # On SIGTERM uvicorn drains, then re-raises the signal, so the exit status is the conventional 143.
+    # SIGTERM drains (server/drain.py: new requests get 503 while accepted ones finish, up to the drain timeout)
+    # and the exit status is 0, as under the launcher.
     config = uvicorn_config(app, server_cfg, log_level)
     shown = f"[{host}]" if ":" in host else host
     logger.info("serving on http://%s:%d once the engine is up (Ctrl+C to quit)", shown, port)
-    uvicorn.Server(config).run(sockets=[sock])  # exits 3 itself if the app fails to start (as uvicorn.run)
+    # exits 3 itself if the app fails to start (as uvicorn.run)
+    DrainingServer(config, app.state.drain, server_cfg.drain_timeout_s).run(sockets=[sock])
     return 0
 
 

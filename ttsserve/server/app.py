@@ -25,6 +25,7 @@ from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.protocol import EngineClient
 from ttsserve.server.access_log import RequestContextMiddleware, access_logger
 from ttsserve.server.args import ServerConfig
+from ttsserve.server.drain import DrainMiddleware, DrainState
 from ttsserve.server.errors import (
     ApiError,
     bad_request,
@@ -394,6 +395,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         redoc_url=None,
     )
     app.state.server = st
+    app.state.drain = DrainState()  # started by drain.DrainingServer on SIGTERM
     install_error_handlers(app)
     bearer = HTTPBearer(auto_error=False, description="API key (only when the server has --api-key)")
 
@@ -458,14 +460,16 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
 
     @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health():
-        if engine.dead:  # the engine (its process or thread) is gone: this server cannot recover
-            raise ApiError(503, "the engine is gone", code="engine_dead")
+        if engine.dead:  # gone (its process or thread), or stalled: a step that does not end
+            code = "engine_stalled" if getattr(engine, "stalled", False) else "engine_dead"
+            raise ApiError(503, engine.dead_reason or "the engine is gone", code=code)
         return {"status": "ok"}
 
     @app.get("/ready", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def ready():
         if not engine.ready or st.gate.closed:
-            raise ApiError(503, "engine not ready", code="not_ready", headers={"Retry-After": "1"})
+            why = (engine.dead_reason if engine.dead else None) or "engine not ready"
+            raise ApiError(503, why, code="not_ready", headers={"Retry-After": "1"})
         return {"status": "ready", "model": st.model_names[0]}
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
@@ -483,4 +487,5 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         upload_paths=("/v1/audio/voices",),
     )
     app.add_middleware(RequestContextMiddleware, metrics=st.metrics)
+    app.add_middleware(DrainMiddleware, state=app.state.drain)  # outermost: a draining server answers first
     return app

@@ -127,6 +127,25 @@ class ServerConfig:
             "and is closed (default: what the open-file limit leaves room for)"
         ),
     )
+    engine_stall_timeout_s: float = field(
+        default=60.0,
+        metadata=_flag(
+            "seconds the engine loop may go without a turn (it turns every 50 ms idle, once per step busy) "
+            "before /health and /ready say 503 engine_stalled and, with --api-server-count, the core is "
+            "restarted; >= 1",
+            flag="--engine-stall-timeout",
+        ),
+    )
+    core_restart_limit: int = field(
+        default=5,
+        metadata=_flag(
+            "engine-core deaths (crash or stall) the launcher restarts within --core-restart-window; one more "
+            "and it exits with status 1"
+        ),
+    )
+    core_restart_window_s: float = field(
+        default=600.0, metadata=_flag("seconds over which core deaths are counted", flag="--core-restart-window")
+    )
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "chars_per_minute"):
@@ -140,6 +159,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be >= 1")
+        if self.engine_stall_timeout_s < 1:
+            raise ValueError("engine_stall_timeout_s must be >= 1")
+        if self.core_restart_limit < 0 or self.core_restart_window_s <= 0:
+            raise ValueError("core_restart_limit must be >= 0 and core_restart_window_s > 0")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         for name in ("request_timeout_s", "max_audio_seconds"):

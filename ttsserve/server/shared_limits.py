@@ -3,7 +3,9 @@
 A RateLimiter per process would let a key through N times its limit (each process counts only what it
 saw). So the launcher runs the one RateLimiter behind a ZMQ ROUTER (RateLimitService, a thread of the
 launcher process, which has nothing else to do), and every API server's SharedRateLimiter asks it:
-same limits, same sliding windows, same 429 messages and Retry-After as a single-process server.
+same limits, same sliding windows, same 429 messages and Retry-After as a single-process server, and the
+same refund: a request the API server then refuses with 503 gives its quota back (RateRefund), so a refused
+request is not charged in either mode.
 
 A check is one local IPC round trip (tens of microseconds) made synchronously on the API server's event
 loop, as RateLimiter.check is; only servers with a limit configured make it. If the service does not
@@ -13,9 +15,13 @@ worse than a refused request).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -26,10 +32,21 @@ from ttsserve.server.limits import RateLimiter
 logger = logging.getLogger("ttsserve.server")
 
 
-class RateCheck(msgspec.Struct, array_like=True, frozen=True):
+# A refund kept longer than this is dropped: the window its quota came from has passed by then.
+REFUND_TTL_S = 120.0
+MAX_PENDING_REFUNDS = 1 << 17  # bounds the service's memory under any request rate
+
+
+class RateCheck(msgspec.Struct, array_like=True, frozen=True, tag=True):
     seq: int  # echoed, so a late reply to an abandoned check is never taken for the current one
     identity: str
     num_chars: int
+
+
+class RateRefund(msgspec.Struct, array_like=True, frozen=True, tag=True):
+    """Give back the quota of an allowed check (its verdict's refund_id); no reply."""
+
+    refund_id: int
 
 
 class RateVerdict(msgspec.Struct, array_like=True, frozen=True):
@@ -38,10 +55,11 @@ class RateVerdict(msgspec.Struct, array_like=True, frozen=True):
     message: str = ""
     code: str | None = None
     headers: dict[str, str] = {}
+    refund_id: int = -1  # allowed: the id a RateRefund names
 
 
 _encoder = msgspec.msgpack.Encoder()
-_check_decoder = msgspec.msgpack.Decoder(RateCheck)
+_check_decoder = msgspec.msgpack.Decoder(RateCheck | RateRefund)
 _verdict_decoder = msgspec.msgpack.Decoder(RateVerdict)
 
 
@@ -55,6 +73,8 @@ class RateLimitService:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.bind(address)
         self._stop = threading.Event()
+        self._refunds: OrderedDict[int, tuple[float, Callable[[], None]]] = OrderedDict()
+        self._refund_ids = itertools.count()
         self._thread = threading.Thread(target=self._serve, name="ttsserve-rate-limits", daemon=True)
 
     def start(self) -> RateLimitService:
@@ -72,18 +92,32 @@ class RateLimitService:
                 continue
             ident, payload = self._sock.recv_multipart()
             try:
-                check = _check_decoder.decode(payload)
+                msg = _check_decoder.decode(payload)
             except msgspec.DecodeError as e:
                 logger.error("rate-limit service: dropped an undecodable check: %s", e)
                 continue
-            self._sock.send_multipart([ident, _encoder.encode(self.verdict(check))])
+            if isinstance(msg, RateRefund):
+                self.refund(msg.refund_id)
+            else:
+                self._sock.send_multipart([ident, _encoder.encode(self.verdict(msg))])
 
     def verdict(self, check: RateCheck) -> RateVerdict:
         try:
-            self.limiter.check(check.identity, check.num_chars)
+            refund = self.limiter.check(check.identity, check.num_chars)
         except ApiError as e:
             return RateVerdict(check.seq, e.status, e.message, e.code, dict(e.headers or {}))
-        return RateVerdict(check.seq, 0)
+        now = time.monotonic()
+        refunds = self._refunds
+        while refunds and (len(refunds) >= MAX_PENDING_REFUNDS or next(iter(refunds.values()))[0] < now - REFUND_TTL_S):
+            refunds.popitem(last=False)
+        refund_id = next(self._refund_ids)
+        refunds[refund_id] = (now, refund)
+        return RateVerdict(check.seq, 0, refund_id=refund_id)
+
+    def refund(self, refund_id: int) -> None:
+        entry = self._refunds.pop(refund_id, None)
+        if entry is not None:
+            entry[1]()
 
 
 class SharedRateLimiter:
@@ -103,8 +137,9 @@ class SharedRateLimiter:
         sock.connect(self.address)
         return sock
 
-    def check(self, identity: str, num_chars: int) -> None:
-        """Consume quota or raise ApiError (429 with Retry-After; 503 if the service does not answer)."""
+    def check(self, identity: str, num_chars: int) -> Callable[[], None]:
+        """Consume quota or raise ApiError (429 with Retry-After; 503 if the service does not answer).
+        Returns the refund (RateLimiter.check's contract): calling it gives the quota back, once."""
         with self._lock:
             seq = next(self._seq)
             self._sock.send(_encoder.encode(RateCheck(seq, identity, num_chars)))
@@ -121,6 +156,13 @@ class SharedRateLimiter:
                     break
         if verdict.status:
             raise ApiError(verdict.status, verdict.message, code=verdict.code, headers=verdict.headers or None)
+        return functools.partial(self._refund, [verdict.refund_id])
+
+    def _refund(self, pending: list[int]) -> None:
+        if not pending:  # emptied, so a second call refunds nothing
+            return
+        with self._lock:
+            self._sock.send(_encoder.encode(RateRefund(pending.pop())))
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

@@ -6,7 +6,9 @@ the engine thread through an inbox; outputs come back with `call_soon_threadsafe
 single bad request: input errors are raised to the caller before anything is queued, and a failing step
 fails that step's requests while the engine keeps serving (EngineCore.step). An exception that escapes the
 loop itself kills the engine for good: in-flight streams end with an error output, and every later call
-raises EngineDeadError.
+raises EngineDeadError. A loop that has not turned for `stall_timeout_s` (it turns every 50 ms idle, once per
+step busy) is stalled: `dead` says so while it lasts (/health and /ready answer 503, new requests get
+EngineDeadError), and clears if the step ends after all.
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ def _may_be_admitted(fut: Future) -> bool:
 class AsyncEngine:
     """An EngineClient (engine/protocol.py) running `engine` on a thread of this process."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, stall_timeout_s: float = 60.0) -> None:
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self._last_turn = time.monotonic()  # the engine thread's last loop turn
         self.core = EngineCore(engine)
         self.model_name = self.core.model_name
         self.sample_rate = self.core.sample_rate
         self.processor = InputProcessor(engine.model.tokenizer)
-        self.dead_reason: str | None = None
+        self._died: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         # engine thread only: request id -> (the consumer's loop, its queue), for admitted requests
@@ -72,6 +76,7 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._thread is None:
             self.processor.warm_up()
+            self._last_turn = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="ttsserve-engine", daemon=True)
             self._thread.start()
 
@@ -92,8 +97,21 @@ class AsyncEngine:
         return alive and self.core.accepting and not self._stopping and not self.dead
 
     @property
+    def dead_reason(self) -> str | None:
+        if self._died is not None:
+            return self._died
+        silent = time.monotonic() - self._last_turn
+        if self._thread is not None and silent > self.stall_timeout_s:
+            return f"the engine is stalled: its step loop has not turned in {silent:.0f} s"
+        return None
+
+    @property
     def dead(self) -> bool:
         return self.dead_reason is not None
+
+    @property
+    def stalled(self) -> bool:
+        return self._died is None and self.dead
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
@@ -109,8 +127,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         admitted: Future = Future()
         self._post(("add", (req, segments), (loop, q), admitted))
-        if self.dead:  # died between the check above and the post: nobody else will answer it
-            self._fail_inbox(self.dead_reason)
+        if self._died is not None:  # died between the check above and the post: nobody else will answer it
+            self._fail_inbox(self._died)
         ok = finished = False
         try:
             await asyncio.wrap_future(admitted)  # the EngineCore's typed error, if it refused
@@ -173,6 +191,7 @@ class AsyncEngine:
         freeze = FreezeWhenWarm(self.engine, "server")
         core = self.core
         while not self._stopping:
+            self._last_turn = time.monotonic()
             freeze.check()
             self._drain_inbox()
             if not core.busy():
@@ -222,7 +241,7 @@ class AsyncEngine:
             self.core.abort(out.request_id)
 
     def _die(self, reason: str) -> None:
-        self.dead_reason = reason
+        self._died = reason
         for rid in list(self._streams):
             self._deliver(_final(rid, "error", reason))
         self._fail_inbox(reason)

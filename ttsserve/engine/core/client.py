@@ -2,9 +2,15 @@
 
 One DEALER socket (identity `api-<index>`) to the core's ROUTER, used only from the event loop's thread;
 a receive task routes the core's batched outputs to one asyncio.Queue per request. A socket monitor
-watches the connection: when the core process dies, every in-flight request ends with an error output
-(or EngineDeadError if it was not admitted yet), pending utility calls fail, `ready` turns False and
-`dead` True. Nothing waits on a dead core.
+watches the connection: when the core process dies, every in-flight request fails (EngineDeadError if it had
+no output yet, else an error output ends it), pending utility calls fail, `ready` turns False and `dead`
+True. Nothing waits on a dead core. `dead` means dead now: when the launcher has started a new core at the
+same address the socket reconnects, the client says Hello again, and once the new core's CoreInfo arrives
+the client serves again.
+
+The core sends every API server a message at least every proc.HEARTBEAT_INTERVAL_S, idle or not; a core
+not heard from for `stall_timeout_s` is stalled (a hung step, a SIGSTOP: the connection stays up), which
+`dead` reports too, so /health and /ready say 503 and no new request waits behind it.
 
 random_speaker / parse_speaker run here, from the speaker statistics the core sends in its CoreInfo: the
 app calls them synchronously on the event loop, where a round trip would wait behind an engine step. They
@@ -71,11 +77,12 @@ class CoreClient:
     sample_rate = SAMPLE_RATE
     model_name = MODEL_NAME
 
-    def __init__(self, address: str, index: int = 0) -> None:
+    def __init__(self, address: str, index: int = 0, stall_timeout_s: float = 60.0) -> None:
         self.address = address
         self.index = index
-        self.dead = False  # the core process is gone (for good: nothing reconnects)
-        self.dead_reason: str | None = None
+        self.stall_timeout_s = stall_timeout_s
+        self._lost: str | None = None  # why the connection to the core is down (until a new core says hello)
+        self._last_heard = time.monotonic()
         self._info: CoreInfo | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -100,7 +107,7 @@ class CoreClient:
         sock.setsockopt(zmq.IDENTITY, f"api-{self.index}".encode())
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core's queue is the bound
         sock.setsockopt(zmq.RCVHWM, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.address)
         self._hello = self._loop.create_future()
         self._tasks = [
@@ -131,7 +138,7 @@ class CoreClient:
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and not self.dead and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._streams and not self.dead:
+        if self._streams and self._lost is None:
             self._post(Abort(list(self._streams)))
         for t in self._tasks:
             t.cancel()
@@ -143,6 +150,24 @@ class CoreClient:
     @property
     def ready(self) -> bool:
         return self._info is not None and self._accepting and not self.dead
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the core cannot serve now (gone, or stalled); None while it can."""
+        if self._lost is not None:
+            return self._lost
+        silent = time.monotonic() - self._last_heard
+        if self._info is not None and silent > self.stall_timeout_s:
+            return f"the engine core is stalled: not heard from in {silent:.0f} s"
+        return None
+
+    @property
+    def dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def stalled(self) -> bool:
+        return self._lost is None and self.dead
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
@@ -159,13 +184,20 @@ class CoreClient:
         msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
         stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
         self._streams[rid] = stream
-        admitted = finished = False
+        admitted = finished = yielded = False
         try:
             self._post(AddRequest(rid, msgspec.Raw(encoder.encode(msg)), segments))
             await stream.admitted
             admitted = True
             while True:
-                out: AudioOutput = await stream.queue.get()
+                out: AudioOutput | EngineDeadError = await stream.queue.get()
+                if isinstance(out, EngineDeadError):  # the core died: a 503 if nothing went out yet
+                    if not yielded:
+                        raise out
+                    out = AudioOutput(
+                        req.request_id or rid, np.zeros(0, np.float32), True, finish_reason="error", error=str(out)
+                    )
+                yielded = True
                 finished = out.finished
                 yield out
                 if finished:
@@ -175,7 +207,7 @@ class CoreClient:
             pending = not stream.admitted.done()  # the core may still admit it: abort it all the same
             if pending:
                 stream.admitted.cancel()
-            if (admitted or pending) and not finished and not self.dead:  # the consumer went away: free its blocks
+            if (admitted or pending) and not finished and self._lost is None:  # the consumer went away: free its blocks
                 self._post(Abort([rid]))
 
     def segment_msgs(self, req: SynthesisRequest) -> list[SegmentMsg]:
@@ -187,7 +219,7 @@ class CoreClient:
         for rid, s in list(self._streams.items()):
             if (s.public_id or rid) == request_id:
                 self._streams.pop(rid)
-                if not self.dead:
+                if self._lost is None:
                     self._post(Abort([rid]))  # after its AddRequest: the core admits it, then aborts it
                 if not s.admitted.done():
                     s.admitted.set_result(None)
@@ -259,6 +291,7 @@ class CoreClient:
     async def _receive_loop(self) -> None:
         while True:
             frame = await self._sock.recv()
+            self._last_heard = time.monotonic()
             try:
                 msg = core_decoder.decode(frame)
             except msgspec.DecodeError as e:
@@ -270,8 +303,8 @@ class CoreClient:
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
-            elif isinstance(msg, CoreInfo) and self._hello is not None and not self._hello.done():
-                self._hello.set_result(msg)
+            elif isinstance(msg, CoreInfo):
+                self._on_hello(msg)
 
     def _on_outputs(self, msg: CoreOutputs) -> None:
         if msg.stats is not None:
@@ -295,20 +328,30 @@ class CoreClient:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._core_gone("the engine core process is gone")
-                    return
+                elif event["event"] == zmq.EVENT_CONNECTED and self._lost is not None:
+                    logger.info("an engine core is up at %s again: saying hello", self.address)
+                    self._post(Hello(self.index, os.getpid()))  # its CoreInfo (_receive_loop) revives us
         finally:
             monitor.close(linger=0)
 
+    def _on_hello(self, info: CoreInfo) -> None:
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_result(info)
+        elif self._lost is not None:  # a new core after a death
+            self._info, self._stats, self._lost = info, dict(info.stats), None
+            logger.info("reconnected to the engine core (pid %d)", info.pid)
+
     def _core_gone(self, reason: str) -> None:
-        self.dead, self.dead_reason = True, reason
+        if self._lost is not None:
+            return
+        self._lost = reason
         logger.error("%s: failing %d in-flight requests", reason, len(self._streams))
-        for rid, s in self._streams.items():
+        for s in self._streams.values():
             if not s.admitted.done():
                 s.admitted.set_exception(EngineDeadError(reason))
             else:
-                s.queue.put_nowait(
-                    AudioOutput(s.public_id or rid, np.zeros(0, np.float32), True, finish_reason="error", error=reason)
-                )
+                s.queue.put_nowait(EngineDeadError(reason))
+        self._streams.clear()  # their generators end on what was just queued; the new core never knew them
         for fut in [*self._calls.values(), self._hello]:
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(reason))

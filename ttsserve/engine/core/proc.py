@@ -8,6 +8,11 @@ is rejected by id with its typed error (ErrorInfo), a failing step fails that st
 keeps serving; a utility call that raises answers its caller with the error. Only the DVAE reference encoder
 (slow, rare) runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
 
+Liveness: every turn of the loop (every IDLE_POLL_MS when idle, once per step when busy) stamps the
+launcher's shared heartbeat, and every API server gets a message at least every HEARTBEAT_INTERVAL_S (stats,
+or an empty CoreOutputs), so a loop stuck in a step, or a stopped process, is seen by both although its
+connections stay up.
+
 Sockets: ROUTER bound at the ipc address, ROUTER_MANDATORY (a send to an API server that is gone raises, and
 its requests are aborted), ROUTER_HANDOVER (a restarted API server reconnecting with its identity takes it
 over; its Hello aborts what its predecessor left) and no high-water mark (audio is never dropped; a stalled API
@@ -57,6 +62,9 @@ logger = logging.getLogger("ttsserve.core")
 
 IDLE_POLL_MS = 50  # how long an idle loop sleeps in poll(); new messages wake it at once
 STATS_INTERVAL_S = 0.05  # changed stats reach each API server at most this often
+# Every API server hears from the loop at least this often, idle or not: silence means the loop is stuck
+# (CoreClient's stall rule), which a connection that stays up (a SIGSTOPped or hung core) cannot tell.
+HEARTBEAT_INTERVAL_S = 0.5
 MAX_MESSAGES_PER_ITERATION = 4096  # a flood of messages cannot starve the running streams of steps
 _RESULTS_ADDRESS = "inproc://ttsserve-utility-results"
 
@@ -70,13 +78,17 @@ class _Batch:
     outputs: list[RequestOutput] = field(default_factory=list)
     stats_version: int = -1  # the stats version it last received
     stats_sent_at: float = 0.0
+    sent_at: float = 0.0  # its last CoreOutputs (the heartbeat's clock)
 
 
 class EngineCoreProc:
     """The step loop of one EngineCore, serving any number of API servers (see the module docstring)."""
 
-    def __init__(self, engine, address: str, drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, engine, address: str, drain_timeout_s: float = 30.0, heartbeat=None) -> None:
+        """heartbeat: a shared double (multiprocessing.Value) the loop sets to time.monotonic() on every turn,
+        for the launcher's stall check; None: not watched."""
         self.engine = engine
+        self.heartbeat = heartbeat
         self.core = EngineCore(engine)
         self.drain_timeout_s = drain_timeout_s
         self.ctx = zmq.Context()
@@ -118,8 +130,11 @@ class EngineCoreProc:
 
     def run(self) -> None:
         core = self.core
+        beat = self.heartbeat
         try:
             while True:
+                if beat is not None:
+                    beat.value = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
                 busy = core.busy()
                 if self._stop_deadline is not None and (not busy or time.monotonic() > self._stop_deadline):
                     break
@@ -276,10 +291,12 @@ class EngineCoreProc:
                 if stats_raw is None:
                     stats_raw = msgspec.Raw(encoder.encode(self.core.stats()))
                 stats, b.stats_version, b.stats_sent_at = stats_raw, self._stats_version, now
-            if not (b.admitted or b.rejected or b.outputs or stats is not None):
+            if not (
+                b.admitted or b.rejected or b.outputs or stats is not None or now - b.sent_at >= HEARTBEAT_INTERVAL_S
+            ):
                 continue
             msg = CoreOutputs(b.admitted, b.rejected, b.outputs, stats)
-            b.admitted, b.rejected, b.outputs = [], [], []
+            b.admitted, b.rejected, b.outputs, b.sent_at = [], [], [], now
             self._send(ident, encoder.encode(msg))
 
     def _send(self, ident: bytes, payload: bytes) -> None:
@@ -303,7 +320,7 @@ class EngineCoreProc:
         return len(rids)
 
 
-def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float = 30.0) -> int:
+def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float = 30.0, heartbeat=None) -> int:
     """The core process's main: build the Engine from `cfg` (EngineConfig), bind `address`, report on
     `ready` ("ready", pid) or ("error", message), then serve until SIGTERM (drain, then return 0).
 
@@ -316,7 +333,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
     from ttsserve.engine.engine import Engine
 
     try:
-        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s)
+        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s, heartbeat)
     except Exception as e:  # reported to the launcher, which exits with a one-line reason
         logger.exception("the engine core failed to start")
         ready.send(("error", f"{type(e).__name__}: {e}"))

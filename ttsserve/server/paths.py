@@ -1,0 +1,41 @@
+"""The files a server writes outside its run directory, logged once at start so an operator knows what a
+default start leaves on the machine (docs/DEPLOY.md, "Files outside the run")."""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import tempfile
+
+logger = logging.getLogger("ttsserve.server")
+
+
+def outside_paths(engine_cfg, server_cfg) -> dict[str, str]:
+    """What -> path, for the files this configuration writes outside the run directory."""
+    paths: dict[str, str] = {}
+    if server_cfg.voices_db != ":memory:":
+        paths["voices (--voices-db, TTSSERVE_VOICES_DB)"] = os.path.abspath(server_cfg.voices_db)
+    if engine_cfg.load_format == "dummy":
+        cache = os.environ.get("TTSSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ttsserve")
+        paths["dummy checkpoints (TTSSERVE_CACHE)"] = cache
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + _user()
+    )
+    paths["torch.compile cache (TORCHINDUCTOR_CACHE_DIR)"] = inductor
+    if engine_cfg.device != "cpu":
+        triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        paths["Triton kernels on CUDA (TRITON_CACHE_DIR)"] = triton
+    return paths
+
+
+def log_outside_paths(engine_cfg, server_cfg) -> None:
+    for what, path in outside_paths(engine_cfg, server_cfg).items():
+        logger.info("writes %s: %s", what, path)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's arbitrary user)
+        return str(os.getuid())
