@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,6 +35,21 @@ def _flag(help_text: str, parse=None, flag: str | None = None, cli_default=datac
     """A ServerConfig field's flag: its help, its str -> value parser (default: from the annotation), its name
     when not --<field> and, where `serve` differs from the library, its command-line default."""
     return {"help": help_text, "parse": parse, "flag": flag, "cli_default": cli_default}
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    """A JSON list (vLLM's form: '["https://a.example", "https://b.example"]') or comma-separated values."""
+    text = str(text).strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON list: {e.msg}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError("must be a JSON list of strings")
+    else:
+        items = text.split(",")
+    return tuple(x.strip() for x in items if x.strip())
 
 
 @dataclass
@@ -125,6 +141,33 @@ class ServerConfig:
         metadata=_flag(
             "open connections per HTTP process (each API server has its own); a connection over it gets 503 "
             "and is closed (default: what the open-file limit leaves room for)"
+        ),
+    )
+
+    allowed_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "origins a browser may call this server from, as a JSON list or comma-separated ('*' = any); "
+            "CORS is off (no CORS headers, preflights get 405) while this is empty",
+            parse_list,
+        ),
+    )
+    allowed_methods: tuple[str, ...] = field(
+        default=("*",), metadata=_flag("HTTP methods allowed cross-origin (JSON list or comma-separated)", parse_list)
+    )
+    allowed_headers: tuple[str, ...] = field(
+        default=("*",),
+        metadata=_flag("request headers allowed cross-origin (JSON list or comma-separated)", parse_list),
+    )
+    allow_credentials: bool = field(
+        default=False,
+        metadata=_flag("let cross-origin requests carry cookies and HTTP authentication (CORS credentials)"),
+    )
+    strict_request_fields: bool = field(
+        default=False,
+        metadata=_flag(
+            "answer unknown fields in a synthesis body with 400 (default: they are ignored, logged once per "
+            "field name and named in the X-Ignored-Fields response header)"
         ),
     )
 
