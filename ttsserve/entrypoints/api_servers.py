@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 
+from ttsserve.server.args import public_url
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket
 
 logger = logging.getLogger("ttsserve.launcher")
@@ -142,7 +143,10 @@ class _Launcher:
                 self._start_limiter()
                 for i in range(self.count):
                     self._start_server(i)
-                logger.info("serving on http://%s:%d with %d API servers", self.host, self.port, self.count)
+                url = public_url(self.host, self.port)
+                logger.info(
+                    "serving on %s with %d API servers: playground %s/  API docs %s/docs", url, self.count, url, url
+                )
                 status = self._supervise()
             elif self.signals:
                 status = 0

@@ -29,6 +29,7 @@ from ttsserve.server.compat import (
     ExtraFields,
     IgnoredFieldsHeader,
     add_cors,
+    log_ready,
     register_compat_routes,
     speech_mode,
 )
@@ -385,6 +386,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         await engine.start()
         await warm_up_api_server(st)
         logger.info("ttsserve ready: %s", engine.memory_report())
+        log_ready(app, cfg)
         try:
             yield
         finally:

@@ -161,3 +161,12 @@ class IgnoredFieldsHeader:
             await send(msg)
 
         await self.app(scope, receive, send_with_header)
+
+
+def log_ready(app: FastAPI, cfg: ServerConfig) -> None:
+    """At start-up: which voices file this server uses and, where the launcher told the app its address
+    (app.state.public_url), where the playground and the API docs are."""
+    logger.info("voices database: %s", cfg.voices_db)
+    url = getattr(app.state, "public_url", None)
+    if url:
+        logger.info("ready: playground %s/  API docs %s/docs", url, url)
