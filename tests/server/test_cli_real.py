@@ -79,6 +79,8 @@ def test_serve_process_end_to_end(tmp_path):
             proc.wait()
     out = (tmp_path / "serve.log").read_text()
     assert "ttsserve ready: KV cache:" in out and "concurrent" in out  # how many streams fit, at start
+    assert f"ready: playground http://127.0.0.1:{port}/  API docs http://127.0.0.1:{port}/docs" in out
+    assert f"voices database: {tmp_path / 'voices.db'}" in out
     assert "Application shutdown complete" in out
     assert '"event": "access"' in out and '"path": "/v1/audio/speech"' in out
     assert (tmp_path / "voices.db").exists()

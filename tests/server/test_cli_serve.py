@@ -130,7 +130,7 @@ def test_env_vars_and_precedence():
     assert srv.api_keys == ("x", "y") and port == 8123 and srv.max_in_flight == 3
     eng, srv, *_ = _parse([], {})
     assert eng == EngineConfig()  # nothing given: EngineConfig's own defaults
-    assert srv.voices_db.endswith("/.local/share/ttsserve/voices.db") and srv.api_keys == ()
+    assert srv.voices_db.endswith("/.local/share/ttsserve/voices-8000.db") and srv.api_keys == ()
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,13 @@ class StreamResampler:
 # ---------------------------------------------------------------- volume
 
 
+def apply_gain(x: np.ndarray, gain: float) -> np.ndarray:
+    """`x` times `gain`, clipped to [-1, 1] (a gain above 1 saturates rather than wrapping in 16-bit output)."""
+    if gain == 1.0:
+        return x
+    return np.clip(x * np.float32(gain), -1.0, 1.0).astype(np.float32, copy=False)
+
+
 def db_to_amplitude(db: float) -> float:
     return float(10.0 ** (db / 20.0))
 

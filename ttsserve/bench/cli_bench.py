@@ -44,13 +44,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="corpus sentence lengths, e.g. short,medium",
     )
     p.add_argument("--out", default=None, help="report folder (default benchmarks/results/<timestamp>-<kind>/)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write report.md and report.json only, no PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
 
 def _add_offline(sub) -> None:
     p = sub.add_parser("offline", help="drive the engine (and/or the HF baseline) directly, no HTTP")
-    p.add_argument("--backend", default="ttsserve", choices=["ttsserve", "hf", "both"])
+    p.add_argument(
+        "--backend",
+        default="ttsserve",
+        choices=["ttsserve", "hf", "both"],
+        help="what to measure: ttsserve, the HF baseline (the reference implementation's loop), or both",
+    )
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32], help="requests submitted at once, e.g. 1,8,32")
     p.add_argument("--frames", type=int, default=128, help="frames per segment (the cap, for --lengths natural)")
     p.add_argument(
@@ -67,7 +72,7 @@ def _add_offline(sub) -> None:
         default=8,
         help="before each batch size, an untimed batch of that size with this many frames (0: none)",
     )
-    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--greedy", action="store_true", help="argmax sampling (deterministic codes) instead of top-p/top-k")
     p.add_argument(
         "--threads",
         type=int,
@@ -105,7 +110,7 @@ def _add_serve(sub) -> None:
         help="speech: POST /v1/audio/speech (OpenAI); synthesize: POST /synthesize",
     )
     p.add_argument("--model-name", default=MODEL_NAME, help="the body's `model` field")
-    p.add_argument("--voice", default="alloy")
+    p.add_argument("--voice", default="alloy", help="the body's `voice` field (a built-in or saved voice)")
     p.add_argument("--concurrency", type=_ints, default=[], help="closed-loop clients per point, e.g. 1,4,16")
     p.add_argument("--qps", type=_floats, default=[], help="Poisson arrival rates per point, e.g. 0.5,2")
     p.add_argument("--num-requests", type=int, default=32, help="requests per point (at most)")
@@ -141,7 +146,7 @@ def add_bench_parser(subparsers, extra: Iterable[Callable] = ()) -> argparse.Arg
     _add_serve(sub)
     r = sub.add_parser("report", help="re-render report.md and the plots from a report folder's report.json")
     r.add_argument("dir")
-    r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--no-plots", action="store_true", help="re-render report.md only, no PNG plots")
     r.set_defaults(func=cmd_report)
     for add in extra:
         add(sub)

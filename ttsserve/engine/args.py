@@ -53,10 +53,23 @@ HELP = {
     "gpu_memory_utilization": "fraction of GPU memory for weights + activations + KV cache",
     "kv_cache_memory": "bytes for the KV pool (suffixes K/M/G/KiB/MiB/GiB accepted)",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
-    "max_num_seqs": "most requests in one batch",
-    "max_num_batched_tokens": "most positions computed in one step",
-    "enable_chunked_prefill": "split long prompts across steps",
-    "preemption_mode": "auto | recompute | swap",
+    "max_num_seqs": "most sequences (text segments being spoken) in one engine step's batch",
+    "max_num_batched_tokens": "most positions (prompt tokens + frames) computed in one engine step",
+    "enable_chunked_prefill": "split long prompts across steps so running streams keep getting frames",
+    "preemption_mode": "auto | recompute | swap: how a sequence gives up its KV blocks when the pool runs out "
+    "(auto: swap to host memory while host blocks are free, else recompute later)",
+    "seed": "seed of the random weights of --load-format dummy (sampling seeds are per request)",
+    "verify_sha256": "check the checkpoint files against their published SHA-256 sums before loading",
+    "max_model_len": "most positions (prompt tokens + frames) of one sequence; ChatTTS has 4096",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes shared between requests (same voice + text start)",
+    "max_chunk_frames": "frames in later streamed audio chunks (they double from --first-chunk-frames up to this; "
+    "21.3 ms of audio per frame)",
+    "vocoder_cadence": "run the streaming vocoder every k engine steps, for all due streams at once "
+    "(default: every 8 frames on CUDA, every step on the CPU)",
+    "admission_interval": "while streams run, start new requests every k engine steps only, together "
+    "(default: every 8 frames on CUDA, every step on the CPU)",
+    "enforce_eager": "no CUDA graphs and no torch.compile: plain eager PyTorch (slower; for debugging)",
+    "cpu_threads": "intra-op threads on the CPU (default: $OMP_NUM_THREADS, else the usable physical cores)",
     "max_queue_len": "most requests in the engine (queued + running); also the server's in-flight bound",
     "target_step_latency_ms": "dynamic batching goal; 0 disables the controller",
     "async_scheduling": "schedule and queue step n+1 while step n runs on the GPU (default: on with CUDA)",

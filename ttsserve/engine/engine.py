@@ -27,7 +27,7 @@ from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
-from ttsserve.runner.kv_cache import KVCacheSpec, plan_kv_cache
+from ttsserve.runner.kv_cache import KVCacheSpec, kv_bytes_per_token, plan_kv_cache
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
 
@@ -138,7 +138,11 @@ class Engine:
         else:
             from ttsserve.constants import DEFAULT_CPU_KV_BYTES
 
-            budget = DEFAULT_CPU_KV_BYTES
+            # Never more than max_num_seqs full-length sequences hold: a one-shot run (`ttsserve say`) that sets
+            # max_num_seqs to its segment count gets a pool for that request, not the server's default.
+            per_seq = -(-cfg.max_model_len // cfg.block_size) * cfg.block_size
+            need = cfg.max_num_seqs * per_seq * kv_bytes_per_token(model.gpt_config, model.dtype, cfg.kv_cache_dtype)
+            budget = min(DEFAULT_CPU_KV_BYTES, need)
         return plan_kv_cache(
             model.gpt_config, model.dtype, cfg.block_size, budget, swap, kv_cache_dtype=cfg.kv_cache_dtype
         )

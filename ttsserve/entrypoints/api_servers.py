@@ -53,6 +53,7 @@ import time
 
 from ttsserve.entrypoints.launcher_procs import _api_server_main, _configure_logging, _core_main
 from ttsserve.entrypoints.supervision import DeathBudget, RestartBackoff, clean_stale_run_dirs, make_run_dir
+from ttsserve.server.args import public_url
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket
 
@@ -157,7 +158,10 @@ class _Launcher:
                 self._start_limiter()
                 for i in range(self.count):
                     self._start_server(i)
-                logger.info("serving on http://%s:%d with %d API servers", self.host, self.port, self.count)
+                url = public_url(self.host, self.port)
+                logger.info(
+                    "serving on %s with %d API servers: playground %s/  API docs %s/docs", url, self.count, url, url
+                )
                 status = self._supervise()
             elif self.signals:
                 status = 0

@@ -13,15 +13,17 @@ from ttsserve.engine.args import add_model_args, engine_kwargs
 def _add_say_parser(sub) -> None:
     p = sub.add_parser("say", help="synthesize text to an audio file")
     p.add_argument("text", help="text to speak ('-' reads standard input)")
-    p.add_argument("-o", "--output", default="out.wav")
+    p.add_argument("-o", "--output", default="out.wav", help="audio file to write (its suffix picks the format)")
     add_model_args(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (also the speaker seed)")
     p.add_argument("--speaker", default=None, help="a ChatTTS speaker string, or 'seed:N' for a random speaker")
-    p.add_argument("--temperature", type=float, default=0.3)
-    p.add_argument("--top-p", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--min-new-tokens", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.3, help="sampling temperature of the audio codes")
+    p.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling: keep the codes of this probability mass")
+    p.add_argument("--top-k", type=int, default=20, help="sample among the k most likely codes")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="frames per segment before EOS is allowed")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=2048, help="cap on frames per text segment (21.3 ms each; 2048 = 43.7 s)"
+    )
     p.add_argument("--skip-refine", action="store_true", help="skip the refine-text stage")
     p.add_argument("--no-normalize", action="store_true", help="reference normalization only")
     p.add_argument("--format", default=None, help="wav|flac|mp3|opus|aac|pcm (default: from the file name)")
@@ -35,9 +37,15 @@ def _say(a: argparse.Namespace) -> int:
     from ttsserve.audio.encode import encode_audio
     from ttsserve.entrypoints.tts import TTS
     from ttsserve.params import SamplingParams, Voice
+    from ttsserve.text.split import split_text
 
     text = sys.stdin.read() if a.text == "-" else a.text
-    tts = TTS(**engine_kwargs(a))
+    kwargs = engine_kwargs(a)
+    # One request: KV room for its segments at once (the engine's CPU pool is max_num_seqs full sequences at
+    # most, not the server's 1 GiB), and no host swap pool (nothing to swap for).
+    kwargs.setdefault("max_num_seqs", max(1, len(split_text(text))))
+    kwargs.setdefault("swap_space", 0.0)
+    tts = TTS(**kwargs)
     voice = Voice()
     if a.speaker:
         from ttsserve.text.speaker import decode_speaker
@@ -52,7 +60,7 @@ def _say(a: argparse.Namespace) -> int:
         min_new_tokens=a.min_new_tokens,
         max_new_tokens=a.max_new_tokens,
     )
-    with tqdm(unit="frame", desc="synthesizing") as bar:
+    with tqdm(unit="frame", desc="synthesizing") as bar:  # total: the expected frames (the end sets it exact)
 
         def progress(done: int, total: int) -> None:
             bar.total = total
@@ -83,12 +91,14 @@ def _say(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`ttsserve` and its sub-commands (serve, say, bench with the offline tools' `quality`, quantize)."""
+    from ttsserve import __version__
     from ttsserve.bench.cli_bench import add_bench_parser
     from ttsserve.entrypoints.serve import add_serve_parser
     from ttsserve.tools.quant.cli import add_quantize_parser
     from ttsserve.tools.quant.quality import add_quality_parser
 
     ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_say_parser(sub)
     add_serve_parser(sub)

@@ -261,6 +261,8 @@ def run_data_parallel(args: argparse.Namespace, argv: list[str] | None = None) -
         specs = plan_replicas(n, base_port, device, gpus, sys.argv[1:] if argv is None else argv)
         if port in range(base_port, base_port + n):
             raise ValueError(f"--port {port} collides with the replica ports {base_port}..{base_port + n - 1}")
+        for spec in specs:  # one voices file for all replicas: the front port's (a --voices-db flag still wins)
+            spec.env.setdefault("TTSSERVE_VOICES_DB", server_cfg.voices_db)
     except ValueError as e:
         print(f"ttsserve serve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

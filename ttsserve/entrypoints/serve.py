@@ -14,7 +14,7 @@ import sys
 
 from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
 from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, run_data_parallel
-from ttsserve.server.args import add_serve_arguments, build_configs, server_cpu_defaults
+from ttsserve.server.args import add_serve_arguments, build_configs, public_url, server_cpu_defaults
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
 
@@ -79,6 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         return _config_error(e)
     app = create_app(engine, server_cfg)  # its lifespan logs engine.memory_report() (how many streams fit)
+    app.state.public_url = public_url(host, port)  # and, once ready, the playground's and the docs' URLs
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap("server")

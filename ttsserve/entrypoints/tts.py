@@ -12,6 +12,16 @@ from ttsserve.constants import SAMPLE_RATE, speaker_stats
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 
+TYPICAL_UNITS_PER_SECOND = 4.0  # speaking rate in text units (text/split.py) for the progress estimate
+
+
+def expected_frames(texts: Sequence[str]) -> int:
+    """Frames the texts will likely take: their length at a typical speaking rate (an estimate for progress)."""
+    from ttsserve.constants import FRAMES_PER_SECOND
+    from ttsserve.text.split import text_units
+
+    return max(1, round(sum(text_units(t) for t in texts) / TYPICAL_UNITS_PER_SECOND * FRAMES_PER_SECOND))
+
 
 class TTS:
     """`TTS("path/to/ChatTTS")`, `TTS(load_format="dummy", dummy_size="tiny")`, or `TTS(config=EngineConfig(...))`."""
@@ -45,7 +55,9 @@ class TTS:
     ) -> list[np.ndarray]:
         """Synthesize every text; returns float32 [n_i] waveforms at 24 kHz, in input order.
 
-        progress(frames_done, frames_budget) is called after each engine step.
+        progress(frames_done, frames_expected) is called after each engine step: the expected frames come
+        from the text's length at a typical speaking rate (at least the frames done, at most every segment's
+        cap) and, after the last step, are the frames done.
         """
         if isinstance(texts, str):
             texts = [texts]
@@ -68,6 +80,7 @@ class TTS:
         self.last_results: dict[str, object] = {}
         chunks: dict[str, list[np.ndarray]] = {i: [] for i in ids}
         budget = sum(len(self.engine.syntheses[i].segments) for i in ids) * params.max_new_tokens
+        expected = min(budget, expected_frames(texts))
         pending = set(ids)
         while pending:
             for out in self.engine.step():
@@ -78,5 +91,6 @@ class TTS:
                     if out.finish_reason == "error":
                         raise RuntimeError(f"synthesis failed: {out.error}")
             if progress is not None:
-                progress(self.engine.counters.frames, budget)
+                done = self.engine.counters.frames
+                progress(done, min(budget, max(expected, done)) if pending else done)
         return [np.concatenate(chunks[i]) if chunks[i] else np.zeros(0, np.float32) for i in ids]

@@ -7,6 +7,7 @@ import logging
 import re
 import time
 import uuid
+from http import HTTPStatus
 
 from ttsserve.server.metrics import ServerMetrics
 
@@ -21,6 +22,13 @@ def _endpoint_label(path: str) -> str:
         if path.startswith(prefix):
             return prefix + "{id}"
     return "other"
+
+
+def _status_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"HTTP {status}"
 
 
 class RequestContextMiddleware:
@@ -74,6 +82,8 @@ class RequestContextMiddleware:
 
     def _log(self, scope, rid: str, status: int, started: float, state: dict) -> None:
         state["logged"] = True
+        if status >= 400 and "reason" not in state["log"]:  # every path above names its own; a last resort
+            state["log"]["reason"] = _status_phrase(status)
         self.metrics.observe_request(_endpoint_label(scope["path"]), status)
         client = scope.get("client")
         line = {

@@ -25,6 +25,14 @@ from ttsserve.engine.errors import EngineOverloadedError
 from ttsserve.engine.protocol import EngineClient
 from ttsserve.server.access_log import RequestContextMiddleware, access_logger
 from ttsserve.server.args import ServerConfig
+from ttsserve.server.compat import (
+    ExtraFields,
+    IgnoredFieldsHeader,
+    add_cors,
+    log_ready,
+    register_compat_routes,
+    speech_mode,
+)
 from ttsserve.server.drain import DrainMiddleware, DrainState
 from ttsserve.server.errors import (
     ApiError,
@@ -94,6 +102,7 @@ class ServerState:
         names = cfg.served_model_names or (engine.model_name, *OPENAI_MODEL_NAMES)
         self.model_names = tuple(dict.fromkeys(names))
         self.created = int(time.time())
+        self.extra_fields = ExtraFields(cfg.strict_request_fields)
 
     # ---- admission -------------------------------------------------------------------------------
     def identity(self, request: Request) -> str:
@@ -201,7 +210,9 @@ class ServerState:
         try:
             first = await prime(gen, request, job)
             if mode == "file":
-                data = await until_disconnect(collect_audio(first, gen, job, fmt, rate, stretch), request)
+                data = await until_disconnect(
+                    collect_audio(first, gen, job, fmt, rate, stretch, opts.volume_multiplier), request
+                )
         except BaseException as e:
             await gen.aclose()  # aborts the engine request unless it finished
             release()
@@ -217,7 +228,7 @@ class ServerState:
                 "X-Truncated-Segments": ",".join(map(str, job.truncated_segments)),
             }
             return Response(data, media_type=content_type(fmt), headers=headers)
-        pipe = AudioPipeline(fmt, rate, self.engine.sample_rate, stretch)
+        pipe = AudioPipeline(fmt, rate, self.engine.sample_rate, stretch, opts.volume_multiplier)
         body = (sse_body if mode == "sse" else audio_body)(first, gen, pipe, job)
 
         async def on_close(error: BaseException | None) -> None:
@@ -379,6 +390,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         await engine.start()
         await warm_up_api_server(st)
         logger.info("ttsserve ready: %s", engine.memory_report())
+        log_ready(app, cfg)
         try:
             yield
         finally:
@@ -409,7 +421,10 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         tags=["speech"],
     )
     async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
-        """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
+        """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`);
+        `stream: false` sends the whole file instead."""
+        st.extra_fields.check(request, body)
+        mode = speech_mode(body)
         refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
         voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
@@ -423,13 +438,14 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
             speed=body.speed,
             instructions=body.instructions,
             fmt=body.response_format,
-            mode=body.stream_format,
+            mode=mode,
             refund=refund,
         )
 
     @app.post("/synthesize", responses={200: _AUDIO_200, **_ERRORS}, response_class=Response, tags=["speech"])
     async def synthesize(body: SynthesizeRequest, request: Request, ident: str = Depends(identity)):
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
+        st.extra_fields.check(request, body)
         refund = st.admit_text(body.text, ident, "text")
         voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
@@ -457,6 +473,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
 
     register_voice_routes(app, st, identity, _ERRORS)
     register_playground(app)
+    register_compat_routes(app, st, identity, _ERRORS)
 
     @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health():
@@ -486,6 +503,8 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         max_upload_bytes=cfg.max_upload_bytes,
         upload_paths=("/v1/audio/voices",),
     )
+    app.add_middleware(IgnoredFieldsHeader)
+    add_cors(app, cfg)
     app.add_middleware(RequestContextMiddleware, metrics=st.metrics)
     app.add_middleware(DrainMiddleware, state=app.state.drain)  # outermost: a draining server answers first
     return app

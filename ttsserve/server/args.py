@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -36,6 +37,21 @@ def _flag(help_text: str, parse=None, flag: str | None = None, cli_default=datac
     return {"help": help_text, "parse": parse, "flag": flag, "cli_default": cli_default}
 
 
+def parse_list(text: str) -> tuple[str, ...]:
+    """A JSON list (vLLM's form: '["https://a.example", "https://b.example"]') or comma-separated values."""
+    text = str(text).strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON list: {e.msg}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError("must be a JSON list of strings")
+    else:
+        items = text.split(",")
+    return tuple(x.strip() for x in items if x.strip())
+
+
 @dataclass
 class ServerConfig:
     """HTTP-side settings (the engine's are EngineConfig).
@@ -46,7 +62,8 @@ class ServerConfig:
         finish reason says `length`). 2048 frames = 43.7 s, the reference's default: without a cap one request
         could hold a stream slot for the model's whole context.
     served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
-    voices_db: the SQLite file of named voices; `serve` defaults it to ~/.local/share/ttsserve/voices.db.
+    voices_db: the SQLite file of named voices; `serve` defaults it to ~/.local/share/ttsserve/voices-<port>.db
+        (one per server, so two servers a user runs do not share or lock one file).
     request_timeout_s: None = no limit: a long text streams for minutes, and the engine's own bounds
         (max_new_tokens per segment, max_audio_seconds per request) already end every synthesis.
     max_audio_seconds: max_new_tokens bounds one segment only; a 4096-character text has dozens of segments.
@@ -61,11 +78,22 @@ class ServerConfig:
             parse_bool,
         ),
     )
-    requests_per_minute: int = field(default=0, metadata=_flag("per API key (or client address); 0 = no limit"))
-    chars_per_minute: int = field(default=0, metadata=_flag("input characters per minute per key; 0 = no limit"))
-    max_input_chars: int = field(default=4096, metadata=_flag("longer input gets 413"))
-    max_body_bytes: int = field(default=1 << 20, metadata=_flag("JSON bodies over this get 413", parse_size))
-    max_upload_bytes: int = field(default=25 << 20, metadata=_flag("voice uploads over this get 413", parse_size))
+    requests_per_minute: int = field(
+        default=0, metadata=_flag("requests per minute per API key (or client address), more get 429; 0 = no limit")
+    )
+    chars_per_minute: int = field(
+        default=0,
+        metadata=_flag("input characters per minute per API key (or client address), more get 429; 0 = no limit"),
+    )
+    max_input_chars: int = field(
+        default=4096, metadata=_flag("characters of input text one request may have; longer gets 413")
+    )
+    max_body_bytes: int = field(
+        default=1 << 20, metadata=_flag("bytes of a JSON request body (K/M/G suffixes); larger gets 413", parse_size)
+    )
+    max_upload_bytes: int = field(
+        default=25 << 20, metadata=_flag("bytes of a voice upload (K/M/G suffixes); larger gets 413", parse_size)
+    )
     max_in_flight: int = field(
         default=1024,
         metadata=_flag("syntheses admitted at once, more get 503 (default: --max-queue-len)", cli_default=None),
@@ -73,12 +101,16 @@ class ServerConfig:
     voices_db: str = field(
         default=":memory:",
         metadata=_flag(
-            "SQLite file of named voices (default: ~/.local/share/ttsserve/voices.db; ':memory:' = none)",
+            "SQLite file of named voices (default: ~/.local/share/ttsserve/voices-<port>.db, one per server "
+            "port; ':memory:' = kept in memory only)",
             cli_default=None,
         ),
     )
     served_model_names: tuple[str, ...] = ()
-    max_new_tokens: int | None = field(default=2048, metadata=_flag("server-wide cap on frames per text segment"))
+    max_new_tokens: int | None = field(
+        default=2048,
+        metadata=_flag("server-wide cap on audio frames per text segment (a frame is 21.3 ms; 2048 = 43.7 s)"),
+    )
     request_timeout_s: float | None = field(
         default=None,
         metadata=_flag(
@@ -145,6 +177,33 @@ class ServerConfig:
     )
     core_restart_window_s: float = field(
         default=600.0, metadata=_flag("seconds over which core deaths are counted", flag="--core-restart-window")
+    )
+
+    allowed_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "origins a browser may call this server from, as a JSON list or comma-separated ('*' = any); "
+            "CORS is off (no CORS headers, preflights get 405) while this is empty",
+            parse_list,
+        ),
+    )
+    allowed_methods: tuple[str, ...] = field(
+        default=("*",), metadata=_flag("HTTP methods allowed cross-origin (JSON list or comma-separated)", parse_list)
+    )
+    allowed_headers: tuple[str, ...] = field(
+        default=("*",),
+        metadata=_flag("request headers allowed cross-origin (JSON list or comma-separated)", parse_list),
+    )
+    allow_credentials: bool = field(
+        default=False,
+        metadata=_flag("let cross-origin requests carry cookies and HTTP authentication (CORS credentials)"),
+    )
+    strict_request_fields: bool = field(
+        default=False,
+        metadata=_flag(
+            "answer unknown fields in a synthesis body with 400 (default: they are ignored, logged once per "
+            "field name and named in the X-Ignored-Fields response header)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -264,6 +323,21 @@ def _api_keys(args: argparse.Namespace, env: dict[str, str], dest: str = "api_ke
     return tuple(keys)
 
 
+def public_url(host: str, port: int) -> str:
+    """The URL a person on this machine opens for a server bound to host:port."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "localhost"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+VOICES_DIR = os.path.join("~", ".local", "share", "ttsserve")
+
+
+def default_voices_db(port: int) -> str:
+    """The voices file of a server on `port` when --voices-db is not given: one per port."""
+    return os.path.join(os.path.expanduser(VOICES_DIR), f"voices-{port}.db")
+
+
 def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     """-> (EngineConfig, ServerConfig, host, port, log_level). ValueError for bad values (names the source)."""
     env = dict(os.environ if env is None else env)
@@ -276,7 +350,16 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     if srv["max_in_flight"] is None:
         srv["max_in_flight"] = engine_cfg.max_queue_len
     if srv["voices_db"] is None:
-        srv["voices_db"] = os.path.join(os.path.expanduser("~"), ".local", "share", "ttsserve", "voices.db")
+        srv["voices_db"] = default_voices_db(port)
+        legacy = os.path.join(os.path.dirname(srv["voices_db"]), "voices.db")
+        if os.path.exists(legacy) and not os.path.exists(srv["voices_db"]):
+            logger.warning(
+                "voices are now kept per port in %s; the voices saved before are in %s: pass --voices-db %s "
+                "to keep using them",
+                srv["voices_db"],
+                legacy,
+                legacy,
+            )
     server_cfg = ServerConfig(
         api_keys=_api_keys(args, env),
         admin_api_keys=_api_keys(args, env, "admin_api_key"),

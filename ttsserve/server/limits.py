@@ -173,11 +173,22 @@ class KeyRequiredMiddleware:
             try:
                 self.auth.check(header or None)
             except ApiError as err:
-                return await _send_error(send, err)
+                return await _send_error(send, err, scope=scope)
         return await self.app(scope, receive, send)
 
 
-async def _send_error(send, err: ApiError, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+def _log_reason(scope, err: ApiError) -> None:
+    """err's code and message on the request's access-log line (RequestContextMiddleware's `log`)."""
+    log = (scope or {}).get("state", {}).get("log")
+    if isinstance(log, dict):
+        log.setdefault("error", err.code)
+        log.setdefault("reason", err.message)
+
+
+async def _send_error(
+    send, err: ApiError, extra_headers: tuple[tuple[bytes, bytes], ...] = (), scope: dict | None = None
+) -> None:
+    _log_reason(scope, err)
     body = _error_bytes(err)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
@@ -209,7 +220,7 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._reject(send, limit)
+            return await self._reject(send, limit, scope)
         seen = 0
         started = False
 
@@ -232,11 +243,12 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(send, limit)
+                await self._reject(send, limit, scope)
 
     @staticmethod
-    async def _reject(send, limit: int) -> None:
+    async def _reject(send, limit: int, scope) -> None:
         err = ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        _log_reason(scope, err)
         body = _error_bytes(err)
         await send(
             {

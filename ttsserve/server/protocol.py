@@ -2,8 +2,10 @@
 
 `POST /v1/audio/speech` follows OpenAI's speech API; ChatTTS extras (seed, temperature, top_p, top_k,
 repetition_penalty, max_new_tokens, refine_text, prompt, sample_rate, normalize) sit in the same body.
-Unknown fields are rejected with a 400 naming them (as OpenAI does), so a typo never silently falls back
-to a default.
+Unknown top-level fields of the two synthesis bodies are accepted, as vLLM accepts them (clients such as
+Open WebUI and Home Assistant let users add extra parameters): the server logs each unknown field name once
+and names them in the response's X-Ignored-Fields header (server/compat.py); `--strict-request-fields`
+turns them back into a 400 naming the field. Nested objects (a voice object) stay strict.
 
 `instructions` (free text in OpenAI's API): ChatTTS has no instruction-following model, so only the ChatTTS
 sentence-level control tokens found in it are used, `[oral_0-9]`, `[laugh_0-2]`, `[break_0-7]`, as the
@@ -100,6 +102,15 @@ class ChatTTSOptions(_Strict):
         json_schema_extra={"enum": [*SAMPLE_RATES, None]},
     )
     normalize: bool | None = Field(None, description="extended text normalization (numbers, units, ...)")
+    volume_multiplier: float = Field(
+        1.0, ge=0, le=10, description="gain applied to the samples (clipped to [-1, 1]); 1 = unchanged"
+    )
+    lang_code: str | None = Field(
+        None,
+        max_length=16,
+        description="Kokoro's language hint; ChatTTS reads the language from the text, so it is ignored "
+        "(and named in X-Ignored-Fields)",
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -116,8 +127,15 @@ class ChatTTSOptions(_Strict):
         return v
 
 
+# The synthesis bodies keep unknown top-level fields (model_extra): the server decides whether they are ignored
+# and reported, or a 400 (--strict-request-fields).
+_LENIENT = ConfigDict(extra="allow")
+
+
 class SpeechRequest(ChatTTSOptions):
     """OpenAI `POST /v1/audio/speech` body (plus ChatTTS extras)."""
+
+    model_config = _LENIENT
 
     model: str = Field(..., min_length=1, max_length=256)
     input: str = Field(
@@ -133,10 +151,15 @@ class SpeechRequest(ChatTTSOptions):
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
+    stream: bool | None = Field(
+        None, description="Kokoro's switch: false = the whole file in one response (real status on a late failure)"
+    )
 
 
 class SynthesizeRequest(ChatTTSOptions):
     """`POST /synthesize` body: the simple API. Returns the whole file unless `stream` is true."""
+
+    model_config = _LENIENT
 
     text: str = Field(
         ...,
@@ -184,9 +207,17 @@ class VoiceObject(BaseModel):
     seed: int | None = None
 
 
+class VoiceBrief(BaseModel):
+    id: str
+    name: str
+
+
 class VoiceList(BaseModel):
+    """OpenAI's list shape (`data`), and beside it `voices`, the shape Open WebUI and Kokoro clients read."""
+
     object: Literal["list"] = "list"
     data: list[VoiceObject]
+    voices: list[VoiceBrief]
 
 
 class VoiceDeleted(BaseModel):

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from ttsserve.audio.encode import StreamingEncoder, encode_audio
+from ttsserve.audio.post import apply_gain
 from ttsserve.audio.speed import StreamTimeStretcher
 from ttsserve.constants import SAMPLE_RATE
 from ttsserve.server.errors import ApiError
@@ -110,21 +111,22 @@ class AudioPipeline:
     `push(samples [n] float32 at input_rate) -> bytes`, `finish() -> bytes`; the concatenation is one file.
     """
 
-    def __init__(self, fmt: str, sample_rate: int, input_rate: int, stretch: float) -> None:
+    def __init__(self, fmt: str, sample_rate: int, input_rate: int, stretch: float, gain: float = 1.0) -> None:
         self._stretcher = StreamTimeStretcher(stretch, input_rate) if abs(stretch - 1.0) > 1e-6 else None
         self._encoder = StreamingEncoder(fmt, sample_rate, input_rate=input_rate)
+        self._gain = gain
 
     def push(self, samples: np.ndarray) -> bytes:
         if self._stretcher is not None:
             samples = self._stretcher.process(samples)
-        return self._encoder.write(samples) if samples.size else b""
+        return self._encoder.write(apply_gain(samples, self._gain)) if samples.size else b""
 
     def finish(self) -> bytes:
         out = b""
         if self._stretcher is not None:
             tail = self._stretcher.flush()
             if tail.size:
-                out = self._encoder.write(tail)
+                out = self._encoder.write(apply_gain(tail, self._gain))
         return out + self._encoder.close()
 
 
@@ -274,7 +276,13 @@ async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: Sy
 
 
 async def collect_audio(
-    first: list, gen: AsyncIterator, job: SynthesisJob, fmt: str, sample_rate: int, stretch: float
+    first: list,
+    gen: AsyncIterator,
+    job: SynthesisJob,
+    fmt: str,
+    sample_rate: int,
+    stretch: float,
+    gain: float = 1.0,
 ) -> bytes:
     """The whole file (non-streamed): real sizes in the headers. ApiError(500) if the engine fails."""
     chunks = []
@@ -286,7 +294,7 @@ async def collect_audio(
     if abs(stretch - 1.0) > 1e-6:
         st = StreamTimeStretcher(stretch, job.input_rate)
         x = np.concatenate([st.process(x), st.flush()])
-    data = encode_audio(x, fmt, sample_rate, input_rate=job.input_rate)
+    data = encode_audio(apply_gain(x, gain), fmt, sample_rate, input_rate=job.input_rate)
     job.mark_first_audio()
     return data
 

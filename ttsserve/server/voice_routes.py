@@ -1,4 +1,4 @@
-"""The voice routes: GET/POST /v1/audio/voices, GET/DELETE /v1/audio/voices/{voice_id}.
+"""The voice routes: GET/POST /v1/audio/voices, GET/DELETE /v1/audio/voices/{voice_id} (an id or a name).
 
 Each request sees the built-in voices, the public stored voices (made without API keys or with an admin key)
 and the voices its own API key made (request.state.voice_scope, set by the app's identity check).
@@ -151,7 +151,11 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
     @app.get("/v1/audio/voices", response_model=VoiceList, responses=errors, tags=["voices"])
     async def list_voices(request: Request, _: str = Depends(identity)):
         voices = builtin_records() + st.store.list(request.state.voice_scope)
-        return {"object": "list", "data": [r.public() for r in voices]}
+        return {
+            "object": "list",
+            "data": [r.public() for r in voices],
+            "voices": [{"id": r.id, "name": r.name} for r in voices],
+        }
 
     @app.post(
         "/v1/audio/voices",
@@ -187,19 +191,21 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
 
     @app.delete("/v1/audio/voices/{voice_id}", response_model=VoiceDeleted, responses=errors, tags=["voices"])
     async def delete_voice(voice_id: str, request: Request, _: str = Depends(identity)):
+        """Delete a stored voice by its id or its name."""
         if voice_id.lower() in BUILTIN_VOICES:
             raise ApiError(
                 400, f"{voice_id!r} is a built-in voice and cannot be deleted", param="voice_id", code="builtin_voice"
             )
         scope = request.state.voice_scope
-        if not st.store.delete(voice_id, scope):
-            visible = st.store.get(voice_id, scope)
-            if visible is not None and visible.id == voice_id:  # a public voice, seen by a plain key
-                raise ApiError(
-                    403,
-                    f"voice {voice_id!r} is shared: only an admin key deletes it",
-                    param="voice_id",
-                    code="forbidden",
-                )
+        rec = st.store.get(voice_id, scope)  # by id, else by name
+        deleted = rec is not None and st.store.delete(rec.id, scope)
+        if not deleted and (rec is None or st.store.get(rec.id, scope) is None):  # none, or gone meanwhile
             raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
-        return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
+        if not deleted:  # visible but not this key's: a public voice
+            raise ApiError(
+                403,
+                f"voice {voice_id!r} is shared: only an admin key deletes it",
+                param="voice_id",
+                code="forbidden",
+            )
+        return {"id": rec.id, "object": "audio.voice.deleted", "deleted": True}

@@ -138,7 +138,12 @@ def save_quantized_checkpoint(ckpt: Checkpoint, out: str | Path) -> Path:
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     """Add `quantize` (sets func(args) -> exit code)."""
     p = subparsers.add_parser("quantize", help="write a weight-quantized (int8 / AWQ int4) copy of a checkpoint")
-    p.add_argument("--method", required=True, choices=sorted(METHODS))
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=sorted(METHODS),
+        help="int8: per-channel weights; awq-int4: group-wise int4 with AWQ scales from a calibration run",
+    )
     add_model_args(
         p,
         only=("model", "load_format", "dummy_size", "device"),
@@ -159,7 +164,7 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-frames", type=int, default=48, help="frames sampled per calibration sentence")
     p.add_argument("--n-grid", type=int, default=20, help="AWQ exponents tried per linear group")
     p.add_argument("--max-rows", type=int, default=512, help="activation rows kept per linear for the search")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the calibration run")
     p.set_defaults(func=cmd_quantize)
     return p
 

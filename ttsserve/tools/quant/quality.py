@@ -125,13 +125,15 @@ def add_quality_parser(bench_subparsers) -> argparse.ArgumentParser:
         help="quantize the reference in memory (awq-int4 calibrates on the calibration corpus; "
         "rtn-int4 is the same int4 format without AWQ scales, for comparison)",
     )
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--calib-samples", type=int, default=16)
-    p.add_argument("--calib-frames", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=128, help="int4 weights per scale (input columns)")
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration sentences for awq-int4")
+    p.add_argument("--calib-frames", type=int, default=32, help="frames generated per calibration sentence")
     p.add_argument("--texts", type=int, default=8, help="evaluation sentences (bench corpus)")
     p.add_argument("--frames", type=int, default=64, help="frames sampled per evaluation sentence")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the evaluation frames")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype of the unquantized layers"
+    )
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=cmd_quality)
     return p
