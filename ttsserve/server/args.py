@@ -351,15 +351,6 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
         srv["max_in_flight"] = engine_cfg.max_queue_len
     if srv["voices_db"] is None:
         srv["voices_db"] = default_voices_db(port)
-        legacy = os.path.join(os.path.dirname(srv["voices_db"]), "voices.db")
-        if os.path.exists(legacy) and not os.path.exists(srv["voices_db"]):
-            logger.warning(
-                "voices are now kept per port in %s; the voices saved before are in %s: pass --voices-db %s "
-                "to keep using them",
-                srv["voices_db"],
-                legacy,
-                legacy,
-            )
     server_cfg = ServerConfig(
         api_keys=_api_keys(args, env),
         admin_api_keys=_api_keys(args, env, "admin_api_key"),

@@ -32,6 +32,23 @@ def outside_paths(engine_cfg, server_cfg) -> dict[str, str]:
 def log_outside_paths(engine_cfg, server_cfg) -> None:
     for what, path in outside_paths(engine_cfg, server_cfg).items():
         logger.info("writes %s: %s", what, path)
+    warn_about_shared_voices_db(server_cfg.voices_db)
+
+
+def warn_about_shared_voices_db(voices_db: str) -> None:
+    """Voices were once kept in one voices.db for every server; the default is now a file per port. A user who
+    saved voices there is told how to keep using them (at start, after the configuration was accepted)."""
+    if voices_db == ":memory:" or os.path.basename(voices_db) == "voices.db":
+        return
+    legacy = os.path.join(os.path.dirname(voices_db), "voices.db")
+    if os.path.exists(legacy) and not os.path.exists(voices_db):
+        logger.warning(
+            "voices are now kept per port in %s; the voices saved before are in %s: pass --voices-db %s to keep "
+            "using them",
+            voices_db,
+            legacy,
+            legacy,
+        )
 
 
 def _user() -> str:
