@@ -65,6 +65,7 @@ from ttsserve.server.streaming import (
     sse_body,
     until_disconnect,
 )
+from ttsserve.server.timestamps import json_response, speech_mode
 from ttsserve.server.voice_routes import register_voice_routes
 from ttsserve.server.voices import UnknownVoiceError, VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
@@ -193,6 +194,7 @@ class ServerState:
             input_rate=self.engine.sample_rate,
             stretch=stretch,
             timeout_s=self.cfg.request_timeout_s,
+            timestamps=getattr(opts, "timestamps", None) == "segment",
         )
         if self.cfg.max_audio_seconds is not None:
             job.max_samples = math.ceil(self.cfg.max_audio_seconds * stretch * self.engine.sample_rate)
@@ -200,14 +202,14 @@ class ServerState:
         gen = self.engine.generate(req)
         try:
             first = await prime(gen, request, job)
-            if mode == "file":
+            if mode in ("file", "json"):
                 data = await until_disconnect(collect_audio(first, gen, job, fmt, rate, stretch), request)
         except BaseException as e:
             await gen.aclose()  # aborts the engine request unless it finished
             release()
             self._settle(job, request, error=e)
             raise _refunded_if_refused(_as_api_error(e, text_param), refund) from None
-        if mode == "file":
+        if mode in ("file", "json"):
             await gen.aclose()
             release()
             self._settle(job, request)
@@ -216,6 +218,8 @@ class ServerState:
                 "X-Audio-Duration": f"{job.audio_seconds:.3f}",
                 "X-Truncated-Segments": ",".join(map(str, job.truncated_segments)),
             }
+            if mode == "json":
+                return json_response(data, fmt, job, headers)
             return Response(data, media_type=content_type(fmt), headers=headers)
         pipe = AudioPipeline(fmt, rate, self.engine.sample_rate, stretch)
         body = (sse_body if mode == "sse" else audio_body)(first, gen, pipe, job)
@@ -410,6 +414,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     )
     async def create_speech(body: SpeechRequest, request: Request, ident: str = Depends(identity)):
         """OpenAI speech: audio streamed as it is produced (`stream_format` audio) or SSE events (`sse`)."""
+        mode = speech_mode(body)
         refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
         voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
@@ -423,7 +428,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
             speed=body.speed,
             instructions=body.instructions,
             fmt=body.response_format,
-            mode=body.stream_format,
+            mode=mode,
             refund=refund,
         )
 

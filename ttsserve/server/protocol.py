@@ -133,6 +133,12 @@ class SpeechRequest(ChatTTSOptions):
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
+    timestamps: Literal["segment"] | None = Field(
+        None,
+        description='"segment": the start and end (seconds) of each text segment, as speech.segment SSE events '
+        "(stream_format sse) or, without a stream_format, in a JSON body with the audio in base64; "
+        "no word-level timestamps",
+    )
 
 
 class SynthesizeRequest(ChatTTSOptions):
