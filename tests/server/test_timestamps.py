@@ -99,3 +99,27 @@ def test_timestamps_that_cannot_be_honoured_are_a_400(server, extra):
     r = server.post("/v1/audio/speech", json={**BODY, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "timestamps"
+
+
+@pytest.mark.parametrize("stream_format", ["sse", None])
+def test_a_segment_cut_short_by_max_audio_seconds_has_no_times(serve, stream_format):
+    # the fake speaks its text as one segment: 30 chars -> 2.56 s, cut at 2.2 s before the segment ended
+    srv, _ = serve(max_audio_seconds=2.2, max_new_tokens=10_000)
+    body = {**BODY, "input": "a" * 30, "response_format": "pcm"}
+    if stream_format:
+        body["stream_format"] = stream_format
+    with srv.client() as c:
+        r = c.post("/v1/audio/speech", json=body)
+        whole = c.post("/v1/audio/speech", json={**body, "input": "a" * 20})  # 1.71 s: not cut
+    assert r.status_code == 200 == whole.status_code, r.text
+    if stream_format:
+        events = parse_sse(r.content)
+        assert events[-1]["type"] == "speech.audio.done" and events[-1]["finish_reason"] == "length"
+        segs, audio = [e for e in events if e["type"] == "speech.segment"], sse_audio(events)
+        whole_segs = [e for e in parse_sse(whole.content) if e["type"] == "speech.segment"]
+    else:
+        segs, audio = r.json()["segments"], base64.b64decode(r.json()["audio"])
+        whole_segs = whole.json()["segments"]
+    assert len(audio) / 2 / RATE == pytest.approx(2.2, abs=1 / RATE)
+    assert segs == []  # its end was never generated
+    assert [(s["text"], s["start"], s["end"]) for s in whole_segs] == [("a" * 20, 0, round(20 * 4 * 512 / RATE, 6))]
