@@ -19,7 +19,7 @@ from tests.server.multiproc_helpers import start_core, stop_process
 from ttsserve.config import EngineConfig
 from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from ttsserve.engine.protocol import EngineClient
-from ttsserve.engine.synthesis import AudioOutput, FinishReason
+from ttsserve.engine.synthesis import CROSSFADE_SAMPLES, AudioOutput, FinishReason
 from ttsserve.params import SamplingParams, SynthesisRequest
 
 QUEUE = 2  # max_queue_len of every implementation here
@@ -37,6 +37,12 @@ STATS_KEYS = {
     "num_streams",
 }
 _indices = itertools.count(20)
+_SENTENCE = (
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch and wonders whether the"
+    " rain will come before the harvest is finished this year, because the clouds in the west look heavy and dark."
+)
+# three sentences too long to share a segment (text/split.py packs up to ~300 Latin characters)
+MULTI = " ".join([_SENTENCE.replace("quick", "slow"), _SENTENCE, _SENTENCE.replace("fox", "cat")])
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +138,23 @@ def test_a_request_streams_audio_to_one_finished_output(make_client):
     assert stats["num_streams"] == 0 and stats["num_running"] == 0
 
 
+def _spans(outs: list[AudioOutput]) -> list[tuple[int, str, int, int]]:
+    return [(s.index, s.text, s.start, s.end) for o in outs for s in o.segments]
+
+
+def test_segment_spans_cover_the_audio_in_order(make_client):
+    async def body(c: EngineClient):
+        return await _collect(c, _req(MULTI, rid="spans"))
+
+    audio, outs = run(make_client(), body)
+    spans = _spans(outs)
+    assert [i for i, *_ in spans] == list(range(len(spans))) and spans
+    assert spans[0][2] == 0 and spans[-1][3] == audio.size
+    for (_, _, s0, e0), (_, _, s1, e1) in itertools.pairwise(spans):
+        assert s0 <= s1 <= e0 <= e1 and e0 - s1 <= CROSSFADE_SAMPLES  # contiguous up to the crossfade
+    assert " ".join(t for _, t, *_ in spans).split() == MULTI.split()
+
+
 @pytest.mark.parametrize(
     ("req", "param"),
     [
@@ -216,7 +239,8 @@ def test_in_process_and_multiprocess_serve_the_same(local_engine, core_address):
                 await anext(c.generate(req))
             errors.append((type(info.value), str(info.value), info.value.param))
         audio, outs = await _collect(c, _req("Hello there. It is 3 o'clock.", seed=11, rid="same"))
-        return errors, audio, outs[-1], c.random_speaker(5)
+        _, multi = await _collect(c, _req(MULTI, seed=12))
+        return errors, audio, outs[-1], c.random_speaker(5), _spans(multi)
 
     local = run(AsyncEngine(local_engine), body)
     remote = run(CoreClient(core_address, next(_indices)), body)
@@ -225,3 +249,4 @@ def test_in_process_and_multiprocess_serve_the_same(local_engine, core_address):
     for field in ("finish_reason", "num_frames", "truncated_segments", "dropped_chars", "request_id"):
         assert getattr(local[2], field) == getattr(remote[2], field), field
     assert np.array_equal(local[3], remote[3])
+    assert local[4] == remote[4] and len(local[4]) == 3  # the same segments at the same samples

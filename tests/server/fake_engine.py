@@ -20,7 +20,7 @@ import numpy as np
 
 # The real contract types, so the fake cannot drift from what the engine yields.
 from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
-from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.engine.synthesis import AudioOutput, SegmentSpan
 from ttsserve.params import SynthesisRequest
 from ttsserve.text.speaker import decode_speaker
 
@@ -143,7 +143,10 @@ class FakeEngine:
                 last = done >= total
                 reason = ("length" if want > cap else "stop") if last else None
                 finished = last
-                yield AudioOutput(rid, samples, last, done, reason, [0] if last and want > cap else [])
+                out = AudioOutput(rid, samples, last, done, reason, [0] if last and want > cap else [])
+                if last:  # the whole text is one segment
+                    out.segments = [SegmentSpan(0, req.text.strip(), 0, total * SAMPLES_PER_FRAME)]
+                yield out
         finally:
             self.running.pop(rid, None)
             (self.finished if finished else self.aborted).append(rid)

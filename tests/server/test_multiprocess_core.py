@@ -16,15 +16,17 @@ import pytest
 from tests.server.multiproc_helpers import start_core, stop_process
 from ttsserve.engine.core.client import CoreClient
 from ttsserve.engine.core.messages import (
+    CoreOutputs,
     ErrorInfo,
     RequestOutput,
     SegmentMsg,
     SynthesisMsg,
+    core_decoder,
     decode_synthesis,
     encoder,
 )
 from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError
-from ttsserve.engine.synthesis import AudioOutput
+from ttsserve.engine.synthesis import AudioOutput, SegmentSpan
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 
 LONG = SamplingParams(seed=1, min_new_tokens=3000, max_new_tokens=3000)  # runs until aborted
@@ -129,6 +131,16 @@ def test_wire_format_round_trips():
     assert (
         np.array_equal(again.samples, out.samples) and again.truncated_segments == [1] and again.dropped_chars == ["#"]
     )
+    out.segments = [SegmentSpan(0, "a b", 0, 4), SegmentSpan(1, "c", 2, 7)]
+    assert (
+        core_decoder.decode(encoder.encode(CoreOutputs(outputs=[RequestOutput.of(out)]))).outputs[0].output().segments
+        == out.segments
+    )
+    # an output encoded without the trailing segments field (an older core) still decodes, with none
+    old = encoder.encode(CoreOutputs(outputs=[RequestOutput.of(out)]))
+    legacy = msgspec.msgpack.decode(old)
+    legacy["outputs"][0] = legacy["outputs"][0][:-1]
+    assert core_decoder.decode(encoder.encode(legacy)).outputs[0].output().segments == []
     assert isinstance(ErrorInfo.of(ValueError("v")).exception(), ValueError)
     assert isinstance(ErrorInfo.of(EngineOverloadedError("o")).exception(), EngineOverloadedError)
     assert str(ErrorInfo.of(KeyError("k")).exception()) == "KeyError: 'k'"

@@ -175,7 +175,9 @@ class Engine:
             self.frontend.check_code_ids(req, segments, self.max_model_len)
         seed = req.code_params.seed if req.code_params.seed is not None else random.getrandbits(62)
         dropped = sorted({c for s in segments for c in s.dropped})
-        syn = SynthesisRecord(rid, req, SynthesisTracker(rid, len(segments), dropped), seed, segments)
+        syn = SynthesisRecord(
+            rid, req, SynthesisTracker(rid, len(segments), dropped, [s.text for s in segments]), seed, segments
+        )
         self.registry.add_synthesis(syn)
         try:
             for seg in segments:

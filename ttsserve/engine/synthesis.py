@@ -13,6 +13,22 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 CROSSFADE_SAMPLES = 480  # 20 ms at 24 kHz: long enough to hide a seam, short enough to keep words intact
 
 
+@dataclass(frozen=True)
+class SegmentSpan:
+    """Where one segment's audio lies in the synthesis' output stream, in samples at the engine's rate.
+
+    start: its first sample; end: one past its last. A segment after the first starts inside the previous
+    one's end by the crossfade overlap (0..CROSSFADE_SAMPLES), so spans are contiguous up to that overlap and
+    the last span's end is the stream's length. Starts never decrease: after a segment shorter than the fade,
+    the next one's start is clamped to that segment's start (its first, faded-in samples lie earlier).
+    """
+
+    index: int
+    text: str
+    start: int
+    end: int
+
+
 @dataclass
 class AudioOutput:
     """What a synthesis request's stream yields.
@@ -30,6 +46,8 @@ class AudioOutput:
     truncated_segments: list[int] = field(default_factory=list)
     error: str | None = None
     dropped_chars: list[str] = field(default_factory=list)
+    # the segments whose audio this output completes (in order; a segment's end may leave with a later output)
+    segments: list[SegmentSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -38,6 +56,8 @@ class _SegmentAudio:
     finished: bool = False
     finish_reason: str | None = None
     num_frames: int = 0
+    num_samples: int = 0  # every sample it produced, before the crossfade
+    fade_in: int = 0  # samples of its start mixed into the previous segment's end
 
 
 class SynthesisTracker:
@@ -47,9 +67,12 @@ class SynthesisTracker:
     CROSSFADE_SAMPLES of one are mixed with the first of the next (linear fade).
     """
 
-    def __init__(self, request_id: str, num_segments: int, dropped: list[str]) -> None:
+    def __init__(self, request_id: str, num_segments: int, dropped: list[str], texts: list[str] | None = None) -> None:
         self.request_id = request_id
         self.segments = [_SegmentAudio() for _ in range(num_segments)]
+        self.texts = texts if texts is not None else [""] * num_segments
+        self.spans: list[SegmentSpan] = []  # finished segments not yet handed out on an output
+        self.span_start = self.span_end = 0  # start and end of the last finished segment in the output stream
         self.current = 0
         self.tail: np.ndarray | None = None  # held back end of the previous segment, for the crossfade
         self.held = np.zeros(0, np.float32)  # start of the current segment, waiting to be faded in
@@ -60,6 +83,7 @@ class SynthesisTracker:
     def add_audio(self, seg: int, samples: np.ndarray) -> None:
         if samples.size:
             self.segments[seg].chunks.append(samples.astype(np.float32, copy=False))
+            self.segments[seg].num_samples += samples.size
 
     def add_frames(self, seg: int, n: int) -> None:
         self.segments[seg].num_frames += n
@@ -84,6 +108,7 @@ class SynthesisTracker:
                 break
             if self.held.size:  # a very short segment: its whole audio sat in the fade buffer
                 out.extend(self._release([], flush=True))
+            self._end_span(seg)
             self.current += 1
         finished = self.current == len(self.segments) or self.error is not None
         if finished and self.tail is not None:
@@ -94,7 +119,18 @@ class SynthesisTracker:
         if finished:
             self.done = True
             outputs.append(self._final())
+        if outputs and self.spans:
+            outputs[0].segments, self.spans = self.spans, []
         return outputs
+
+    def _end_span(self, seg: _SegmentAudio) -> None:
+        """The current segment finished and its start was faded in: its place in the output is known."""
+        start = self.span_end - seg.fade_in
+        self.span_end = start + seg.num_samples
+        # a fade after a segment shorter than the fade reaches back into the one before it: keep starts in order
+        start = max(start, self.span_start)
+        self.span_start = start
+        self.spans.append(SegmentSpan(self.current, self.texts[self.current], start, self.span_end))
 
     def _release(self, chunks: list[np.ndarray], flush: bool = False) -> list[np.ndarray]:
         """Apply the crossfade at segment starts and hold back each finished segment's end."""
@@ -106,6 +142,7 @@ class SynthesisTracker:
                 self.held = audio  # wait until the new segment has enough samples to fade in
                 return []
             n = min(n, audio.size, self.tail.size)
+            seg.fade_in = n
             ramp = np.linspace(0.0, 1.0, n, dtype=np.float32)
             head = self.tail[self.tail.size - n :] * (1 - ramp) + audio[:n] * ramp
             audio = np.concatenate([self.tail[: self.tail.size - n], head, audio[n:]])

@@ -73,6 +73,7 @@ from ttsserve.server.streaming import (
     sse_body,
     until_disconnect,
 )
+from ttsserve.server.timestamps import json_response
 from ttsserve.server.voice_routes import register_voice_routes
 from ttsserve.server.voices import UnknownVoiceError, VoiceResolver, VoiceScope, VoiceStore
 from ttsserve.server.warm_start import warm_up_api_server
@@ -202,6 +203,7 @@ class ServerState:
             input_rate=self.engine.sample_rate,
             stretch=stretch,
             timeout_s=self.cfg.request_timeout_s,
+            timestamps=getattr(opts, "timestamps", None) == "segment",
         )
         if self.cfg.max_audio_seconds is not None:
             job.max_samples = math.ceil(self.cfg.max_audio_seconds * stretch * self.engine.sample_rate)
@@ -209,7 +211,7 @@ class ServerState:
         gen = self.engine.generate(req)
         try:
             first = await prime(gen, request, job)
-            if mode == "file":
+            if mode in ("file", "json"):
                 data = await until_disconnect(
                     collect_audio(first, gen, job, fmt, rate, stretch, opts.volume_multiplier), request
                 )
@@ -218,7 +220,7 @@ class ServerState:
             release()
             self._settle(job, request, error=e)
             raise _refunded_if_refused(_as_api_error(e, text_param), refund) from None
-        if mode == "file":
+        if mode in ("file", "json"):
             await gen.aclose()
             release()
             self._settle(job, request)
@@ -227,6 +229,8 @@ class ServerState:
                 "X-Audio-Duration": f"{job.audio_seconds:.3f}",
                 "X-Truncated-Segments": ",".join(map(str, job.truncated_segments)),
             }
+            if mode == "json":
+                return json_response(data, fmt, job, headers)
             return Response(data, media_type=content_type(fmt), headers=headers)
         pipe = AudioPipeline(fmt, rate, self.engine.sample_rate, stretch, opts.volume_multiplier)
         body = (sse_body if mode == "sse" else audio_body)(first, gen, pipe, job)

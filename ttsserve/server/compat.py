@@ -22,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ttsserve.server.args import ServerConfig
 from ttsserve.server.errors import ApiError
+from ttsserve.server.timestamps import timestamps_mode
 
 logger = logging.getLogger("ttsserve.server")
 
@@ -60,15 +61,14 @@ def register_compat_routes(app: FastAPI, st, identity, errors: dict) -> None:
 
 
 def speech_mode(body) -> str:
-    """The response mode of a speech body: Kokoro's `stream: false` is the whole file; otherwise
-    `stream_format` ("audio": chunked, "sse": events). `stream: false` with SSE contradicts itself: 400."""
-    if body.stream is False:
-        if body.stream_format == "sse":
-            raise ApiError(
-                400, "stream: false asks for one file, stream_format: sse for events; drop one", param="stream"
-            )
-        return "file"
-    return body.stream_format
+    """The response mode of a speech body: "audio" (chunked), "sse" (events), "file" (Kokoro's `stream: false`)
+    or "json" (`timestamps` without a stream_format: the audio and its segments). 400 for a contradiction:
+    `stream: false` with SSE, or timestamps on a raw audio stream (server/timestamps.py)."""
+    if body.stream is False and body.stream_format == "sse":
+        raise ApiError(400, "stream: false asks for one file, stream_format: sse for events; drop one", param="stream")
+    if body.timestamps is not None:
+        return timestamps_mode(body)
+    return "file" if body.stream is False else body.stream_format
 
 
 class _LoggedCORS(CORSMiddleware):

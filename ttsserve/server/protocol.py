@@ -154,6 +154,12 @@ class SpeechRequest(ChatTTSOptions):
     stream: bool | None = Field(
         None, description="Kokoro's switch: false = the whole file in one response (real status on a late failure)"
     )
+    timestamps: Literal["segment"] | None = Field(
+        None,
+        description='"segment": the start and end (seconds) of each text segment, as speech.segment SSE events '
+        "(stream_format sse) or, without a stream_format, in a JSON body with the audio in base64; "
+        "no word-level timestamps",
+    )
 
 
 class SynthesizeRequest(ChatTTSOptions):

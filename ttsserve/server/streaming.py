@@ -27,6 +27,7 @@ from ttsserve.audio.post import apply_gain
 from ttsserve.audio.speed import StreamTimeStretcher
 from ttsserve.constants import SAMPLE_RATE
 from ttsserve.server.errors import ApiError
+from ttsserve.server.timestamps import take_ready_segments
 
 logger = logging.getLogger("ttsserve.server")
 
@@ -58,6 +59,8 @@ class SynthesisJob:
     timeout_s: float | None = None  # from `started` to the last output (--request-timeout)
     max_samples: int | None = None  # engine samples (input_rate) delivered at most (--max-audio-seconds)
     reason: str | None = None  # why it ended without all its audio (the log line's `reason`)
+    timestamps: bool = False  # collect the engine's segment spans (server/timestamps.py)
+    spans: list = field(default_factory=list)  # SegmentSpans received and not yet sent
 
     @property
     def audio_seconds(self) -> float:
@@ -71,6 +74,8 @@ class SynthesisJob:
                 keep = self.max_samples - self.num_samples
                 out = dataclasses.replace(out, samples=out.samples[:keep], finished=True, finish_reason="length")
         self.num_samples += int(out.samples.size)
+        if self.timestamps:
+            self.spans.extend(out.segments)
         self.num_frames = max(self.num_frames, int(out.num_frames))
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
@@ -247,7 +252,8 @@ def _sse_error(message: str, code: str) -> bytes:
 
 
 async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: SynthesisJob) -> AsyncIterator[bytes]:
-    """OpenAI speech SSE: `speech.audio.delta` events (base64 of the encoded stream), then `speech.audio.done`.
+    """OpenAI speech SSE: `speech.audio.delta` events (base64 of the encoded stream), with timestamps a
+    `speech.segment` event once a segment's audio is out, then `speech.audio.done`.
     A failure after the first event is an `error` event, then the stream breaks off (no `done`)."""
     try:
         async for out in _outputs(first, gen, job):
@@ -258,6 +264,8 @@ async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: Sy
             if data:
                 job.mark_first_audio()
                 yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            for seg in take_ready_segments(job) if job.timestamps else ():
+                yield sse_event({"type": "speech.segment", **seg})
     except RequestTimeout as e:
         yield _sse_error(str(e), "request_timeout")
         raise
@@ -265,6 +273,8 @@ async def sse_body(first: list, gen: AsyncIterator, pipe: AudioPipeline, job: Sy
     if tail:
         job.mark_first_audio()
         yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
+    for seg in take_ready_segments(job, final=True) if job.timestamps else ():
+        yield sse_event({"type": "speech.segment", **seg})
     yield sse_event(
         {
             "type": "speech.audio.done",

@@ -30,7 +30,7 @@ from ttsserve.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from ttsserve.engine.synthesis import AudioOutput, FinishReason
+from ttsserve.engine.synthesis import AudioOutput, FinishReason, SegmentSpan
 from ttsserve.params import SamplingParams, SynthesisRequest, Voice
 from ttsserve.text.segments import Segment
 
@@ -229,6 +229,15 @@ class Rejection(msgspec.Struct, array_like=True, frozen=True):
     error: ErrorInfo
 
 
+class SpanMsg(msgspec.Struct, array_like=True, frozen=True):
+    """A SegmentSpan on the wire (samples at the core's sample rate)."""
+
+    index: int
+    text: str
+    start: int
+    end: int
+
+
 class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     """AudioOutput on the wire; samples: float32 little-endian [n] at the core's sample rate."""
 
@@ -240,6 +249,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     truncated_segments: list[int]
     error: str | None
     dropped_chars: list[str]
+    segments: list[SpanMsg] = []  # trailing with a default: a message without it still decodes
 
     @classmethod
     def of(cls, out: AudioOutput) -> RequestOutput:
@@ -253,6 +263,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
             list(out.truncated_segments),
             out.error,
             list(out.dropped_chars),
+            [SpanMsg(s.index, s.text, s.start, s.end) for s in out.segments],
         )
 
     def output(self, request_id: str | None = None) -> AudioOutput:
@@ -266,6 +277,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
             list(self.truncated_segments),
             self.error,
             list(self.dropped_chars),
+            [SegmentSpan(s.index, s.text, s.start, s.end) for s in self.segments],
         )
 
 
