@@ -132,10 +132,28 @@ class ChatTTSOptions(_Strict):
 _LENIENT = ConfigDict(extra="allow")
 
 
+# The two combinations a speech body cannot mean (server/compat.speech_mode answers them with a 400), stated in
+# the schema too, so a client generated from it never builds one.
+_SPEECH_CONTRADICTIONS = {
+    "not": {
+        "anyOf": [
+            {
+                "properties": {"stream": {"const": False}, "stream_format": {"const": "sse"}},
+                "required": ["stream", "stream_format"],
+            },
+            {
+                "properties": {"timestamps": {"const": "segment"}, "stream_format": {"const": "audio"}},
+                "required": ["timestamps", "stream_format"],
+            },
+        ]
+    }
+}
+
+
 class SpeechRequest(ChatTTSOptions):
     """OpenAI `POST /v1/audio/speech` body (plus ChatTTS extras)."""
 
-    model_config = _LENIENT
+    model_config = ConfigDict(extra="allow", json_schema_extra=_SPEECH_CONTRADICTIONS)
 
     model: str = Field(..., min_length=1, max_length=256)
     input: str = Field(
