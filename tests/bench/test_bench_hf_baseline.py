@@ -30,7 +30,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def golden_hf() -> HFBaseline:
-    return HFBaseline(EngineConfig(model=str(GOLDEN / "assets-tiny"), load_format="safetensors", device="cpu"))
+    return HFBaseline(
+        EngineConfig(model=str(GOLDEN / "assets-tiny"), load_format="safetensors", device="cpu", dtype="float32")
+    )
 
 
 def test_baseline_reproduces_reference_greedy_batch(golden_hf: HFBaseline) -> None:
@@ -85,7 +87,7 @@ def test_baseline_stops_rows_independently(golden_hf: HFBaseline) -> None:
 def test_baseline_greedy_equals_engine_tiny() -> None:
     from ttsserve.engine.engine import Engine
 
-    cfg = EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu")
+    cfg = EngineConfig(load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu")
     engine = Engine(cfg)
     hf = HFBaseline(cfg)
     params = [

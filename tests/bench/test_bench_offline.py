@@ -28,6 +28,8 @@ def report(tmp_path_factory) -> tuple[dict, object]:
         "dummy",
         "--dummy-size",
         "tiny",
+        "--dtype",
+        "float32",
         "--device",
         "cpu",
         "--batch-sizes",
@@ -88,7 +90,19 @@ def test_figures_are_consistent(report) -> None:
 
 def test_bad_flags_exit_2(capsys) -> None:
     assert (
-        run_cli("--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--frames", "0", "--no-progress")
+        run_cli(
+            "--load-format",
+            "dummy",
+            "--dummy-size",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--frames",
+            "0",
+            "--no-progress",
+        )
         == 2
     )
     assert "frames must be >= 1" in capsys.readouterr().err
@@ -104,6 +118,8 @@ def test_preemptions_are_counted_under_a_small_kv_pool(tmp_path) -> None:
         "dummy",
         "--dummy-size",
         "tiny",
+        "--dtype",
+        "float32",
         "--device",
         "cpu",
         "--batch-sizes",

@@ -18,7 +18,14 @@ def server():
     from ttsserve.server.app import create_app
 
     engine = AsyncEngine.from_config(
-        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0, kv_cache_memory=32 << 20)
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            dtype="float32",
+            device="cpu",
+            swap_space=0,
+            kv_cache_memory=32 << 20,
+        )
     )
     with LiveServer(create_app(engine)) as srv:
         yield srv

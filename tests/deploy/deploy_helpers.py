@@ -18,6 +18,8 @@ TINY_SERVE_ARGS = [
     "dummy",
     "--dummy-size",
     "tiny",
+    "--dtype",
+    "float32",
     "--device",
     "cpu",
     "--voices-db",

@@ -16,7 +16,14 @@ from deploy_helpers import ROOT, free_port
 serve = pytest.importorskip("ray.serve", reason="ray[serve] not installed (pip install 'ray[serve]')")
 ray_deploy = pytest.importorskip("ttsserve.deploy.ray")
 
-TINY = {"load_format": "dummy", "dummy_size": "tiny", "device": "cpu", "kv_cache_memory": "64M", "swap_space": 0}
+TINY = {
+    "load_format": "dummy",
+    "dummy_size": "tiny",
+    "dtype": "float32",
+    "device": "cpu",
+    "kv_cache_memory": "64M",
+    "swap_space": 0,
+}
 
 
 def test_autoscaling_options_by_default() -> None:

@@ -11,7 +11,7 @@ TINY = GOLDEN / "assets-tiny"
 
 
 def make_engine(model, **overrides) -> Engine:
-    cfg = dict(model=str(TINY), device="cpu", kv_cache_memory=16 << 20, swap_space=0.01)
+    cfg = dict(model=str(TINY), device="cpu", dtype="float32", kv_cache_memory=16 << 20, swap_space=0.01)
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg), model=model)
 

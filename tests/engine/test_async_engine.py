@@ -14,7 +14,14 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 @pytest.fixture(scope="module")
 def engine():
     eng = AsyncEngine.from_config(
-        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01)
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=8 << 20,
+            swap_space=0.01,
+        )
     )
     return eng
 
@@ -115,6 +122,7 @@ def test_pipelined_engine_streams_equal_the_synchronous_engine(engine):
         EngineConfig(
             load_format="dummy",
             dummy_size="tiny",
+            dtype="float32",
             device="cpu",
             kv_cache_memory=8 << 20,
             swap_space=0.01,
@@ -152,7 +160,14 @@ def test_a_dead_engine_thread_ends_streams_and_refuses_requests():
     from ttsserve.engine.errors import EngineDeadError
 
     eng = AsyncEngine.from_config(
-        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01)
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=8 << 20,
+            swap_space=0.01,
+        )
     )
 
     def broken() -> bool:

@@ -21,7 +21,9 @@ LONG = (
 
 
 def _engine(**overrides) -> Engine:
-    cfg = dict(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01)
+    cfg = dict(
+        load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu", kv_cache_memory=8 << 20, swap_space=0.01
+    )
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg))
 

@@ -21,7 +21,14 @@ FRAMES = 6
 
 def _engine() -> Engine:
     return Engine(
-        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", kv_cache_memory=16 << 20, swap_space=0.01)
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            swap_space=0.01,
+        )
     )
 
 

@@ -31,6 +31,7 @@ def eng() -> Engine:
         EngineConfig(
             load_format="dummy",
             dummy_size="tiny",
+            dtype="float32",
             device="cpu",
             kv_cache_memory=8 << 20,
             swap_space=0.01,

@@ -19,6 +19,7 @@ def _run(cadence: int) -> tuple[dict[str, np.ndarray], list[int], dict[str, int]
         EngineConfig(
             load_format="dummy",
             dummy_size="tiny",
+            dtype="float32",
             device="cpu",
             kv_cache_memory=16 << 20,
             swap_space=0.01,

@@ -15,6 +15,8 @@ BASE = [
     "dummy",
     "--dummy-size",
     "tiny",
+    "--dtype",
+    "float32",
     "--device",
     "cpu",
     "--skip-refine",

@@ -51,7 +51,7 @@ def test_the_reserved_channels_and_the_clock_head(size):
 def tiny_tts():
     from ttsserve.entrypoints.tts import TTS
 
-    return TTS(load_format="dummy", dummy_size="tiny", device="cpu")
+    return TTS(load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu")
 
 
 def test_the_clock_counts_the_prompts_share_of_the_context(tiny_tts, monkeypatch):

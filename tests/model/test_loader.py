@@ -149,7 +149,7 @@ def test_dummy_fallback_warns_loudly(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with caplog.at_level("WARNING"):
-        model = load_model(EngineConfig(dummy_size="tiny", device="cpu"))
+        model = load_model(EngineConfig(dummy_size="tiny", dtype="float32", device="cpu"))
     assert model.is_dummy
     assert "RANDOM weights" in caplog.text and "falling back to --load-format dummy" in caplog.text
     with pytest.raises(ValueError, match="no ChatTTS checkpoint found"):

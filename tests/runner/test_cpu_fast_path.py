@@ -240,11 +240,15 @@ def test_engine_wait_warm_waits_for_the_background_compile(monkeypatch) -> None:
 
     monkeypatch.setenv(ref.COMPILE_ENV, "0")
     eng = Engine(
-        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0, kv_cache_memory=1 << 22)
+        EngineConfig(
+            load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu", swap_space=0, kv_cache_memory=1 << 22
+        )
     )
     assert eng.wait_warm(0) and eng.runner.backend._compiled_ready is None  # nothing in the background
     monkeypatch.setenv(ref.COMPILE_ENV, "1")
     eng = Engine(
-        EngineConfig(load_format="dummy", dummy_size="tiny", device="cpu", swap_space=0, kv_cache_memory=1 << 22)
+        EngineConfig(
+            load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu", swap_space=0, kv_cache_memory=1 << 22
+        )
     )
     assert eng.wait_warm(120) and eng.runner.backend._compiled_ready.is_set()

@@ -33,7 +33,7 @@ def _run(engine, n: int, frames: int = 24) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(EngineConfig(model=str(TINY), device="cpu"))
+    return load_model(EngineConfig(model=str(TINY), device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from ttsserve.server.app import ServerConfig, create_app
 REAL_ENGINE = {
     "load_format": "dummy",
     "dummy_size": "tiny",
+    "dtype": "float32",  # the fp32 parity path on every machine (auto picks bf16 where the CPU has it)
     "device": "cpu",
     "kv_cache_memory": 64 << 20,
     "swap_space": 0.0,

@@ -25,6 +25,8 @@ SERVE_FLAGS = [
     "dummy",
     "--dummy-size",
     "tiny",
+    "--dtype",
+    "float32",
     "--device",
     "cpu",
     "--kv-cache-memory",

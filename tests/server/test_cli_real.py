@@ -33,6 +33,8 @@ def test_serve_process_end_to_end(tmp_path):
         "dummy",
         "--dummy-size",
         "tiny",
+        "--dtype",
+        "float32",
         "--device",
         "cpu",
         "--kv-cache-memory",

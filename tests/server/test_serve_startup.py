@@ -16,7 +16,18 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--load-format", "dummy", "--dummy-size", "tiny", "--device", "cpu", "--voices-db", ":memory:"]
+TINY = [
+    "--load-format",
+    "dummy",
+    "--dummy-size",
+    "tiny",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--voices-db",
+    ":memory:",
+]
 # Interpreter start + `import torch` is 3-6 s here; a real-size load is far more. Generous for a busy CI box.
 FAST_S = 45.0
 

@@ -35,7 +35,7 @@ def check_engine_config(cfg: EngineConfig) -> None:
 
         plan_kv_cache(
             _gpt_config(cfg, root),
-            resolve_dtype(cfg.dtype, device, dummy=root is None),
+            resolve_dtype(cfg.dtype, device),
             cfg.block_size,
             cfg.kv_cache_memory,
             0,
