@@ -181,16 +181,21 @@ def test_mounts_as_subcommand_and_runs_as_module():
     assert out.returncode == 0 and "--gpu-memory-utilization" in out.stdout and "TTSSERVE_API_KEY" in out.stdout
 
 
-def test_a_cpu_server_compiles_its_decode_attention_unless_told_not_to(monkeypatch) -> None:
+def test_a_cpu_server_runs_eager_unless_told_to_compile(monkeypatch, caplog) -> None:
+    import logging
+
     from ttsserve.config import EngineConfig
     from ttsserve.server.args import server_cpu_defaults
 
     monkeypatch.delenv("TTSSERVE_CPU_COMPILE", raising=False)
-    server_cpu_defaults(EngineConfig(device="cpu"))
-    assert os.environ["TTSSERVE_CPU_COMPILE"] == "1"
-    monkeypatch.setenv("TTSSERVE_CPU_COMPILE", "0")
-    server_cpu_defaults(EngineConfig(device="cpu"))
-    assert os.environ["TTSSERVE_CPU_COMPILE"] == "0"  # the user's choice stands
-    monkeypatch.delenv("TTSSERVE_CPU_COMPILE")
+    with caplog.at_level(logging.INFO, logger="ttsserve.server"):
+        server_cpu_defaults(EngineConfig(device="cpu"))
+    assert "TTSSERVE_CPU_COMPILE" not in os.environ and "CPU: the decode step runs eager" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("TTSSERVE_CPU_COMPILE", "1")
+    with caplog.at_level(logging.INFO, logger="ttsserve.server"):
+        server_cpu_defaults(EngineConfig(device="cpu"))
+    assert os.environ["TTSSERVE_CPU_COMPILE"] == "1" and "compiling before /ready" in caplog.text
+    caplog.clear()
     server_cpu_defaults(EngineConfig(device="cuda"))
-    assert "TTSSERVE_CPU_COMPILE" not in os.environ
+    assert caplog.text == ""

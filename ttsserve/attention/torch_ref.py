@@ -220,7 +220,7 @@ class TorchPagedAttention:
                 self._compile_now(kv_cache, num_heads)
                 if self.compile_decode:
                     logger.info(
-                        "CPU decode attention compiled in %.1f s (in the background; eager until then)",
+                        "CPU decode attention compiled in %.1f s",
                         time.perf_counter() - t0,
                     )
             finally:

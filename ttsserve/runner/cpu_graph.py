@@ -1,4 +1,4 @@
-"""The CPU decode step of the GPT as ONE torch.compile graph ($TTSSERVE_CPU_COMPILE=1, the CPU server's default).
+"""The CPU decode step of the GPT as ONE torch.compile graph ($TTSSERVE_CPU_COMPILE=1; servers default to eager).
 
 Eager, a decode step is ~1,000 small ops and ~9,000 Python calls around the GPT's 80 GEMMs; at 8 streams that
 costs more than the GEMMs (int8 W8A8: a 30.6 ms GPT forward against ~12 ms of GEMM). Compiled as one graph,
@@ -9,8 +9,8 @@ The packed linears (oneDNN bf16/fp32, fbgemm W8A8, int4) are opaque to the trace
 `ttsserve::cpu_linear`, which calls the module by handle. One graph serves every batch of >= 2 sequences
 (dynamic shapes); a batch of 1 runs as 2 identical rows (the copy writes the same KV slot with the same values
 and its output is dropped): the GEMMs are memory-bound, so M = 2 costs what M = 1 does, and size 1 would be a
-second compilation. Compiling takes 1-2 minutes on 2 cores, so it runs in a background thread on scratch KV
-caches while the eager path serves; any failure (no C++ compiler, say) leaves the eager path, never a wrong one.
+second compilation. Compiling takes about a minute on 2 cores, on scratch KV caches, before the engine is ready
+(runner/model_runner.py); any failure (no C++ compiler, say) leaves the eager path, never a wrong one.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class CpuDecodeGraph:
                 compiled(*inputs, caches)
             self._compiled = compiled
             self.compile_s = time.perf_counter() - t0
-            logger.info("CPU decode step compiled in %.1f s (one graph; eager until then)", self.compile_s)
+            logger.info("CPU decode step compiled in %.1f s (one graph)", self.compile_s)
         except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: the eager path stays
             logger.warning(
                 "torch.compile of the CPU decode step failed (%s: %s); staying eager",

@@ -122,9 +122,8 @@ class ModelRunner:
 
     def _setup_cpu(self, enforce_eager: bool) -> None:
         """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With
-        $TTSSERVE_CPU_COMPILE=1 (the CPU server's default) the decode attention, then the whole decode step
-        (runner/cpu_graph.py), compile in one background thread from now on; the eager path serves until
-        each is done."""
+        $TTSSERVE_CPU_COMPILE=1 the decode attention, then the whole decode step (runner/cpu_graph.py),
+        compile in one thread before this returns (a minute on 2 cores with a cold inductor cache)."""
         from ttsserve.attention.torch_ref import compile_level
         from ttsserve.model.cpu_linear import pack_linears_
         from ttsserve.runner.cpu_graph import CpuDecodeGraph
@@ -142,6 +141,10 @@ class ModelRunner:
             background=True,
             then=None if graph is None else lambda: graph.start(background=False),
         )
+        # and waited for: the engine is ready once compiled. Compiling beside served steps made them up to 8x
+        # slower on 2 cores, and the tracer patches nn.Module.__call__ process-wide, which broke an eager step
+        # running meanwhile (BENCHMARKS.md, CPU first requests)
+        self.wait_warm()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until start-up work left to the background (the CPU compilations) is done."""

@@ -363,20 +363,23 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
 
 
 def server_cpu_defaults(engine_cfg) -> None:
-    """A CPU server compiles its decode attention, then its whole decode step, unless $TTSSERVE_CPU_COMPILE
-    says otherwise ("attention": the attention only; "0": nothing): a server lives long, and a minute or two
-    of background compilation (once per process, after /ready, served eagerly meanwhile; a C++ compiler is
-    needed, else it stays eager) buys a quarter of the step time at 8 streams (BENCHMARKS.md, CPU fast
-    path). One-shot `ttsserve say` keeps it off."""
+    """A CPU server runs its decode step eagerly unless $TTSSERVE_CPU_COMPILE says otherwise ("1": the decode
+    attention, then the whole decode step, compiled with torch.compile before /ready; "attention": the
+    attention only). On the real-size model at one stream the compiled step is no faster than the eager one
+    and the compile takes about a minute on 2 cores (BENCHMARKS.md, CPU first requests); it pays off with many
+    streams. Logs the choice in one line."""
     import torch
 
-    from ttsserve.attention.torch_ref import COMPILE_ENV
+    from ttsserve.attention.torch_ref import COMPILE_ENV, compile_level
 
     on_cpu = engine_cfg.device == "cpu" or (engine_cfg.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and COMPILE_ENV not in os.environ:
-        os.environ[COMPILE_ENV] = "1"
+    if not on_cpu:
+        return
+    if compile_level() == "0":
         logger.info(
-            "the CPU decode step will be compiled with torch.compile in the background (%s=0 turns it "
-            "off, =attention keeps it to the attention)",
+            "CPU: the decode step runs eager (%s=1 compiles it before /ready: about a minute, faster with many "
+            "streams)",
             COMPILE_ENV,
         )
+    else:
+        logger.info("CPU: %s=%s: compiling before /ready (about a minute on 2 cores)", COMPILE_ENV, compile_level())
