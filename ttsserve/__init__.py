@@ -3,7 +3,7 @@
 `import ttsserve` works on any machine; CUDA-only modules are imported lazily by the GPU paths.
 """
 
-__version__ = "0.1.0"
+from ttsserve.constants import VERSION as __version__  # noqa: F401 (re-exported)
 
 
 def __getattr__(name: str):

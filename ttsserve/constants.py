@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+VERSION = "0.1.0"  # the package version (pyproject.toml says the same; ttsserve.__version__ is this)
 MODEL_NAME = "chattts"  # the served model's id (`GET /v1/models`, the default `model` of a request)
 SAMPLE_RATE = 24000  # Hz: the Vocos vocoder's output rate
 SAMPLES_PER_FRAME = 512  # one GPT step = one code frame = 2 * the vocoder's 256-sample hop

@@ -91,14 +91,14 @@ def _say(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`ttsserve` and its sub-commands (serve, say, bench with the offline tools' `quality`, quantize)."""
-    from ttsserve import __version__
     from ttsserve.bench.cli_bench import add_bench_parser
+    from ttsserve.constants import VERSION
     from ttsserve.entrypoints.serve import add_serve_parser
     from ttsserve.tools.quant.cli import add_quantize_parser
     from ttsserve.tools.quant.quality import add_quality_parser
 
     ap = argparse.ArgumentParser(prog="ttsserve", description="A vLLM-style serving engine for ChatTTS")
-    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_say_parser(sub)
     add_serve_parser(sub)
