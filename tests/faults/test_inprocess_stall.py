@@ -13,7 +13,7 @@ SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response
 
 def test_a_hung_step_is_seen_as_stalled_and_clears_when_it_ends(serve):
     eng = make_real_engine()
-    eng.stall_timeout_s = 1.0
+    eng.liveness.stall_timeout_s = 1.0
     release = threading.Event()
     step = eng.core.step
 

@@ -74,7 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     try:
         engine = AsyncEngine.from_config(engine_cfg)
-        engine.stall_timeout_s = server_cfg.engine_stall_timeout_s
+        engine.liveness.stall_timeout_s = server_cfg.engine_stall_timeout_s
     except ValueError as e:  # what only the checkpoint's contents reveal (a bad tensor, a quantization mismatch)
         sock.close()
         return _config_error(e)

@@ -26,6 +26,7 @@ import numpy as np
 from ttsserve.config import EngineConfig
 from ttsserve.engine.core.engine_core import EngineCore
 from ttsserve.engine.core.heap import FreezeWhenWarm
+from ttsserve.engine.core.liveness import Liveness
 from ttsserve.engine.engine import Engine
 from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError
 from ttsserve.engine.input_processor import InputProcessor
@@ -51,13 +52,11 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, stall_timeout_s: float = 60.0) -> None:
         self.engine = engine
-        self.stall_timeout_s = stall_timeout_s
-        self._last_turn = time.monotonic()  # the engine thread's last loop turn
+        self.liveness = Liveness(stall_timeout_s, "the engine is stalled: its step loop has not turned")
         self.core = EngineCore(engine)
         self.model_name = self.core.model_name
         self.sample_rate = self.core.sample_rate
         self.processor = InputProcessor(engine.model.tokenizer)
-        self._died: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         # engine thread only: request id -> (the consumer's loop, its queue), for admitted requests
@@ -76,7 +75,8 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._thread is None:
             self.processor.warm_up()
-            self._last_turn = time.monotonic()
+            self.liveness.sign()
+            self.liveness.watching = True
             self._thread = threading.Thread(target=self._run, name="ttsserve-engine", daemon=True)
             self._thread.start()
 
@@ -98,20 +98,15 @@ class AsyncEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        if self._died is not None:
-            return self._died
-        silent = time.monotonic() - self._last_turn
-        if self._thread is not None and silent > self.stall_timeout_s:
-            return f"the engine is stalled: its step loop has not turned in {silent:.0f} s"
-        return None
+        return self.liveness.dead_reason
 
     @property
     def dead(self) -> bool:
-        return self.dead_reason is not None
+        return self.liveness.dead_reason is not None
 
     @property
     def stalled(self) -> bool:
-        return self._died is None and self.dead
+        return self.liveness.stalled
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
@@ -127,8 +122,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         admitted: Future = Future()
         self._post(("add", (req, segments), (loop, q), admitted))
-        if self._died is not None:  # died between the check above and the post: nobody else will answer it
-            self._fail_inbox(self._died)
+        if self.liveness.lost is not None:  # died between the check above and the post: nobody else will answer it
+            self._fail_inbox(self.liveness.lost)
         ok = finished = False
         try:
             await asyncio.wrap_future(admitted)  # the EngineCore's typed error, if it refused
@@ -191,7 +186,7 @@ class AsyncEngine:
         freeze = FreezeWhenWarm(self.engine, "server")
         core = self.core
         while not self._stopping:
-            self._last_turn = time.monotonic()
+            self.liveness.sign()
             freeze.check()
             self._drain_inbox()
             if not core.busy():
@@ -241,7 +236,7 @@ class AsyncEngine:
             self.core.abort(out.request_id)
 
     def _die(self, reason: str) -> None:
-        self._died = reason
+        self.liveness.lost = reason
         for rid in list(self._streams):
             self._deliver(_final(rid, "error", reason))
         self._fail_inbox(reason)

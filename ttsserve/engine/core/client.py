@@ -35,6 +35,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ttsserve.constants import MODEL_NAME, SAMPLE_RATE
+from ttsserve.engine.core.liveness import Liveness
 from ttsserve.engine.core.messages import (
     Abort,
     AddRequest,
@@ -80,9 +81,8 @@ class CoreClient:
     def __init__(self, address: str, index: int = 0, stall_timeout_s: float = 60.0) -> None:
         self.address = address
         self.index = index
-        self.stall_timeout_s = stall_timeout_s
-        self._lost: str | None = None  # why the connection to the core is down (until a new core says hello)
-        self._last_heard = time.monotonic()
+        # lost: why the connection to the core is down (until a new core says hello); a sign: any message heard
+        self.liveness = Liveness(stall_timeout_s, "the engine core is stalled: not heard from")
         self._info: CoreInfo | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -129,6 +129,8 @@ class CoreClient:
         logger.debug("text path warmed up in %.2f s", self.processor.warm_up())
         self._stats = dict(info.stats)
         self._info = info
+        self.liveness.sign()
+        self.liveness.watching = True
         self._accepting = True
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
@@ -138,7 +140,7 @@ class CoreClient:
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and not self.dead and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._streams and self._lost is None:
+        if self._streams and self.liveness.lost is None:
             self._post(Abort(list(self._streams)))
         for t in self._tasks:
             t.cancel()
@@ -154,20 +156,15 @@ class CoreClient:
     @property
     def dead_reason(self) -> str | None:
         """Why the core cannot serve now (gone, or stalled); None while it can."""
-        if self._lost is not None:
-            return self._lost
-        silent = time.monotonic() - self._last_heard
-        if self._info is not None and silent > self.stall_timeout_s:
-            return f"the engine core is stalled: not heard from in {silent:.0f} s"
-        return None
+        return self.liveness.dead_reason
 
     @property
     def dead(self) -> bool:
-        return self.dead_reason is not None
+        return self.liveness.dead_reason is not None
 
     @property
     def stalled(self) -> bool:
-        return self._lost is None and self.dead
+        return self.liveness.stalled
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
@@ -207,7 +204,9 @@ class CoreClient:
             pending = not stream.admitted.done()  # the core may still admit it: abort it all the same
             if pending:
                 stream.admitted.cancel()
-            if (admitted or pending) and not finished and self._lost is None:  # the consumer went away: free its blocks
+            if (
+                (admitted or pending) and not finished and self.liveness.lost is None
+            ):  # the consumer went away: free its blocks
                 self._post(Abort([rid]))
 
     def segment_msgs(self, req: SynthesisRequest) -> list[SegmentMsg]:
@@ -219,7 +218,7 @@ class CoreClient:
         for rid, s in list(self._streams.items()):
             if (s.public_id or rid) == request_id:
                 self._streams.pop(rid)
-                if self._lost is None:
+                if self.liveness.lost is None:
                     self._post(Abort([rid]))  # after its AddRequest: the core admits it, then aborts it
                 if not s.admitted.done():
                     s.admitted.set_result(None)
@@ -291,7 +290,7 @@ class CoreClient:
     async def _receive_loop(self) -> None:
         while True:
             frame = await self._sock.recv()
-            self._last_heard = time.monotonic()
+            self.liveness.sign()
             try:
                 msg = core_decoder.decode(frame)
             except msgspec.DecodeError as e:
@@ -328,7 +327,7 @@ class CoreClient:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._core_gone("the engine core process is gone")
-                elif event["event"] == zmq.EVENT_CONNECTED and self._lost is not None:
+                elif event["event"] == zmq.EVENT_CONNECTED and self.liveness.lost is not None:
                     logger.info("an engine core is up at %s again: saying hello", self.address)
                     self._post(Hello(self.index, os.getpid()))  # its CoreInfo (_receive_loop) revives us
         finally:
@@ -337,14 +336,14 @@ class CoreClient:
     def _on_hello(self, info: CoreInfo) -> None:
         if self._hello is not None and not self._hello.done():
             self._hello.set_result(info)
-        elif self._lost is not None:  # a new core after a death
-            self._info, self._stats, self._lost = info, dict(info.stats), None
+        elif self.liveness.lost is not None:  # a new core after a death
+            self._info, self._stats, self.liveness.lost = info, dict(info.stats), None
             logger.info("reconnected to the engine core (pid %d)", info.pid)
 
     def _core_gone(self, reason: str) -> None:
-        if self._lost is not None:
+        if self.liveness.lost is not None:
             return
-        self._lost = reason
+        self.liveness.lost = reason
         logger.error("%s: failing %d in-flight requests", reason, len(self._streams))
         for s in self._streams.values():
             if not s.admitted.done():
