@@ -22,12 +22,12 @@ from ttsserve.engine.frontend import FrontEnd, Segment, check_room
 from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, make_seq_id
 from ttsserve.engine.request import Mode, Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
-from ttsserve.engine.step_stats import EngineCounters, StepTimings, gc_pauses
+from ttsserve.engine.step_stats import EngineCounters, StepTimings, engine_stats, gc_pauses
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
-from ttsserve.runner.kv_cache import KVCacheSpec, kv_bytes_per_token, plan_kv_cache
+from ttsserve.runner.kv_cache import plan_engine_kv_cache
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
 
@@ -44,7 +44,7 @@ class Engine:
         self.model = model or load_model(cfg)
         tok = self.model.tokenizer
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
-        self.kv_spec = self._plan_kv()
+        self.kv_spec = plan_engine_kv_cache(cfg, self.model)
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         burst = cfg.scheduler_steps(self.model.device.type)
         self.runner = ModelRunner(
@@ -126,27 +126,6 @@ class Engine:
         self.audio.reset_stats()
 
     # ---- memory ------------------------------------------------------------------------------------
-    def _plan_kv(self) -> KVCacheSpec:
-        cfg, model = self.cfg, self.model
-        swap = int(cfg.swap_space * 2**30)
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-        elif model.device.type == "cuda":
-            from ttsserve.runner.profile import kv_budget_after_profiling
-
-            budget = kv_budget_after_profiling(model, cfg)
-        else:
-            from ttsserve.constants import DEFAULT_CPU_KV_BYTES
-
-            # Never more than max_num_seqs full-length sequences hold: a one-shot run (`ttsserve say`) that sets
-            # max_num_seqs to its segment count gets a pool for that request, not the server's default.
-            per_seq = -(-cfg.max_model_len // cfg.block_size) * cfg.block_size
-            need = cfg.max_num_seqs * per_seq * kv_bytes_per_token(model.gpt_config, model.dtype, cfg.kv_cache_dtype)
-            budget = min(DEFAULT_CPU_KV_BYTES, need)
-        return plan_kv_cache(
-            model.gpt_config, model.dtype, cfg.block_size, budget, swap, kv_cache_dtype=cfg.kv_cache_dtype
-        )
-
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until start-up work the runner left to the background is done (False on timeout)."""
         return self.runner.wait_warm(timeout)
@@ -385,6 +364,8 @@ class Engine:
         """A synthesis waits in the queue from its arrival to the first step that schedules one of its sequences."""
         now = None
         for s in sched.scheduled:
+            if s.num_computed_tokens >= s.num_prompt_tokens:  # a decode row: scheduled before, skip the lookup
+                continue
             rec = self.sequences.get(s.request_id)
             if rec is None or rec.synthesis.scheduled:
                 continue
@@ -419,37 +400,4 @@ class Engine:
         return outputs
 
     def stats(self) -> dict:
-        s, c, rt = self.scheduler, self.counters, self.runner.timings
-        return {
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "num_swapped": s.num_swapped,
-            "num_syntheses": self.num_syntheses,
-            "kv_cache_usage": self.kv_manager.usage,
-            "num_free_blocks": self.kv_manager.num_free_blocks,
-            "num_blocks": self.kv_spec.num_blocks,
-            "num_preemptions_total": c.preemptions,
-            "num_swaps_total": c.swaps,
-            "steps_total": c.steps,
-            "frames_total": c.frames,
-            "step_time_ms_ema": c.step_time_ms_ema,
-            "step_time_histogram": c.step_times.as_dict(),
-            "first_audio_histogram": c.first_audio.as_dict(),
-            "queue_time_histogram": c.queue_time.as_dict(),
-            "audio_collects_total": self.audio.collects_total,
-            "audio_polled_total": self.audio.polled_total,
-            "slow_steps_total": c.slow_steps,
-            "gc_pause_seconds_total": list(self._gc.seconds),
-            "gc_collections_total": list(self._gc.counts),
-            "batch_size_limit": self.controller.limit,
-            "last_batch_size": c.last_batch_size,
-            "cuda_graphs": self.runner.graphs is not None,
-            "graph_steps_total": rt.graph_steps,
-            "mixed_graph_steps_total": rt.mixed_graph_steps,
-            "piecewise_prefill_steps_total": rt.piecewise_steps,
-            "sampler_graph_steps_total": rt.sampler_graph_steps,
-            "step_breakdown_ms": self.timings.as_dict(c.steps),
-            "runner_breakdown_ms": rt.per_step(),
-            "async_scheduling": self.pipelined,
-            "warm": self.runner.wait_warm(0),
-        }
+        return engine_stats(self)

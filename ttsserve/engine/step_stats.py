@@ -169,3 +169,41 @@ def gc_pauses() -> GcPauses:
         _GC_PAUSES = GcPauses()
         gc.callbacks.append(_GC_PAUSES._on_gc)
     return _GC_PAUSES
+
+
+def engine_stats(engine) -> dict:
+    """The Engine's counters and gauges as one dict (Engine.stats(): the API servers' /metrics and the logs)."""
+    s, c, rt = engine.scheduler, engine.counters, engine.runner.timings
+    return {
+        "num_running": s.num_running,
+        "num_waiting": s.num_waiting,
+        "num_swapped": s.num_swapped,
+        "num_syntheses": engine.num_syntheses,
+        "kv_cache_usage": engine.kv_manager.usage,
+        "num_free_blocks": engine.kv_manager.num_free_blocks,
+        "num_blocks": engine.kv_spec.num_blocks,
+        "num_preemptions_total": c.preemptions,
+        "num_swaps_total": c.swaps,
+        "steps_total": c.steps,
+        "frames_total": c.frames,
+        "step_time_ms_ema": c.step_time_ms_ema,
+        "step_time_histogram": c.step_times.as_dict(),
+        "first_audio_histogram": c.first_audio.as_dict(),
+        "queue_time_histogram": c.queue_time.as_dict(),
+        "audio_collects_total": engine.audio.collects_total,
+        "audio_polled_total": engine.audio.polled_total,
+        "slow_steps_total": c.slow_steps,
+        "gc_pause_seconds_total": list(engine._gc.seconds),
+        "gc_collections_total": list(engine._gc.counts),
+        "batch_size_limit": engine.controller.limit,
+        "last_batch_size": c.last_batch_size,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "graph_steps_total": rt.graph_steps,
+        "mixed_graph_steps_total": rt.mixed_graph_steps,
+        "piecewise_prefill_steps_total": rt.piecewise_steps,
+        "sampler_graph_steps_total": rt.sampler_graph_steps,
+        "step_breakdown_ms": engine.timings.as_dict(c.steps),
+        "runner_breakdown_ms": rt.per_step(),
+        "async_scheduling": engine.pipelined,
+        "warm": engine.runner.wait_warm(0),
+    }

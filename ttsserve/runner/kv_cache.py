@@ -118,3 +118,24 @@ class KVCache:
         for dev_layer, host_layer in zip(self.layers, self.cpu_layers):
             for dev, host in zip(self._parts(dev_layer), self._parts(host_layer)):
                 dev[:, dst] = host[:, src].to(dev.device, non_blocking=True)
+
+
+def plan_engine_kv_cache(cfg, model) -> KVCacheSpec:
+    """The engine's KV pool for `cfg` (EngineConfig) and its loaded model: --kv-cache-memory when given; on CUDA
+    what the memory profile leaves (runner/profile.py); on a CPU at most DEFAULT_CPU_KV_BYTES."""
+    from ttsserve.constants import DEFAULT_CPU_KV_BYTES
+
+    swap = int(cfg.swap_space * 2**30)
+    if cfg.kv_cache_memory is not None:
+        budget = cfg.kv_cache_memory
+    elif model.device.type == "cuda":
+        from ttsserve.runner.profile import kv_budget_after_profiling
+
+        budget = kv_budget_after_profiling(model, cfg)
+    else:
+        # Never more than max_num_seqs full-length sequences hold: a one-shot run (`ttsserve say`) that sets
+        # max_num_seqs to its segment count gets a pool for that request, not the server's default.
+        per_seq = -(-cfg.max_model_len // cfg.block_size) * cfg.block_size
+        need = cfg.max_num_seqs * per_seq * kv_bytes_per_token(model.gpt_config, model.dtype, cfg.kv_cache_dtype)
+        budget = min(DEFAULT_CPU_KV_BYTES, need)
+    return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap, kv_cache_dtype=cfg.kv_cache_dtype)
