@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.tiny_args import TINY_CLI_ARGS
 from ttsserve.bench.results import FRAME_SECONDS, SAMPLE_RATE
 
 pytest.importorskip("transformers")
@@ -24,14 +25,7 @@ def report(tmp_path_factory) -> tuple[dict, object]:
     rc = run_cli(
         "--backend",
         "both",
-        "--load-format",
-        "dummy",
-        "--dummy-size",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
+        *TINY_CLI_ARGS,
         "--batch-sizes",
         "1,2",
         "--frames",
@@ -91,14 +85,7 @@ def test_figures_are_consistent(report) -> None:
 def test_bad_flags_exit_2(capsys) -> None:
     assert (
         run_cli(
-            "--load-format",
-            "dummy",
-            "--dummy-size",
-            "tiny",
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
+            *TINY_CLI_ARGS,
             "--frames",
             "0",
             "--no-progress",
@@ -114,14 +101,7 @@ def test_preemptions_are_counted_under_a_small_kv_pool(tmp_path) -> None:
     rc = run_cli(
         "--backend",
         "ttsserve",
-        "--load-format",
-        "dummy",
-        "--dummy-size",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
+        *TINY_CLI_ARGS,
         "--batch-sizes",
         "3",
         "--frames",

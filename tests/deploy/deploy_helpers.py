@@ -12,16 +12,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.tiny_args import TINY_CLI_ARGS
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SERVE_ARGS = [
-    "--load-format",
-    "dummy",
-    "--dummy-size",
-    "tiny",
-    "--dtype",
-    "float32",
-    "--device",
-    "cpu",
+    *TINY_CLI_ARGS,
     "--voices-db",
     ":memory:",
     "--kv-cache-memory",

@@ -6,19 +6,14 @@ import sys
 import numpy as np
 import soundfile as sf
 
+from tests.tiny_args import TINY_CLI_ARGS
+
 BASE = [
     sys.executable,
     "-m",
     "ttsserve.entrypoints.cli",
     "say",
-    "--load-format",
-    "dummy",
-    "--dummy-size",
-    "tiny",
-    "--dtype",
-    "float32",
-    "--device",
-    "cpu",
+    *TINY_CLI_ARGS,
     "--skip-refine",
     "--min-new-tokens",
     "20",

@@ -17,18 +17,12 @@ from pathlib import Path
 import httpx
 
 from tests.server.conftest import REAL_ENGINE, REAL_MAX_NEW_TOKENS
+from tests.tiny_args import TINY_CLI_ARGS
 from ttsserve.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_FLAGS = [
-    "--load-format",
-    "dummy",
-    "--dummy-size",
-    "tiny",
-    "--dtype",
-    "float32",
-    "--device",
-    "cpu",
+    *TINY_CLI_ARGS,
     "--kv-cache-memory",
     "64MiB",
     "--swap-space",

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from tests.tiny_args import TINY_CLI_ARGS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -29,14 +31,7 @@ def test_serve_process_end_to_end(tmp_path):
         sys.executable,
         "-m",
         "ttsserve.entrypoints.serve",
-        "--load-format",
-        "dummy",
-        "--dummy-size",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
+        *TINY_CLI_ARGS,
         "--kv-cache-memory",
         "64MiB",
         "--port",

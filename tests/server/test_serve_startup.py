@@ -15,16 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_args import TINY_CLI_ARGS
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
-    "--load-format",
-    "dummy",
-    "--dummy-size",
-    "tiny",
-    "--dtype",
-    "float32",
-    "--device",
-    "cpu",
+    *TINY_CLI_ARGS,
     "--voices-db",
     ":memory:",
 ]
