@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tests.bench.live_server import LiveServer
 from ttsserve.bench.report import build_report, write_report
-from ttsserve.bench.serving import ServeSpec, check_loopback, histogram_quantile, parse_prometheus, run_serving
+from ttsserve.bench.server_metrics import histogram_quantile, parse_prometheus
+from ttsserve.bench.serving import ServeSpec, check_loopback, run_serving
 
 CHUNK = 2400  # samples per chunk: 0.1 s at 24 kHz
 
@@ -153,3 +154,28 @@ def test_histogram_quantile_interpolates_within_a_bucket() -> None:
     assert histogram_quantile(0.99, buckets) == pytest.approx(0.2975)
     assert histogram_quantile(0.99, [(0.1, 0.0), (float("inf"), 4.0)]) == 0.1  # past every bound: the last one
     assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None and histogram_quantile(0.5, []) is None
+
+
+def test_per_core_series_fold_into_server_totals() -> None:
+    from ttsserve.bench.server_metrics import fold_cores, server_figures
+
+    def scrape(steps0: float, steps1: float, wait1: float) -> dict:
+        return parse_prometheus(
+            f'ttsserve_engine_steps_total{{core="0"}} {steps0}\nttsserve_engine_steps_total{{core="1"}} {steps1}\n'
+            f'ttsserve_num_requests_waiting{{core="0"}} 0\nttsserve_num_requests_waiting{{core="1"}} {wait1}\n'
+            f'ttsserve_kv_cache_usage_ratio{{core="0"}} 0.2\nttsserve_kv_cache_usage_ratio{{core="1"}} 0.5\n'
+            f'vllm:num_requests_waiting{{core="1",model_name="chattts"}} {wait1}\n'
+        )
+
+    folded, cores = fold_cores(scrape(10, 30, 2))
+    assert folded["ttsserve_engine_steps_total"] == 40 and folded["ttsserve_kv_cache_usage_ratio"] == 0.5
+    assert (
+        folded['vllm:num_requests_waiting{model_name="chattts"}'] == 2
+        and cores["1"]["ttsserve_engine_steps_total"] == 30
+    )
+    figs = server_figures([scrape(15, 35, 4), scrape(20, 40, 0)], scrape(10, 30, 0), scrape(20, 50, 0), 2.0)
+    assert figs["server_steps_per_s"] == 15.0
+    assert figs["server_cores"] == {
+        "0": {"steps_per_s": 5.0, "waiting_mean": 0.0},
+        "1": {"steps_per_s": 10.0, "waiting_mean": 2.0},
+    }

@@ -1,6 +1,5 @@
-"""Shared fixtures of the deployment tests: one data-parallel launcher with two tiny CPU replicas on loopback
-(`python -m ttsserve.entrypoints.data_parallel`), used by the data-parallel and the nginx tests, so the model is
-loaded twice per session, not four times."""
+"""Shared fixtures of the deployment tests: two whole tiny CPU servers on loopback (`ttsserve serve`, one engine
+each), standing in for two machines behind nginx, started once per session."""
 
 from __future__ import annotations
 
@@ -10,44 +9,38 @@ import subprocess
 import sys
 
 import pytest
-from deploy_helpers import ROOT, TINY_SERVE_ARGS, Cluster, free_port_run, wait_ready
+from deploy_helpers import ROOT, TINY_SERVE_ARGS, Machines, free_port_run
 
 
 @pytest.fixture(scope="session")
-def dp_cluster(tmp_path_factory) -> Cluster:
-    """Two tiny CPU replicas behind the built-in balancer (session-wide; tests leave both replicas ready)."""
-    base = free_port_run(3)
-    log = tmp_path_factory.mktemp("dp") / "launcher.log"
+def machines(tmp_path_factory) -> Machines:
+    """Two tiny CPU servers (session-wide; a test that kills one restarts it with Machines.restart)."""
+    base = free_port_run(2)
+    d = tmp_path_factory.mktemp("machines")
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "ttsserve.entrypoints.data_parallel",
-        *TINY_SERVE_ARGS,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(base),
-        "--data-parallel-size",
-        "2",
-        "--data-parallel-base-port",
-        str(base + 1),
+    cmds = [
+        [sys.executable, "-m", "ttsserve.entrypoints.serve", *TINY_SERVE_ARGS, "--host", "127.0.0.1", "--port", str(p)]
+        for p in (base, base + 1)
     ]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    cluster = Cluster(proc, base, [base + 1, base + 2], log)
+    m = Machines(cmds, [base, base + 1], [d / "server-0.log", d / "server-1.log"], env)
     try:
-        cluster.wait_all_ready(120)
-        wait_ready([cluster.url], 10, proc, log)
-        yield cluster
+        for i in range(2):
+            m.start(i)
+        m.wait_all_ready(120)
+        yield m
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for p in m.procs:
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in m.procs:
+            if p is not None:
+                try:
+                    p.wait(40)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()

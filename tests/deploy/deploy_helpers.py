@@ -1,4 +1,4 @@
-"""Helpers of the deployment tests (ports, readiness, the data-parallel cluster handle)."""
+"""Helpers of the deployment tests (ports, readiness, whole servers standing in for machines)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.tiny_args import TINY_CLI_ARGS
@@ -75,42 +75,35 @@ def wait_ready(urls: list[str], timeout_s: float, proc: subprocess.Popen | None 
 
 
 @dataclass
-class Cluster:
-    """The launcher on `port`; replica i on `replica_ports[i]`; its log (launcher + prefixed replica lines)."""
+class Machines:
+    """Whole servers (one per port), as an orchestrator would run them: start, kill, restart, wait."""
 
-    proc: subprocess.Popen
-    port: int
+    cmds: list[list[str]]
     replica_ports: list[int]
-    log: Path
+    logs: list[Path]
+    env: dict[str, str]
+    procs: list = field(default_factory=list)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def start(self, i: int) -> None:
+        while len(self.procs) <= i:
+            self.procs.append(None)
+        with open(self.logs[i], "a") as f:
+            self.procs[i] = subprocess.Popen(self.cmds[i], stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
 
     def replica_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.replica_ports[i]}"
 
-    def replica_pid(self, i: int) -> int:
-        """The pid of the process serving replica i now (found by its --port in /proc)."""
-        want = ["--port", str(self.replica_ports[i])]
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if "ttsserve.entrypoints.serve" in argv and any(argv[k : k + 2] == want for k in range(len(argv))):
-                return int(d.name)
-        raise AssertionError(f"no process for replica {i}\n{self.log.read_text()[-2000:]}")
-
     def kill_replica(self, i: int) -> int:
-        pid = self.replica_pid(i)
+        pid = self.procs[i].pid
         os.kill(pid, signal.SIGKILL)
+        self.procs[i].wait(10)
         return pid
 
+    def restart(self, i: int, timeout_s: float = 120.0) -> None:
+        if self.procs[i].poll() is not None:
+            self.start(i)
+        wait_ready([self.replica_url(i)], timeout_s, self.procs[i], self.logs[i])
+
     def wait_all_ready(self, timeout_s: float = 90.0) -> None:
-        """Every replica answers /ready, and the balancer has probed them since (it probes every 1 s,
-        LoadBalancer.probe_interval_s): until then a replica that just came up is not in its rotation yet."""
-        wait_ready([self.replica_url(i) for i in range(len(self.replica_ports))], timeout_s, self.proc, self.log)
-        time.sleep(1.5)
+        for i in range(len(self.replica_ports)):
+            wait_ready([self.replica_url(i)], timeout_s, self.procs[i], self.logs[i])

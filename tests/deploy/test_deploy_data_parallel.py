@@ -1,141 +1,161 @@
-"""`ttsserve serve --data-parallel-size N` (ttsserve/entrypoints/data_parallel.py): the replica plan, and a real
-launcher with two tiny CPU replicas on loopback (conftest.dp_cluster): requests spread over both replicas,
-a killed replica is failed over and restarted by the supervisor."""
+"""`ttsserve serve --data-parallel-size N` (entrypoints/data_parallel.py, core_slots.py, engine/core/dp_client.py):
+the core plan, and a real launcher with two tiny CPU engine cores behind one API server on loopback: requests
+spread over both cores, /ready and /metrics report each core, and a core killed with SIGKILL under load fails
+only its own requests while the other serves on, and is back in rotation after its restart."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import re
+import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from deploy_helpers import ROOT, free_port
+from deploy_helpers import ROOT, TINY_SERVE_ARGS, free_port
 
-from ttsserve.entrypoints.data_parallel import (
-    ReplicaSpec,
-    add_data_parallel_args,
-    child_argv,
-    data_parallel_size,
-    plan_replicas,
-    serve_data_parallel,
-)
+from tests.prom_util import metric
+from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, plan_cores
 
 SPEECH = {"model": "chattts", "voice": "alloy", "response_format": "pcm", "max_new_tokens": 40}
 
 
-def test_child_argv_drops_what_each_replica_gets_its_own_value_for() -> None:
-    argv = [
-        "serve",
-        "--port",
-        "9000",
-        "--host=0.0.0.0",
-        "--model",
-        "/m",
-        "--device",
-        "cuda",
-        "--data-parallel-size",
-        "2",
-        "--data-parallel-base-port=9100",
-        "--max-num-seqs",
-        "64",
-    ]
-    assert child_argv(argv) == ["--model", "/m", "--max-num-seqs", "64"]
+def test_plan_gpu_cores_one_visible_gpu_each() -> None:
+    assert plan_cores(2, "cuda", ["3", "5"]) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert plan_cores(2, "auto", ["0", "1", "2"]) == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    assert plan_cores(1, "cuda:1", ["0", "1"]) == [{}]  # one core: the device flag as given
 
 
-def test_plan_gpu_replicas_one_visible_gpu_each() -> None:
-    specs = plan_replicas(2, 9001, "auto", ["3", "5"], ["--model", "/m"])
-    assert [s.port for s in specs] == [9001, 9002]
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["3", "5"]
-    assert all(s.env["TTSSERVE_DATA_PARALLEL_SIZE"] == "1" for s in specs)  # no recursion in the replica
-    assert specs[1].argv == ["--model", "/m", "--host", "127.0.0.1", "--port", "9002", "--device", "cuda"]
-
-
-def test_plan_cpu_replicas_split_cores() -> None:
-    specs = plan_replicas(2, 9001, "auto", [], [], cpu_count=8)  # auto without GPUs: CPU replicas
-    assert [s.device for s in specs] == ["cpu", "cpu"]
-    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["4", "4"]
-    assert "CUDA_VISIBLE_DEVICES" not in specs[0].env
+def test_plan_cpu_cores_split_the_threads() -> None:
+    assert plan_cores(2, "cpu", [], cpu_count=8) == [{"OMP_NUM_THREADS": "4"}] * 2
+    assert plan_cores(4, "auto", [], cpu_count=2) == [{"OMP_NUM_THREADS": "1"}] * 4
 
 
 @pytest.mark.parametrize(
-    "n, device, gpus, match",
+    ("n", "device", "gpus", "match"),
     [
-        (3, "cuda", ["0", "1"], "needs 3 GPUs, 2 visible"),
-        (2, "cuda:1", ["0", "1"], "pins one GPU"),
-        (2, "cuda", [], "needs 2 GPUs"),
-        (2, "cpu", [], None),
+        (2, "cuda", ["0"], "needs 2 GPUs, 1 visible"),
+        (2, "cuda:0", ["0", "1"], "pins one GPU"),
     ],
 )
-def test_plan_errors(n: int, device: str, gpus: list[str], match: str | None) -> None:
-    if match is None:
-        assert len(plan_replicas(n, 9001, device, gpus, [])) == n
-    else:
-        with pytest.raises(ValueError, match=match):
-            plan_replicas(n, 9001, device, gpus, [])
-    with pytest.raises(ValueError, match="65535"):
-        plan_replicas(2, 65535, "cpu", [], [])
+def test_plan_errors(n: int, device: str, gpus: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_cores(n, device, gpus)
 
 
 def test_data_parallel_size_flag_env_default() -> None:
     p = argparse.ArgumentParser()
     add_data_parallel_args(p)
     assert data_parallel_size(p.parse_args([]), env={}) == 1
-    env = {"TTSSERVE_DATA_PARALLEL_SIZE": "4"}
-    assert data_parallel_size(p.parse_args([]), env=env) == 4
-    assert data_parallel_size(p.parse_args(["--data-parallel-size", "2"]), env=env) == 2  # the flag wins
+    assert data_parallel_size(p.parse_args([]), env={"TTSSERVE_DATA_PARALLEL_SIZE": "3"}) == 3
+    assert data_parallel_size(p.parse_args(["--data-parallel-size", "2"]), env={}) == 2
     with pytest.raises(ValueError, match="positive integer"):
         data_parallel_size(p.parse_args(["--data-parallel-size", "0"]), env={})
 
 
-def test_a_replica_configuration_error_stops_the_launcher_with_code_2(monkeypatch) -> None:
-    # The replica rejects --block-size 7 (exit code 2): restarting cannot help, so the launcher gives up.
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+def test_a_bad_core_plan_is_a_configuration_error(tmp_path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "ttsserve.entrypoints.serve", *TINY_SERVE_ARGS[:-2], "--data-parallel-size", "2"]
+        + ["--device", "cuda:0", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and "pins one GPU" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory):
     port = free_port()
-    spec = ReplicaSpec(0, port + 1, "cpu", ["--block-size", "7", "--port", str(port + 1)], {})
-    start = time.monotonic()
-    rc = asyncio.run(asyncio.wait_for(serve_data_parallel("127.0.0.1", port, [spec], grace_s=5), 60))
-    assert rc == 2 and time.monotonic() - start < 60
-
-
-def _speak(url: str, text: str) -> tuple[int, int]:
-    r = httpx.post(url + "/v1/audio/speech", json={**SPEECH, "input": text}, timeout=60)
-    return r.status_code, len(r.content)
-
-
-def _served(url: str) -> float:
-    """Speech requests this replica answered 200 (its Prometheus counter)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(r'ttsserve_requests_total\{endpoint="/v1/audio/speech",status="200"\} (\S+)', text)
-    return float(m.group(1)) if m else 0.0
-
-
-def test_launcher_spreads_requests_and_survives_a_replica_crash(dp_cluster) -> None:
-    c = dp_cluster
-    c.wait_all_ready()
-    before = [_served(c.replica_url(i)) for i in range(2)]
-    # Concurrent requests: least connections sends them to both replicas.
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda i: _speak(c.url, f"Sentence number {i}."), range(6)))
-    assert all(status == 200 and size > 0 for status, size in results), results
-    after = [_served(c.replica_url(i)) for i in range(2)]
-    assert all(a > b for a, b in zip(after, before)), (before, after)
-
-    old_pid = c.kill_replica(0)
-    for i in range(4):  # every request still succeeds: connects to the dead replica fail over to the other
-        assert _speak(c.url, f"After the crash {i}.")[0] == 200
-    # The supervisor starts a new process for the replica (its model loads while the next tests run; the
-    # balancer keeps it out of rotation until /ready says so, as the nginx tests' first wait shows).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    log = tmp_path_factory.mktemp("dp") / "serve.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *TINY_SERVE_ARGS, "--port", str(port)]
+    cmd += ["--data-parallel-size", "2", "--api-server-count", "1", "--log-level", "info"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _cores(url) == [True, True], 150, proc, log)
+        yield url, proc, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
         try:
-            if c.replica_pid(0) != old_pid:
-                break
-        except AssertionError:  # between the old process's death and the new one's start
-            pass
-        time.sleep(0.2)
-    assert c.replica_pid(0) != old_pid
-    assert "replica 0 exited (code -9); restarting in 1 s" in c.log.read_text()
-    assert httpx.get(c.url + "/ready", timeout=10).status_code == 200
+            assert proc.wait(60) == 0, log.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(url: str) -> dict | None:
+    try:
+        r = httpx.get(url + "/ready", timeout=5)
+    except httpx.TransportError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def _cores(url: str) -> list[bool] | None:
+    body = _ready(url)
+    return None if body is None else [c["ready"] for c in body["cores"]]
+
+
+def _wait(cond, timeout_s: float, proc, log) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s} s\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _speak(url: str, i: int, frames: int = 40) -> int | str:
+    body = {**SPEECH, "input": f"Sentence number {i} is spoken here.", "min_new_tokens": frames}
+    body["max_new_tokens"] = frames
+    try:
+        with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=60) as r:
+            data = b"".join(r.iter_bytes())
+            if r.status_code != 200:
+                return r.status_code
+            return 200 if len(data) >= (frames - 1) * 512 * 2 else "short"  # the vocoder trims half a frame
+    except httpx.TransportError as e:  # a stream the server ended early
+        return type(e).__name__
+
+
+def test_requests_spread_over_both_cores_and_metrics_label_each(dp_server) -> None:
+    url, _, _ = dp_server
+    steps0 = {c: metric(httpx.get(url + "/metrics").text, "ttsserve_engine_steps_total", {"core": c}) for c in "01"}
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda i: _speak(url, i), range(8))) == [200] * 8
+    text = httpx.get(url + "/metrics").text
+    for c in "01":
+        assert metric(text, "ttsserve_engine_steps_total", {"core": c}) > steps0[c], f"core {c} took no request"
+        assert metric(text, "vllm:num_requests_running", {"core": c}) >= 0
+    body = _ready(url)
+    assert [c["core"] for c in body["cores"]] == [0, 1] and all(c["pid"] for c in body["cores"])
+
+
+def test_a_killed_core_fails_only_its_requests_and_comes_back(dp_server) -> None:
+    url, proc, log = dp_server
+    victim = _ready(url)["cores"][1]["pid"]
+    with ThreadPoolExecutor(12) as pool:
+        running = [pool.submit(_speak, url, i, 300) for i in range(8)]  # ~6 s of CPU work each core
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        down = _wait(lambda: _cores(url) == [True, False], 10, proc, log)
+        # while core 1 is down, the other serves every new request
+        during = [pool.submit(_speak, url, 100 + i) for i in range(4)]
+        assert [f.result(120) for f in during] == [200] * 4
+        outcomes = [f.result(120) for f in running]
+    lost = [o for o in outcomes if o != 200]
+    assert outcomes.count(200) >= 1 and len(lost) <= 4, outcomes  # only core 1's share (<= 4 of 8) failed
+    assert all(o in (503, "short", "RemoteProtocolError") for o in lost), outcomes
+    back = _wait(lambda: _cores(url) == [True, True], 60, proc, log)
+    assert _ready(url)["cores"][1]["pid"] != victim
+    assert "engine core 1 exited" in log.read_text()
+    print(f"core 1 noticed down in {down:.1f} s, back in rotation {back:.1f} s later; outcomes {outcomes}")
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda i: _speak(url, 200 + i), range(4))) == [200] * 4

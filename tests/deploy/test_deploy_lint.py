@@ -87,18 +87,16 @@ def _compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_compose_pins_one_gpu_per_replica_and_matches_nginx() -> None:
+def test_compose_runs_one_core_per_gpu_behind_nginx() -> None:
     services = _compose()["services"]
-    replicas = sorted(name for name in services if name.startswith("tts-"))
-    assert len(replicas) >= 2
-    devices = []
-    for name in replicas:
-        (req,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert req["driver"] == "nvidia" and "gpu" in req["capabilities"]
-        devices += req["device_ids"]
-    assert len(devices) == len(set(devices)) == len(replicas), "each replica needs its own GPU"
+    tts = services["tts"]
+    (req,) = tts["deploy"]["resources"]["reservations"]["devices"]
+    assert req["driver"] == "nvidia" and "gpu" in req["capabilities"] and req["count"] == "all"
+    env = tts["environment"]
+    assert env["TTSSERVE_DATA_PARALLEL_SIZE"] == "${TTSSERVE_GPUS:-1}", "one engine core per GPU"
+    assert env["TTSSERVE_API_SERVER_COUNT"].startswith("${TTSSERVE_API_SERVERS")
     upstreams = re.findall(r"^\s*server (\S+) max_fails", NGINX_CONF.read_text(), re.M)
-    assert upstreams == [f"{name}:8000" for name in replicas]
+    assert upstreams == ["tts:8000"]
     nginx = services["nginx"]
     assert any("deploy/nginx/nginx.conf:/etc/nginx/nginx.conf" in v for v in nginx["volumes"])
     assert f"listen {nginx['ports'][0].split(':')[1]};" in NGINX_CONF.read_text()

@@ -37,12 +37,12 @@ class Nginx:
 
 
 @pytest.fixture(scope="module")
-def nginx(dp_cluster, tmp_path_factory):
+def nginx(machines, tmp_path_factory):
     d = tmp_path_factory.mktemp("nginx")
     port = free_port()
     conf = render_nginx_conf(
         NginxParams(
-            upstreams=[f"127.0.0.1:{p}" for p in dp_cluster.replica_ports],
+            upstreams=[f"127.0.0.1:{p}" for p in machines.replica_ports],
             listen=f"127.0.0.1:{port}",
             rate="2r/s",
             burst=20,
@@ -83,8 +83,8 @@ def _upstreams(line: str) -> list[str]:
     return [u.strip() for u in m.group(1).split(",")] if m else []
 
 
-def test_streams_pass_through_unbuffered(dp_cluster, nginx) -> None:
-    dp_cluster.wait_all_ready()  # also waits out the restart of the replica the data-parallel test killed
+def test_streams_pass_through_unbuffered(machines, nginx) -> None:
+    machines.wait_all_ready()
     # min_new_tokens: the dummy's EOS (model/dummy_eos.py) must not end the stream after a chunk or two
     body = {
         "model": "chattts",
@@ -129,16 +129,15 @@ def test_rate_limit_answers_429(nginx) -> None:
     assert httpx.get(nginx.url + "/health", timeout=10).status_code == 200  # only synthesis is limited
 
 
-def test_balances_and_survives_a_killed_replica(dp_cluster, nginx) -> None:
-    # Last test using the cluster: the killed replica's restart is left to the launcher's supervisor.
-    dp_cluster.wait_all_ready()
-    replicas = [f"127.0.0.1:{p}" for p in dp_cluster.replica_ports]
+def test_balances_and_survives_a_killed_replica(machines, nginx) -> None:
+    machines.wait_all_ready()
+    replicas = [f"127.0.0.1:{p}" for p in machines.replica_ports]
     n0 = len(nginx.access_lines())
     assert [_synthesize(nginx.url, i) for i in range(6)] == [200] * 6
     used = {u for line in nginx.access_lines()[n0:] for u in _upstreams(line)}
     assert used == set(replicas), "least_conn spreads sequential requests over both replicas"
 
-    dp_cluster.kill_replica(1)  # SIGKILL: connections to it are refused from now on
+    machines.kill_replica(1)  # SIGKILL: connections to it are refused from now on
     n1 = len(nginx.access_lines())
     assert [_synthesize(nginx.url, 10 + i) for i in range(6)] == [200] * 6
     lines = nginx.access_lines()[n1:]
@@ -147,3 +146,4 @@ def test_balances_and_survives_a_killed_replica(dp_cluster, nginx) -> None:
     assert retried, "\n".join(lines)
     assert all(" 200 " in ln for ln in lines)
     assert "connect() failed" in nginx.error_log.read_text()
+    machines.restart(1)  # as an orchestrator would

@@ -69,10 +69,14 @@ def _make(kind: str, request) -> EngineClient:
         from ttsserve.engine.core.client import CoreClient
 
         return CoreClient(request.getfixturevalue("core_address"), next(_indices))
+    if kind == "dp_client":  # the data-parallel client over one core: the path of `serve --api-server-count`
+        from ttsserve.engine.core.dp_client import DPClient
+
+        return DPClient([request.getfixturevalue("core_address")], next(_indices))
     return FakeEngine(max_queue_len=QUEUE)
 
 
-@pytest.fixture(params=["async_engine", "core_client", "fake"])
+@pytest.fixture(params=["async_engine", "core_client", "dp_client", "fake"])
 def make_client(request):
     return lambda: _make(request.param, request)
 

@@ -11,6 +11,7 @@ import threading
 
 import httpx
 
+from tests.prom_util import metric
 from tests.server.conftest import wait_until
 from tests.server.multiproc_helpers import ServeProcess
 
@@ -19,8 +20,7 @@ STREAM = {**SPEECH, "input": "long " * 20, "min_new_tokens": 400, "max_new_token
 
 
 def _running(client: httpx.Client) -> float:
-    m = re.search(r"^ttsserve_num_requests_running (\S+)$", client.get("/metrics").text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+    return metric(client.get("/metrics").text, "ttsserve_num_requests_running")
 
 
 def test_a_killed_api_server_under_load_loses_only_its_own_requests(tmp_path):

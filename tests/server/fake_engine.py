@@ -90,6 +90,9 @@ class FakeEngine:
     def memory_report(self) -> str:
         return f"KV cache: {self.num_blocks} blocks x {BLOCK} = {self.num_blocks * BLOCK} frames (fake)"
 
+    def cores(self) -> list[dict]:
+        return [{"core": 0, "ready": self.ready, "reason": self.dead_reason, "pid": None}]
+
     def random_speaker(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(HIDDEN).astype(np.float16)
 

@@ -130,8 +130,8 @@ class ServeProcess:
         raise AssertionError(f"only reached API servers {sorted(clients)} in {tries} connections")
 
     def pid_of(self, role: str) -> int:
-        """The pid the launcher logged for 'engine core' or 'API server <i>'."""
-        m = re.search(rf"{role}: pid (\d+)", self.log())
+        """The pid the launcher logged first for 'engine core' (core 0) or 'API server <i>'."""
+        m = re.search(rf"{role}(?: 0)?: pid (\d+)", self.log())
         assert m, self.log()
         return int(m.group(1))
 
@@ -143,7 +143,7 @@ class ServeProcess:
         if self.proc.poll() is None:  # the launcher hangs: kill it and, so nothing outlives the test, its children
             self.proc.kill()
             self.proc.wait(10)
-            for pid in map(int, re.findall(r"(?:engine core|API server \d+): pid (\d+)", self.log())):
+            for pid in map(int, re.findall(r"(?:engine core(?: \d+)?|API server \d+): pid (\d+)", self.log())):
                 _kill_spawned(pid)
         self._log.close()
         return self.proc.returncode

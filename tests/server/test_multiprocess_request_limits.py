@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 
 import httpx
 import pytest
 
+from tests.prom_util import metric
 from tests.server.conftest import wait_until
 from tests.server.multiproc_helpers import ServeProcess
 
 TIMEOUT_S = 2.0
 SPEECH = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "seed": 1}
 LONG = {**SPEECH, "input": "A long one.", "min_new_tokens": 1500}  # ~7 s of CPU without the ceiling
-
-
-def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +48,7 @@ def server(tmp_path_factory):
 
 def _kv_freed(client: httpx.Client) -> bool:
     text = client.get("/metrics").text
-    return _metric(text, "ttsserve_kv_cache_usage_ratio") == 0 and _metric(text, "ttsserve_num_requests_running") == 0
+    return metric(text, "ttsserve_kv_cache_usage_ratio") == 0 and metric(text, "ttsserve_num_requests_running") == 0
 
 
 def test_a_stopped_core_gives_504_before_audio_on_every_api_server(server):

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.prom_util import metric
 from tests.server.conftest import wait_until
 from tests.server.helpers import parse_sse, same_audio
 from tests.server.multiproc_helpers import ServeProcess
@@ -37,11 +38,6 @@ def _total(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
-def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServeProcess(tmp_path_factory.mktemp("mp"), "--voices-db", ":memory:", "--max-new-tokens", "3000")
@@ -58,8 +54,11 @@ def server(tmp_path_factory):
 
 def test_both_api_servers_serve_and_metrics_sum_over_them(server):
     srv, clients = server
-    before = _metric(
-        clients["0"].get("/metrics").text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}'
+    before = metric(
+        clients["0"].get("/metrics").text,
+        "ttsserve_requests_total",
+        '{endpoint="/v1/audio/speech",status="200"}',
+        missing=0.0,
     )
     vllm_before = _total(clients["0"].get("/metrics").text, "vllm:e2e_request_latency_seconds_count")
     statuses: dict[str, list[int]] = {}
@@ -77,15 +76,15 @@ def test_both_api_servers_serve_and_metrics_sum_over_them(server):
     assert statuses == {"0": [200, 200], "1": [200, 200]}
     for client in clients.values():  # either process reports the four requests, whichever process served them
         text = client.get("/metrics").text
-        assert _metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}') == before + 4
-        assert _metric(text, "ttsserve_step_time_ms") > 0
+        assert metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="200"}') == before + 4
+        assert metric(text, "ttsserve_step_time_ms") > 0
         # vLLM's names sum over the API servers too; the engine's gauges appear once
         assert wait_until(
             lambda: _total(client.get("/metrics").text, "vllm:e2e_request_latency_seconds_count") == vllm_before + 4
         )
         assert len(re.findall(r"^vllm:num_requests_running\{", text, re.MULTILINE)) == 1
         # engine gauges come from the core's stats, which reach each API server within ~0.1 s
-        assert wait_until(lambda: _metric(client.get("/metrics").text, "ttsserve_num_requests_running") == 0)
+        assert wait_until(lambda: metric(client.get("/metrics").text, "ttsserve_num_requests_running") == 0)
     assert clients["1"].get("/ready").json()["status"] == "ready"
 
 
@@ -114,18 +113,18 @@ def test_bad_input_is_a_400_with_the_cores_message(server):
 def test_client_disconnect_aborts_in_the_core_and_frees_its_blocks(server):
     srv, clients = server
     metrics = clients["0"]
-    aborted = _metric(metrics.get("/metrics").text, "ttsserve_requests_aborted_total")
+    aborted = metric(metrics.get("/metrics").text, "ttsserve_requests_aborted_total", missing=0.0)
     with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/v1/audio/speech", json=LONG) as r:
         assert r.status_code == 200
         chunks = r.iter_bytes()  # keep a reference: a dropped iterator closes the response at once
         next(chunks)
-        assert wait_until(lambda: _metric(metrics.get("/metrics").text, "ttsserve_kv_cache_usage_ratio") > 0)
-        assert _metric(metrics.get("/metrics").text, "ttsserve_num_requests_running") == 1
+        assert wait_until(lambda: metric(metrics.get("/metrics").text, "ttsserve_kv_cache_usage_ratio") > 0)
+        assert metric(metrics.get("/metrics").text, "ttsserve_num_requests_running") == 1
     # leaving the block closed the connection mid-stream: the core aborts the request and frees its blocks
-    assert wait_until(lambda: _metric(metrics.get("/metrics").text, "ttsserve_kv_cache_usage_ratio") == 0, timeout=10)
+    assert wait_until(lambda: metric(metrics.get("/metrics").text, "ttsserve_kv_cache_usage_ratio") == 0, timeout=10)
     text = metrics.get("/metrics").text
-    assert _metric(text, "ttsserve_num_requests_running") == 0
-    assert _metric(text, "ttsserve_requests_aborted_total") == aborted + 1
+    assert metric(text, "ttsserve_num_requests_running") == 0
+    assert metric(text, "ttsserve_requests_aborted_total") == aborted + 1
 
 
 def test_voices_are_visible_from_every_api_server(server):

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.prom_util import metric
 from tests.server.conftest import wait_until
 from tests.server.fake_engine import FakeEngine
 from tests.server.helpers import parse_sse, same_audio, sse_audio
@@ -22,17 +23,16 @@ from ttsserve.server.limits import RateLimiter
 SPEECH = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm"}
 
 
-def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
-    assert m, f"{name}{labels} missing"
-    return float(m.group(1))
-
-
 def test_health_ready_models_metrics(serve_real):
     srv, eng = serve_real()
     with srv.client() as c:
         assert c.get("/health").json() == {"status": "ok"}
-        assert c.get("/ready").json() == {"status": "ready", "model": "chattts"}
+        ready = c.get("/ready").json()
+        assert ready == {
+            "status": "ready",
+            "model": "chattts",
+            "cores": [{"core": 0, "ready": True, "reason": None, "pid": ready["cores"][0]["pid"]}],
+        }
         ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
         assert ids == ["chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
         assert c.get("/v1/models/tts-1").json()["object"] == "model"
@@ -42,39 +42,39 @@ def test_health_ready_models_metrics(serve_real):
         audio_s = float(r.headers["x-audio-duration"])
         assert c.post("/v1/audio/speech", json={**SPEECH, "voice": "nobody"}).status_code == 404
         text = c.get("/metrics").text
-    assert _metric(text, "ttsserve_requests_total", '{endpoint="/synthesize",status="200"}') == 1
-    assert _metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="404"}') == 1
-    assert _metric(text, "ttsserve_time_to_first_audio_seconds_count", '{endpoint="synthesize"}') == 1
-    assert _metric(text, "ttsserve_request_latency_seconds_count", '{endpoint="synthesize"}') == 1
-    assert _metric(text, "ttsserve_audio_seconds_total") == pytest.approx(audio_s, abs=1e-3)
-    assert _metric(text, "ttsserve_real_time_factor_count") == 1
-    assert _metric(text, "ttsserve_num_requests_running") == 0 and _metric(text, "ttsserve_num_requests_waiting") == 0
-    assert _metric(text, "ttsserve_kv_cache_usage_ratio") == 0 and _metric(text, "ttsserve_step_time_ms") > 0
-    assert _metric(text, "ttsserve_num_preemptions_total") == 0 and _metric(text, "ttsserve_num_swaps_total") == 0
-    assert _metric(text, "ttsserve_engine_warm") == float(eng.stats()["warm"])
+    assert metric(text, "ttsserve_requests_total", '{endpoint="/synthesize",status="200"}') == 1
+    assert metric(text, "ttsserve_requests_total", '{endpoint="/v1/audio/speech",status="404"}') == 1
+    assert metric(text, "ttsserve_time_to_first_audio_seconds_count", '{endpoint="synthesize"}') == 1
+    assert metric(text, "ttsserve_request_latency_seconds_count", '{endpoint="synthesize"}') == 1
+    assert metric(text, "ttsserve_audio_seconds_total") == pytest.approx(audio_s, abs=1e-3)
+    assert metric(text, "ttsserve_real_time_factor_count") == 1
+    assert metric(text, "ttsserve_num_requests_running") == 0 and metric(text, "ttsserve_num_requests_waiting") == 0
+    assert metric(text, "ttsserve_kv_cache_usage_ratio") == 0 and metric(text, "ttsserve_step_time_ms") > 0
+    assert metric(text, "ttsserve_num_preemptions_total") == 0 and metric(text, "ttsserve_num_swaps_total") == 0
+    assert metric(text, "ttsserve_engine_warm") == float(eng.stats()["warm"])
     stats = eng.stats()  # idle since the request: the scrape saw these same totals
-    steps = _metric(text, "ttsserve_engine_steps_total")
+    steps = metric(text, "ttsserve_engine_steps_total")
     assert steps == stats["steps_total"] > 0
-    phase = _metric(text, "ttsserve_engine_phase_seconds_total", '{phase="runner_prepare"}')
+    phase = metric(text, "ttsserve_engine_phase_seconds_total", '{phase="runner_prepare"}')
     assert phase == pytest.approx(stats["runner_breakdown_ms"]["prepare_ms"] * steps / 1000)
     hist = stats["step_time_histogram"]  # every step in one bucket
-    assert _metric(text, "ttsserve_engine_step_seconds_count") == sum(hist["counts"]) == steps
-    assert _metric(text, "ttsserve_engine_step_seconds_bucket", '{le="+Inf"}') == steps
-    assert _metric(text, "ttsserve_engine_step_seconds_sum") == pytest.approx(hist["sum_s"])
+    assert metric(text, "ttsserve_engine_step_seconds_count") == sum(hist["counts"]) == steps
+    assert metric(text, "ttsserve_engine_step_seconds_bucket", '{le="+Inf"}') == steps
+    assert metric(text, "ttsserve_engine_step_seconds_sum") == pytest.approx(hist["sum_s"])
     below = sum(hist["counts"][: hist["le_s"].index(0.05) + 1])
-    assert _metric(text, "ttsserve_engine_step_seconds_bucket", '{le="0.05"}') == below
+    assert metric(text, "ttsserve_engine_step_seconds_bucket", '{le="0.05"}') == below
     # the one synthesis heard its first audio once, within its API-side time to first audio
     first = stats["first_audio_histogram"]
-    assert _metric(text, "ttsserve_engine_time_to_first_audio_seconds_count") == sum(first["counts"]) == 1
-    assert 0 < first["sum_s"] <= _metric(text, "ttsserve_time_to_first_audio_seconds_sum", '{endpoint="synthesize"}')
-    assert _metric(text, "ttsserve_engine_slow_steps_total") == stats["slow_steps_total"]
+    assert metric(text, "ttsserve_engine_time_to_first_audio_seconds_count") == sum(first["counts"]) == 1
+    assert 0 < first["sum_s"] <= metric(text, "ttsserve_time_to_first_audio_seconds_sum", '{endpoint="synthesize"}')
+    assert metric(text, "ttsserve_engine_slow_steps_total") == stats["slow_steps_total"]
     for g in range(3):  # process-wide totals, read at the scrape: never above the stats read after it
         assert (
             0
-            <= _metric(text, "ttsserve_engine_gc_pause_seconds_total", f'{{generation="{g}"}}')
+            <= metric(text, "ttsserve_engine_gc_pause_seconds_total", f'{{generation="{g}"}}')
             <= stats["gc_pause_seconds_total"][g]
         )
-    longest = _metric(text, "ttsserve_engine_step_max_seconds")
+    longest = metric(text, "ttsserve_engine_step_max_seconds")
     assert 0 < longest == hist["max_s"] and longest * steps >= hist["sum_s"]
     srv.stop()
     assert not eng.ready
@@ -261,7 +261,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(serve_real):
     assert stats["kv_cache_usage"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["frames_total"] < 1000  # stopped long before the 3000-frame cap
     with srv.client() as c:
-        assert wait_until(lambda: _metric(c.get("/metrics").text, "ttsserve_requests_aborted_total") == 1)
+        assert wait_until(lambda: metric(c.get("/metrics").text, "ttsserve_requests_aborted_total") == 1)
 
 
 def test_disconnect_before_first_audio_aborts(serve):

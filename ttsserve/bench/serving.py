@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import random
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit
 
 from ttsserve.bench.corpus import LANGS, LENGTHS, Sentence, select_texts
 from ttsserve.bench.results import SAMPLE_RATE, RequestRecord, RunResult
+from ttsserve.bench.server_metrics import parse_prometheus, server_figures
 from ttsserve.constants import MODEL_NAME
 
 
@@ -253,94 +253,6 @@ async def _scrape(client) -> dict[str, float]:
     return parse_prometheus(resp.text) if resp.status_code == 200 else {}
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text format -> {"name{labels}": value} (comments skipped; unparsable lines ignored)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def _server_figures(samples: list[dict[str, float]], before: dict, after: dict, wall_s: float) -> dict:
-    """Server-side figures from /metrics scrapes: the peak of every gauge named *memory* or *kv_cache_usage*,
-    the preemption counter's increase, and -- where the server exports them -- its steps per second, host
-    time per step of each engine phase over the run (ms, from the counters before and after), how many steps
-    took over 20 and over 50 ms (server_steps_over_ms), and the mean
-    running / waiting batch of the samples taken while the load ran (none for a point under 0.5 s)."""
-    peaks: dict[str, float] = {}
-    for s in samples + [after]:
-        for k, v in s.items():
-            if ("memory" in k or "kv_cache_usage" in k) and not k.endswith(("_created", "_total_created")):
-                peaks[k] = max(v, peaks.get(k, v))
-    pre = [k for k in after if k.startswith("ttsserve_num_preemptions") and not k.endswith("_created")]
-    out: dict = {"server_metrics_peak": peaks, "preemptions": int(sum(after[k] - before.get(k, 0.0) for k in pre))}
-    steps = after.get("ttsserve_engine_steps_total", 0.0) - before.get("ttsserve_engine_steps_total", 0.0)
-    if steps > 0:
-        phase = 'ttsserve_engine_phase_seconds_total{phase="'
-        out["server_steps_per_s"] = steps / max(wall_s, 1e-9)
-        out["server_step_ms"] = {
-            k[len(phase) : -2]: 1000.0 * (v - before.get(k, 0.0)) / steps
-            for k, v in after.items()
-            if k.startswith(phase)
-        }
-        if 'ttsserve_engine_step_seconds_bucket{le="+Inf"}' in after:  # steps over 20 / 50 ms: a tail's cause?
-            le = {ms: f'ttsserve_engine_step_seconds_bucket{{le="{ms / 1000}"}}' for ms in (20, 50)}
-            out["server_steps_over_ms"] = {
-                str(ms): steps - (after.get(k, 0.0) - before.get(k, 0.0)) for ms, k in le.items()
-            }
-    ttfa = {
-        who: {f"p{q}": histogram_quantile(q / 100, buckets) for q in (50, 99)}
-        for who, name in (
-            ("engine", "ttsserve_engine_time_to_first_audio_seconds"),
-            ("api", "ttsserve_time_to_first_audio_seconds"),
-        )
-        if (buckets := _bucket_increase(before, after, name))
-    }
-    if ttfa:  # the server's own view of time to first audio: where a tail the clients see comes from
-        out["server_ttfa_s"] = ttfa
-    # over the samples taken while the load ran (the scrape after it, at an idle server, would pull it down)
-    for gauge, key in (
-        ("ttsserve_num_requests_running", "server_running_mean"),
-        ("ttsserve_num_requests_waiting", "server_waiting_mean"),
-    ):
-        values = [s[gauge] for s in samples if gauge in s]
-        if values:
-            out[key] = sum(values) / len(values)
-    return out
-
-
-def _bucket_increase(before: dict, after: dict, name: str) -> list[tuple[float, float]]:
-    """A histogram's cumulative (le, count) buckets increase between two scrapes, summed over its labels."""
-    inc: dict[float, float] = {}
-    for key, value in after.items():
-        if key.startswith(name + "_bucket{") and (m := re.search(r'le="([^"]+)"', key)):
-            le = float(m.group(1))  # "+Inf" parses as inf
-            inc[le] = inc.get(le, 0.0) + value - before.get(key, 0.0)
-    return sorted(inc.items())
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """The q-quantile of cumulative (le, count) buckets, linear within a bucket (PromQL's histogram_quantile);
-    None without observations; the last finite bound when it falls in the +Inf bucket."""
-    total = buckets[-1][1] if buckets else 0.0
-    if total <= 0:
-        return None
-    rank, lo, below = q * total, 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if le == float("inf"):
-                return lo
-            return lo + (le - lo) * (rank - below) / max(count - below, 1e-12)
-        lo, below = le, count
-    return lo
-
-
 CLIENTS_PER_PROC = 32  # closed-loop streams one Python client process keeps up with (on the 16-core H200 host)
 
 
@@ -391,7 +303,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
         stop.set()
         await sampler_task
         after = await _scrape(client)
-    figures = _server_figures(samples, before, after, wall)
+    figures = server_figures(samples, before, after, wall)
     mem = [v for k, v in figures["server_metrics_peak"].items() if "memory" in k and "bytes" in k]
     kv = [v for k, v in figures["server_metrics_peak"].items() if "kv_cache_usage" in k]
     return RunResult(

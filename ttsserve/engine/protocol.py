@@ -59,6 +59,10 @@ class EngineClient(Protocol):
 
     def memory_report(self) -> str: ...
 
+    def cores(self) -> list[dict[str, Any]]:
+        """Each engine core's state, for /ready: {"core": i, "ready": bool, "reason": str | None} (one entry
+        unless the client spreads requests over data-parallel cores)."""
+
     def random_speaker(self, seed: int) -> np.ndarray:
         """float16 [hidden]: the speaker vector of `seed`, the same on every call and every client."""
 

@@ -51,8 +51,9 @@ import signal
 import socket
 import time
 
-from ttsserve.entrypoints.launcher_procs import _api_server_main, _configure_logging, _core_main
-from ttsserve.entrypoints.supervision import DeathBudget, RestartBackoff, clean_stale_run_dirs, make_run_dir
+from ttsserve.entrypoints.core_slots import CoreSlot
+from ttsserve.entrypoints.launcher_procs import _api_server_main, _configure_logging
+from ttsserve.entrypoints.supervision import RestartBackoff, clean_stale_run_dirs, make_run_dir
 from ttsserve.server.args import public_url
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket
@@ -91,18 +92,26 @@ def api_server_count(args: argparse.Namespace, env: dict[str, str] | None = None
 
 
 def run_api_servers(
-    engine_cfg, server_cfg, host: str, port: int, log_level: str, count: int, sock: socket.socket | None = None
+    engine_cfg,
+    server_cfg,
+    host: str,
+    port: int,
+    log_level: str,
+    count: int,
+    sock: socket.socket | None = None,
+    core_envs: list[dict[str, str]] | None = None,
 ) -> int:
     """The launcher's main (count >= 1). Returns the exit status (see the module docstring). sock: the
     first listening socket, bound but not listening (None: bound here); with count > 1 on Linux, bound with
-    preflight.bind_socket(reuse_port=True)."""
+    preflight.bind_socket(reuse_port=True). core_envs: one environment per engine core
+    (data_parallel.plan_cores; None: one core)."""
     _configure_logging(log_level, "launcher")
     log_outside_paths(engine_cfg, server_cfg)
     clean_stale_run_dirs()
     run_dir = make_run_dir()
     logger.info("run directory: %s", run_dir)
     try:
-        launcher = _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir)
+        launcher = _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir, core_envs)
         launcher.sock = sock
         return launcher.run()
     finally:
@@ -110,7 +119,7 @@ def run_api_servers(
 
 
 class _Launcher:
-    def __init__(self, engine_cfg, server_cfg, host, port, log_level, count, run_dir) -> None:
+    def __init__(self, engine_cfg, server_cfg, host, port, log_level, count, run_dir, core_envs=None) -> None:
         import dataclasses
 
         if server_cfg.voices_db == ":memory:":  # per-process memory stores would disagree
@@ -118,17 +127,15 @@ class _Launcher:
         self.engine_cfg, self.server_cfg = engine_cfg, server_cfg
         self.host, self.port, self.log_level, self.count = host, port, log_level, count
         self.run_dir = run_dir
-        self.core_address = f"ipc://{run_dir}/core.sock"
         limited = server_cfg.requests_per_minute > 0 or server_cfg.chars_per_minute > 0
         self.limits_address = f"ipc://{run_dir}/limits.sock" if limited else None
         self.mp = multiprocessing.get_context("spawn")
         self.signals = 0
-        self.core = None
-        self.core_ready = None  # the starting core's pipe; None once it is up
-        self.core_restart_at: float | None = None  # the core is down until then
-        self.core_backoff = RestartBackoff()
-        self.core_deaths = DeathBudget(server_cfg.core_restart_limit, server_cfg.core_restart_window_s)
-        self.heartbeat = self.mp.Value("d", 0.0, lock=False)  # the core loop's last turn (time.monotonic())
+        envs = core_envs or [{}]
+        self.cores = [
+            CoreSlot(self.mp, i, f"ipc://{run_dir}/core-{i}.sock", env, engine_cfg, server_cfg, log_level)
+            for i, env in enumerate(envs)
+        ]
         self.servers: list = [None] * count
         self.restart_at = [0.0] * count
         self.backoff = [RestartBackoff() for _ in range(count)]
@@ -151,7 +158,7 @@ class _Launcher:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
         status = 1
         try:
-            if self._start_core():
+            if self._start_cores():
                 if not self.reuse_port:  # one shared socket: connections queue while the API servers start
                     self.sock.listen(_BACKLOG)
                 self.socks = [self.sock] + [None] * (self.count - 1 if self.reuse_port else 0)
@@ -160,7 +167,12 @@ class _Launcher:
                     self._start_server(i)
                 url = public_url(self.host, self.port)
                 logger.info(
-                    "serving on %s with %d API servers: playground %s/  API docs %s/docs", url, self.count, url, url
+                    "serving on %s with %d API servers and %d engine cores: playground %s/  API docs %s/docs",
+                    url,
+                    self.count,
+                    len(self.cores),
+                    url,
+                    url,
                 )
                 status = self._supervise()
             elif self.signals:
@@ -172,60 +184,26 @@ class _Launcher:
     def _on_signal(self, signum, _frame) -> None:
         self.signals += 1
         if self.signals > 1:  # the second Ctrl-C: no more waiting
-            for p in [self.core, *self.servers]:
+            for core in self.cores:
+                core.kill()
+            for p in self.servers:
                 if p is not None and p.is_alive():
                     p.kill()
 
-    def _start_core(self) -> bool:
-        """Start the engine core and wait until it has built its Engine. False if it failed or we were told to stop."""
-        self._spawn_core()
-        while not self.signals:
-            started = self._core_started(0.5)
-            if started is not None:
-                return started
-        return False
-
-    def _spawn_core(self) -> None:
-        ready_r, ready_w = self.mp.Pipe(duplex=False)
-        # not daemonic: a daemonic process may not start processes of its own (torch.compile's workers)
-        self.core = self.mp.Process(
-            target=_core_main,
-            name="ttsserve-core",
-            daemon=False,
-            args=(
-                self.engine_cfg,
-                self.core_address,
-                ready_w,
-                self.server_cfg.drain_timeout_s,
-                self.log_level,
-                os.getpid(),
-                self.heartbeat,
-            ),
-        )
-        self.core.start()
-        ready_w.close()  # the core holds the only write end now: its death reads as EOF
-        self.core_ready, self.core_restart_at = ready_r, None
-        logger.info("engine core: pid %d, loading the model", self.core.pid)
-
-    def _core_started(self, timeout_s: float) -> bool | None:
-        """The starting core's news: True (ready), False (failed), None (still loading)."""
-        if not multiprocessing.connection.wait([self.core_ready, self.core.sentinel], timeout=timeout_s):
-            return None
-        ready_r, self.core_ready = self.core_ready, None
-        try:
-            status, detail = ready_r.recv()
-        except EOFError:
-            logger.error("the engine core exited while starting (status %s)", self.core.exitcode)
-            return False
-        finally:
-            ready_r.close()
-        if status == "ready":
-            self.heartbeat.value = time.monotonic()
-            self.core_backoff.started(time.monotonic())
-            logger.info("engine core ready (pid %d)", self.core.pid)
-            return True
-        logger.error("the engine core failed to start: %s", detail)
-        return False
+    def _start_cores(self) -> bool:
+        """Start every engine core and wait until each has built its Engine. False if one failed (a bad
+        setting fails them all alike) or we were told to stop."""
+        for core in self.cores:
+            core.spawn()
+        pending = list(self.cores)
+        while pending and not self.signals:
+            for core in list(pending):
+                started = core.started(0.5 / len(pending))
+                if started is False:
+                    return False
+                if started:
+                    pending.remove(core)
+        return not pending
 
     def _start_limiter(self) -> None:
         if self.limits_address is None:
@@ -265,11 +243,12 @@ class _Launcher:
             logger.error("API server %d: %s; retrying in %.0f s", i, e, delay)
             self.restart_at[i] = time.monotonic() + delay
             return
+        addresses = [core.address for core in self.cores]
         p = self.mp.Process(
             target=_api_server_main,
             name=f"ttsserve-api-{i}",
             daemon=False,
-            args=(i, sock, self.server_cfg, self.core_address, self.limits_address, self.log_level, os.getpid()),
+            args=(i, sock, self.server_cfg, addresses, self.limits_address, self.log_level, os.getpid()),
         )
         p.start()
         self.servers[i] = p
@@ -277,11 +256,15 @@ class _Launcher:
         logger.info("API server %d: pid %d", i, p.pid)
 
     def _supervise(self) -> int:
-        """Until a signal (-> 0) or too many core deaths (-> 1); restarts API servers and the core when they die."""
+        """Until a signal (-> 0) or every core given up (-> 1); restarts API servers and cores when they die."""
         while not self.signals:
-            waiting = [p.sentinel for p in [self.core, *self.servers] if p is not None]
-            multiprocessing.connection.wait(waiting + ([self.core_ready] if self.core_ready else []), timeout=0.2)
-            if not self._supervise_core():
+            waiting = [p.sentinel for p in self.servers if p is not None]
+            waiting += [w for core in self.cores for w in core.sentinels()]
+            multiprocessing.connection.wait(waiting, timeout=0.2)
+            for core in self.cores:
+                core.supervise()
+            if all(core.given_up for core in self.cores):
+                logger.error("every engine core is over its restart budget: stopping")
                 return 1
             now = time.monotonic()
             for i, p in enumerate(self.servers):
@@ -294,41 +277,6 @@ class _Launcher:
                     self._start_server(i)
         return 0
 
-    def _supervise_core(self) -> bool:
-        """Restart a core that died or stalled; False once the deaths are over the budget."""
-        now = time.monotonic()
-        if self.core_restart_at is not None:  # down, waiting for its backoff
-            if now >= self.core_restart_at:
-                self._spawn_core()
-            return True
-        if self.core_ready is not None:  # loading
-            started = self._core_started(0)
-            if started is not False:
-                return True
-            reason = "failed to start"
-        elif not self.core.is_alive():
-            reason = f"exited (status {self.core.exitcode})"
-        elif now - self.heartbeat.value > self.server_cfg.engine_stall_timeout_s:
-            reason = f"stalled (its loop has not turned in {now - self.heartbeat.value:.1f} s): killed"
-            self.core.kill()
-        else:
-            return True
-        self.core.join(5)
-        if not self.core_deaths.record(now):
-            cfg = self.server_cfg
-            logger.error(
-                "the engine core %s; %d deaths within %.0f s is over --core-restart-limit %d: stopping",
-                reason,
-                len(self.core_deaths.deaths),
-                cfg.core_restart_window_s,
-                cfg.core_restart_limit,
-            )
-            return False
-        delay = self.core_backoff.next_delay(now)
-        logger.error("the engine core %s; restarting it in %.0f s", reason, delay)
-        self.core_restart_at = now + delay
-        return True
-
     def _stop_all(self) -> int:
         """API servers first (they drain), then the core. 0 when everything exited cleanly."""
         for sock in {self.sock, *self.socks} - {None}:  # self.sock is socks[0] once the core started
@@ -340,9 +288,11 @@ class _Launcher:
         grace = self.server_cfg.drain_timeout_s + 10
         for p in servers:
             clean &= _join(p, grace) in (0, -signal.SIGTERM)
-        if self.core is not None and self.core.pid is not None and self.core.is_alive():  # not one that died
-            self.core.terminate()  # a core still loading its model dies of it: that is clean too
-            clean &= _join(self.core, 15) in (0, -signal.SIGTERM)
+        cores = [core.proc for core in self.cores if core.alive()]  # not those that died
+        for p in cores:
+            p.terminate()  # a core still loading its model dies of it: that is clean too
+        for p in cores:
+            clean &= _join(p, 15) in (0, -signal.SIGTERM)
         if self.limiter is not None:
             self.limiter.stop()
         logger.info("stopped" if clean else "stopped, not cleanly")

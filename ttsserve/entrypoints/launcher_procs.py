@@ -26,9 +26,18 @@ def _child_setup(parent_pid: int, log_level: str, role: str) -> None:
 
 # ---- the children ----------------------------------------------------------------------------------
 def _core_main(
-    engine_cfg, address: str, ready, drain_timeout_s: float, log_level: str, parent_pid: int, heartbeat
+    engine_cfg,
+    address: str,
+    ready,
+    drain_timeout_s: float,
+    log_level: str,
+    parent_pid: int,
+    heartbeat,
+    env: dict[str, str],
+    index: int,
 ) -> None:
-    _child_setup(parent_pid, log_level, "core")
+    os.environ.update(env)  # its GPU (CUDA_VISIBLE_DEVICES) or thread count, before torch loads
+    _child_setup(parent_pid, log_level, f"core{index}")
     from ttsserve.runner.cpu_threads import openmp_env_defaults
 
     openmp_env_defaults()  # before torch loads (the next import): idle OpenMP threads must sleep, not spin
@@ -43,7 +52,7 @@ def _api_server_main(
     index: int,
     sock: socket.socket,
     server_cfg,
-    core_address: str,
+    core_addresses: list[str],
     limits_address: str | None,
     log_level: str,
     parent_pid: int,
@@ -52,7 +61,7 @@ def _api_server_main(
     from ttsserve.server.http_server import raise_fd_limit, uvicorn_config
 
     raise_fd_limit()
-    from ttsserve.engine.core.client import CoreClient
+    from ttsserve.engine.core.dp_client import DPClient
     from ttsserve.server.app import create_app
     from ttsserve.server.drain import DrainingServer
 
@@ -61,7 +70,7 @@ def _api_server_main(
         from ttsserve.server.shared_limits import SharedRateLimiter
 
         rate = SharedRateLimiter(limits_address)
-    client = CoreClient(core_address, index, stall_timeout_s=server_cfg.engine_stall_timeout_s)
+    client = DPClient(core_addresses, index, stall_timeout_s=server_cfg.engine_stall_timeout_s)
     app = create_app(client, server_cfg, rate_limiter=rate)
     from ttsserve.engine.core.heap import freeze_startup_heap
 

@@ -1,6 +1,6 @@
 """`ttsserve serve`: the serve topology. One process (the HTTP app around an in-process AsyncEngine), or the
-engine core in its own process behind N API-server processes (api_servers.py), or N data-parallel engine
-replicas behind a built-in balancer (data_parallel.py). The flags are server/args.py's.
+engine core in its own process behind N API-server processes (api_servers.py), or M data-parallel engine
+cores (one per GPU) behind those API servers (data_parallel.py). The flags are server/args.py's.
 
     ttsserve serve --model ./asset --port 8000 --api-key k1,k2 --requests-per-minute 60
     python -m ttsserve.entrypoints.serve --load-format dummy --dummy-size tiny --device cpu
@@ -13,7 +13,7 @@ import logging
 import sys
 
 from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
-from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, run_data_parallel
+from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, plan_cores, visible_gpus
 from ttsserve.server.args import add_serve_arguments, build_configs, public_url, server_cpu_defaults
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
@@ -47,13 +47,15 @@ def run_serve(args: argparse.Namespace) -> int:
     SIGINT/SIGTERM, drain, exit. A bad setting is one line on stderr and exit status 2, before the load when
     the weights are not needed to see it."""
     try:
-        if data_parallel_size(args) > 1:  # one engine per GPU behind the built-in balancer
-            return run_data_parallel(args)
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
         from ttsserve.attention.torch_ref import compile_level
 
         compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
         api_servers = api_server_count(args)
+        cores = data_parallel_size(args)
+        core_envs = plan_cores(cores, engine_cfg.device, visible_gpus(engine_cfg.device)) if cores > 1 else None
+        if cores > 1:  # the cores run in their own processes: at least one API server in front of them
+            api_servers = max(api_servers, 1)
         # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
         # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.
         check_engine_config(engine_cfg)
@@ -61,7 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _config_error(e)
     if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (api_servers.py)
-        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock=sock)
+        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock, core_envs)
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
     from ttsserve.server.drain import DrainingServer
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="ttsserve serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_serve_arguments(parser)
+    add_data_parallel_args(parser)
     add_api_server_args(parser)
     return run_serve(parser.parse_args(argv))
 

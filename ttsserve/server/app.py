@@ -190,7 +190,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         if not engine.ready or st.gate.closed:
             why = (engine.dead_reason if engine.dead else None) or "engine not ready"
             raise ApiError(503, why, code="not_ready", headers={"Retry-After": "1"})
-        return {"status": "ready", "model": st.model_names[0]}
+        return {"status": "ready", "model": st.model_names[0], "cores": engine.cores()}
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     async def metrics():

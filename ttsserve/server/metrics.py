@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ttsserve.engine.step_stats import FIRST_AUDIO_BUCKETS_S
-from ttsserve.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics
+from ttsserve.server.vllm_metrics import CORE, VllmEngineCollector, VllmRequestMetrics, per_core
 
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
@@ -56,6 +56,12 @@ _ENGINE_GAUGES = {
         "Of those, the ones handed out in mid-step (done by the time the next GPT step was queued)",
         "counter",
     ),
+    "outstanding_frames": (
+        "ttsserve_engine_outstanding_frames",
+        "Frames the core's admitted requests have yet to deliver, by their estimates (what data-parallel "
+        "routing weighs)",
+        "gauge",
+    ),
     "warm": (
         "ttsserve_engine_warm",
         "1 once the start-up work left to the background (the CPU server's "
@@ -76,34 +82,41 @@ class _EngineCollector:
             stats = self._stats() or {}
         except Exception:  # a scrape must not fail because the engine is starting or stopping
             stats = {}
+        cores = per_core(stats)
         for key, (name, help_, kind) in _ENGINE_GAUGES.items():
-            value = stats.get(key)
-            if not isinstance(value, (int, float)):
+            values = [(core, s[key]) for core, s in cores if isinstance(s.get(key), (int, float))]
+            if not values:
                 continue
-            family = CounterMetricFamily(name, help_) if kind == "counter" else GaugeMetricFamily(name, help_)
-            family.add_metric([], float(value))
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(name, help_, labels=[CORE])
+            for core, value in values:
+                family.add_metric([core], float(value))
             yield family
-        yield from self._phases(stats)
-        yield from self._step_times(stats)
+        yield from self._phases(cores)
+        yield from self._step_times(cores)
 
     @staticmethod
-    def _phases(stats: dict):
+    def _phases(cores: list[tuple[str, dict]]):
         """Host time per engine-step phase, summed (s): rate() of it / rate() of the steps is the phase's
         share of a step under live traffic (bench serve reports it)."""
-        steps = stats.get("steps_total")
-        if not isinstance(steps, (int, float)):
-            return
         family = CounterMetricFamily(
-            "ttsserve_engine_phase_seconds", "Engine host time per step phase since start (s)", labels=["phase"]
+            "ttsserve_engine_phase_seconds",
+            "Engine host time per step phase since start (s)",
+            labels=[CORE, "phase"],
         )
-        for group in ("step_breakdown_ms", "runner_breakdown_ms"):
-            for name, per_step_ms in (stats.get(group) or {}).items():
-                prefix = "runner_" if group == "runner_breakdown_ms" else ""
-                family.add_metric([prefix + name.removesuffix("_ms")], per_step_ms * steps / 1000.0)
-        yield family
+        for core, stats in cores:
+            steps = stats.get("steps_total")
+            if not isinstance(steps, (int, float)):
+                continue
+            for group in ("step_breakdown_ms", "runner_breakdown_ms"):
+                for name, per_step_ms in (stats.get(group) or {}).items():
+                    prefix = "runner_" if group == "runner_breakdown_ms" else ""
+                    family.add_metric([core, prefix + name.removesuffix("_ms")], per_step_ms * steps / 1000.0)
+        if family.samples:
+            yield family
 
     @staticmethod
-    def _step_times(stats: dict):
+    def _step_times(cores: list[tuple[str, dict]]):
         """The engine steps' wall times and the engine's share of time to first audio: a tail of first audio
         that is not in the engine's is the API servers' or the network's; one in it shows as long steps."""
         for key, name, help_ in (
@@ -114,27 +127,30 @@ class _EngineCollector:
                 "Time from a request reaching the engine to its first audio leaving it (s)",
             ),
         ):
-            hist = stats.get(key)
-            if not isinstance(hist, dict):
-                continue
-            bounds = [str(b) for b in hist["le_s"]] + ["+Inf"]
-            family = HistogramMetricFamily(name, help_)
-            family.add_metric([], list(zip(bounds, itertools.accumulate(hist["counts"]))), sum_value=hist["sum_s"])
-            yield family
-        if isinstance(hist := stats.get("step_time_histogram"), dict):
-            longest = GaugeMetricFamily("ttsserve_engine_step_max_seconds", "Longest engine step since start (s)")
-            longest.add_metric([], hist["max_s"])
-            yield longest
-        pauses = stats.get("gc_pause_seconds_total")
-        if isinstance(pauses, list):
-            family = CounterMetricFamily(
-                "ttsserve_engine_gc_pause_seconds",
-                "The engine process's garbage collector pauses since start (s)",
-                labels=["generation"],
-            )
-            for g, seconds in enumerate(pauses):
-                family.add_metric([str(g)], seconds)
-            yield family
+            family = HistogramMetricFamily(name, help_, labels=[CORE])
+            for core, stats in cores:
+                hist = stats.get(key)
+                if isinstance(hist, dict):
+                    bounds = [str(b) for b in hist["le_s"]] + ["+Inf"]
+                    buckets = list(zip(bounds, itertools.accumulate(hist["counts"])))
+                    family.add_metric([core], buckets, sum_value=hist["sum_s"])
+            if family.samples:
+                yield family
+        longest = GaugeMetricFamily(
+            "ttsserve_engine_step_max_seconds", "Longest engine step since start (s)", labels=[CORE]
+        )
+        pauses = CounterMetricFamily(
+            "ttsserve_engine_gc_pause_seconds",
+            "The engine process's garbage collector pauses since start (s)",
+            labels=[CORE, "generation"],
+        )
+        for core, stats in cores:
+            if isinstance(hist := stats.get("step_time_histogram"), dict):
+                longest.add_metric([core], hist["max_s"])
+            if isinstance(gc_pauses := stats.get("gc_pause_seconds_total"), list):
+                for g, seconds in enumerate(gc_pauses):
+                    pauses.add_metric([core, str(g)], seconds)
+        yield from (f for f in (longest, pauses) if f.samples)
 
     def describe(self):
         return []

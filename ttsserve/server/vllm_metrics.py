@@ -30,6 +30,15 @@ TTFT_BUCKETS_S = (
     160.0, 640.0, 2560.0,
 )  # fmt: skip
 LABEL = "model_name"
+CORE = "core"  # the engine-core label: "0".."N-1" with data-parallel cores, "0" otherwise
+
+
+def per_core(stats: dict) -> list[tuple[str, dict]]:
+    """(core label, that core's stats): a data-parallel client's stats["cores"], else the one core "0"."""
+    cores = stats.get("cores")
+    return list(cores.items()) if isinstance(cores, dict) else [("0", stats)]
+
+
 _GAUGES = {
     "num_running": ("vllm:num_requests_running", "Number of requests in model execution batches."),
     "num_waiting": ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
@@ -49,22 +58,26 @@ class VllmEngineCollector:
             stats = self._stats() or {}
         except Exception:  # a scrape must not fail because the engine is starting or stopping
             stats = {}
+        cores = per_core(stats)
         for key, (name, help_) in _GAUGES.items():
-            value = stats.get(key)
-            if isinstance(value, (int, float)):
-                family = GaugeMetricFamily(name, help_, labels=[LABEL])
-                family.add_metric([self._model], float(value))
+            family = GaugeMetricFamily(name, help_, labels=[LABEL, CORE])
+            for core, s in cores:
+                if isinstance(s.get(key), (int, float)):
+                    family.add_metric([self._model, core], float(s[key]))
+            if family.samples:
                 yield family
-        hist = stats.get("queue_time_histogram")
-        if isinstance(hist, dict):
-            family = HistogramMetricFamily(
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request.",
-                labels=[LABEL],
-            )
-            bounds = [str(b) for b in hist["le_s"]] + ["+Inf"]
-            buckets = list(zip(bounds, itertools.accumulate(hist["counts"])))
-            family.add_metric([self._model], buckets, sum_value=hist["sum_s"])
+        family = HistogramMetricFamily(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels=[LABEL, CORE],
+        )
+        for core, s in cores:
+            hist = s.get("queue_time_histogram")
+            if isinstance(hist, dict):
+                bounds = [str(b) for b in hist["le_s"]] + ["+Inf"]
+                buckets = list(zip(bounds, itertools.accumulate(hist["counts"])))
+                family.add_metric([self._model, core], buckets, sum_value=hist["sum_s"])
+        if family.samples:
             yield family
 
     def describe(self):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -154,6 +155,9 @@ class AsyncEngine:
 
     def memory_report(self) -> str:
         return self.core.memory_report()
+
+    def cores(self) -> list[dict]:
+        return [{"core": 0, "ready": self.ready, "reason": self.dead_reason, "pid": os.getpid()}]
 
     # ---- voices ------------------------------------------------------------------------------------
     def random_speaker(self, seed: int) -> np.ndarray:

@@ -51,6 +51,7 @@ from ttsserve.engine.core.messages import (
     encoder,
 )
 from ttsserve.engine.errors import (
+    CoreUnreachableError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -89,6 +90,7 @@ class CoreClient:
         self._call_ids = itertools.count()
         self.processor = InputProcessor(None, index)  # the core's tokenizer joins it at the handshake
         self._stats: dict = {}
+        self.stats_updates = 0  # how many stats messages arrived: a data-parallel router's clock
         self._accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -171,7 +173,7 @@ class CoreClient:
         """Stream the audio of `req` (the EngineClient contract); a core that dies mid-stream ends it with an
         error output."""
         if self.dead:
-            raise EngineDeadError(self.dead_reason)
+            raise CoreUnreachableError(self.dead_reason)
         if not self.ready:
             raise EngineOverloadedError("the engine is not accepting requests (starting or shutting down)")
         rid = self.processor.engine_request_id(req.request_id)
@@ -232,6 +234,13 @@ class CoreClient:
 
     def memory_report(self) -> str:
         return self._info.memory_report if self._info is not None else "engine core not connected"
+
+    def cores(self) -> list[dict]:
+        return [self.core_state(0)]
+
+    def core_state(self, index: int) -> dict:
+        pid = None if self._info is None or self.dead else self._info.pid
+        return {"core": index, "ready": self.ready, "reason": self.dead_reason, "pid": pid}
 
     # ---- voices ------------------------------------------------------------------------------------
     def random_speaker(self, seed: int) -> np.ndarray:
@@ -308,6 +317,7 @@ class CoreClient:
     def _on_outputs(self, msg: CoreOutputs) -> None:
         if msg.stats is not None:
             self._stats = msg.stats
+            self.stats_updates += 1
         for rid in msg.admitted:
             s = self._streams.get(rid)
             if s is not None and not s.admitted.done():
@@ -338,6 +348,7 @@ class CoreClient:
             self._hello.set_result(info)
         elif self.liveness.lost is not None:  # a new core after a death
             self._info, self._stats, self.liveness.lost = info, dict(info.stats), None
+            self.stats_updates += 1
             logger.info("reconnected to the engine core (pid %d)", info.pid)
 
     def _core_gone(self, reason: str) -> None:
@@ -347,7 +358,7 @@ class CoreClient:
         logger.error("%s: failing %d in-flight requests", reason, len(self._streams))
         for s in self._streams.values():
             if not s.admitted.done():
-                s.admitted.set_exception(EngineDeadError(reason))
+                s.admitted.set_exception(CoreUnreachableError(reason))
             else:
                 s.queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()  # their generators end on what was just queued; the new core never knew them

@@ -15,6 +15,7 @@ import numpy as np
 
 from ttsserve.constants import MODEL_NAME, SAMPLE_RATE, speaker_stats
 from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from ttsserve.engine.load import OutstandingWork, estimate_frames
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
 from ttsserve.text.segments import Segment
@@ -36,6 +37,7 @@ class EngineCore:
         std, mean = speaker_stats(model.spk_stat, model.hidden_size)
         # float16 [hidden] each: random_speaker's statistics (also sent to API servers, which sample locally)
         self.spk_std, self.spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
+        self.work = OutstandingWork()  # frames still to deliver: the load data-parallel routing weighs
 
     # ---- requests ----------------------------------------------------------------------------------
     def add(self, req: SynthesisRequest, segments: list[Segment] | None = None) -> str:
@@ -52,7 +54,9 @@ class EngineCore:
         if self.engine.has_synthesis(rid):
             raise InvalidRequestError(f"request_id {rid!r} is already in use", "request_id")
         try:
-            return self.engine.add_synthesis(req, segments)
+            rid = self.engine.add_synthesis(req, segments)
+            self.work.add(rid, estimate_frames(req))
+            return rid
         except InvalidRequestError:
             raise
         except ValueError as e:  # the engine's own checks (prompt room, prepared ids): no single field
@@ -63,6 +67,7 @@ class EngineCore:
 
     def abort(self, rid: str) -> None:
         """Its sequences leave the batch and free their blocks at the next step (unknown ids: no-op)."""
+        self.work.remove(rid)
         self.engine.abort(rid)
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -73,19 +78,31 @@ class EngineCore:
     def step(self, emit: Callable[[list[AudioOutput]], None] | None = None) -> list[AudioOutput]:
         """One engine step (emit: Engine.step's mid-step output callback). An exception fails every
         synthesis with one final error output each and the engine keeps serving."""
+
+        def emit_counted(outs: list[AudioOutput]) -> None:
+            self._count(outs)
+            emit(outs)
+
         try:
-            return self.engine.step(emit=emit)
+            return self._count(self.engine.step(emit=None if emit is None else emit_counted))
         except Exception as e:  # one guarded place: fail this step's requests, keep serving
             logger.exception("engine step failed")
             return self.fail_all(f"internal error: {type(e).__name__}: {e}")
 
     def fail_all(self, message: str) -> list[AudioOutput]:
         """Abort every synthesis -> one final error output each."""
-        return self.engine.fail_all(message)
+        return self._count(self.engine.fail_all(message))
+
+    def _count(self, outs: list[AudioOutput]) -> list[AudioOutput]:
+        for o in outs:
+            self.work.delivered(o.request_id, len(o.samples), o.finished)
+        return outs
 
     # ---- utilities ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        return self.engine.stats()
+        """The Engine's stats plus outstanding_frames (engine/load.py): frames its admitted syntheses have
+        yet to deliver, by their estimates."""
+        return dict(self.engine.stats(), outstanding_frames=self.work.total)
 
     def memory_report(self) -> str:
         return self.engine.memory_report()
