@@ -10,7 +10,7 @@ import pytest
 
 from ttsserve.server.args import ServerConfig, add_serve_arguments, build_configs
 from ttsserve.server.limits import key_id
-from ttsserve.server.voices import VoiceStore
+from ttsserve.server.voice_store_sqlite import SqliteVoiceStore
 
 KEYS = {"k1": "key-one", "k2": "key-two", "admin": "key-admin"}
 SPEECH = {"model": "tts-1", "input": "Hello there.", "response_format": "pcm"}
@@ -113,11 +113,11 @@ def test_voice_store_migrates_a_database_without_owners(tmp_path):
     db.commit()
     db.close()
     for _ in range(2):  # the second open finds the column there already
-        store = VoiceStore(path)
+        store = SqliteVoiceStore(path)
         old = store.get("old")
         assert old is not None and old.id == "voice_old" and old.seed == 9 and old.owner is None
         store.close()
-    store = VoiceStore(path)
+    store = SqliteVoiceStore(path)
     store.create("new", "seed", seed=3, owner="key-abc")
     from ttsserve.server.voices import VoiceScope
 

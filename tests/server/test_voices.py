@@ -10,7 +10,7 @@ import pytest
 
 from tests.server.helpers import same_audio, silent_flac, wav_bytes
 from ttsserve.engine.voice_encode import MAX_REFERENCE_SECONDS
-from ttsserve.server.voices import BUILTIN_VOICES, VoiceStore
+from ttsserve.server.voices import BUILTIN_VOICES
 from ttsserve.text.speaker import encode_speaker
 
 SPEECH = {"model": "tts-1", "input": "Voice test.", "seed": 11, "response_format": "pcm"}
@@ -160,19 +160,3 @@ def test_the_reference_length_limit_is_the_engines_everywhere(serve):
         assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"
         assert f"{MAX_REFERENCE_SECONDS:g} s limit" in r.json()["error"]["message"]
     assert [n for n, _ in eng.references] == [round((MAX_REFERENCE_SECONDS - 0.5) * 16000)]
-
-
-def test_store_roundtrip(tmp_path):
-    store = VoiceStore(str(tmp_path / "new" / "v.db"))  # creates the folder
-    smp = np.arange(12, dtype=np.int32).reshape(4, 3)
-    rec = store.create("ref", "audio_sample", spk_smp=smp, txt_smp="hi")
-    emb = np.linspace(-2, 2, 768).astype(np.float16)
-    store.create("emb", "speaker", spk_emb=emb)
-    store.close()
-    store = VoiceStore(str(tmp_path / "new" / "v.db"))
-    got = store.get(rec.id)
-    np.testing.assert_array_equal(got.spk_smp, smp)
-    assert got.txt_smp == "hi" and got.spk_emb is None
-    np.testing.assert_array_equal(store.get("emb").spk_emb, emb)
-    assert [r.name for r in store.list()] == ["ref", "emb"]
-    assert store.delete(rec.id) and not store.delete(rec.id) and store.get(rec.id) is None

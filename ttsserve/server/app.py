@@ -130,7 +130,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         mode = speech_mode(body)
         refund = st.admit_text(body.input, ident, "input")
         st.check_model(body.model)
-        voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
+        voice = await st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
             request,
             endpoint="speech",
@@ -150,7 +150,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
         """Simple API: JSON in, the whole audio file out (or a chunked stream with `stream: true`)."""
         st.extra_fields.check(request, body)
         refund = st.admit_text(body.text, ident, "text")
-        voice = st.resolve_voice(body.voice, scope=request.state.voice_scope)
+        voice = await st.resolve_voice(body.voice, scope=request.state.voice_scope)
         return await st.synthesize(
             request,
             endpoint="synthesize",

@@ -27,6 +27,7 @@ from ttsserve.engine.args import (
     parse_size,
     read_value,
 )
+from ttsserve.server.preflight import check_voices_db
 
 logger = logging.getLogger("ttsserve.server")
 
@@ -62,8 +63,9 @@ class ServerConfig:
         finish reason says `length`). 2048 frames = 43.7 s, the reference's default: without a cap one request
         could hold a stream slot for the model's whole context.
     served_model_names: accepted `model` values; empty means the engine's name plus OpenAI's tts names.
-    voices_db: the SQLite file of named voices; `serve` defaults it to ~/.local/share/ttsserve/voices-<port>.db
-        (one per server, so two servers a user runs do not share or lock one file).
+    voices_db: where named voices are stored: a SQLite file (`serve` defaults it to
+        ~/.local/share/ttsserve/voices-<port>.db, one per server, so two servers a user runs do not share or
+        lock one file), ":memory:", or a postgresql:// URL that servers on several machines share.
     request_timeout_s: None = no limit: a long text streams for minutes, and the engine's own bounds
         (max_new_tokens per segment, max_audio_seconds per request) already end every synthesis.
     max_audio_seconds: max_new_tokens bounds one segment only; a 4096-character text has dozens of segments.
@@ -101,8 +103,10 @@ class ServerConfig:
     voices_db: str = field(
         default=":memory:",
         metadata=_flag(
-            "SQLite file of named voices (default: ~/.local/share/ttsserve/voices-<port>.db, one per server "
-            "port; ':memory:' = kept in memory only)",
+            "where named voices are stored: a SQLite file (default: ~/.local/share/ttsserve/voices-<port>.db, "
+            "one per server port), ':memory:' (kept in memory only), or a PostgreSQL URL "
+            "postgresql://user:password@host:port/database that servers on several machines share (needs "
+            "psycopg: pip install 'psycopg[binary]'; checked at start)",
             cli_default=None,
         ),
     )
@@ -339,7 +343,8 @@ def default_voices_db(port: int) -> str:
 
 
 def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
-    """-> (EngineConfig, ServerConfig, host, port, log_level). ValueError for bad values (names the source)."""
+    """-> (EngineConfig, ServerConfig, host, port, log_level). ValueError for bad values (names the source),
+    and for a PostgreSQL --voices-db that cannot be used (preflight.check_voices_db connects to it)."""
     env = dict(os.environ if env is None else env)
     engine_cfg = EngineConfig(**engine_kwargs(args, env))
     srv = {}
@@ -359,6 +364,7 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     )
     if not (0 < port < 65536):
         raise ValueError(f"--port must be in 1..65535, got {port}")
+    check_voices_db(server_cfg.voices_db)
     return engine_cfg, server_cfg, host, port, log_level
 
 

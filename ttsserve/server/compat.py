@@ -23,6 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ttsserve.server.args import ServerConfig
 from ttsserve.server.errors import ApiError
 from ttsserve.server.timestamps import timestamps_mode
+from ttsserve.server.voice_store import mask_url
 
 logger = logging.getLogger("ttsserve.server")
 
@@ -166,7 +167,7 @@ class IgnoredFieldsHeader:
 def log_ready(app: FastAPI, cfg: ServerConfig) -> None:
     """At start-up: which voices file this server uses and, where the launcher told the app its address
     (app.state.public_url), where the playground and the API docs are."""
-    logger.info("voices database: %s", cfg.voices_db)
+    logger.info("voices database: %s", mask_url(cfg.voices_db))
     url = getattr(app.state, "public_url", None)
     if url:
         logger.info("ready: playground %s/  API docs %s/docs", url, url)

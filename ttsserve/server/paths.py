@@ -8,13 +8,15 @@ import logging
 import os
 import tempfile
 
+from ttsserve.server.voice_store import is_postgres_url
+
 logger = logging.getLogger("ttsserve.server")
 
 
 def outside_paths(engine_cfg, server_cfg) -> dict[str, str]:
     """What -> path, for the files this configuration writes outside the run directory."""
     paths: dict[str, str] = {}
-    if server_cfg.voices_db != ":memory:":
+    if server_cfg.voices_db != ":memory:" and not is_postgres_url(server_cfg.voices_db):
         paths["voices (--voices-db, TTSSERVE_VOICES_DB)"] = os.path.abspath(server_cfg.voices_db)
     if engine_cfg.load_format == "dummy":
         cache = os.environ.get("TTSSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ttsserve")
@@ -38,7 +40,7 @@ def log_outside_paths(engine_cfg, server_cfg) -> None:
 def warn_about_shared_voices_db(voices_db: str) -> None:
     """Voices were once kept in one voices.db for every server; the default is now a file per port. A user who
     saved voices there is told how to keep using them (at start, after the configuration was accepted)."""
-    if voices_db == ":memory:" or os.path.basename(voices_db) == "voices.db":
+    if voices_db == ":memory:" or is_postgres_url(voices_db) or os.path.basename(voices_db) == "voices.db":
         return
     legacy = os.path.join(os.path.dirname(voices_db), "voices.db")
     if os.path.exists(legacy) and not os.path.exists(voices_db):

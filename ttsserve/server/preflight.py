@@ -43,6 +43,22 @@ def check_engine_config(cfg: EngineConfig) -> None:
         )
 
 
+def check_voices_db(spec: str) -> None:
+    """ValueError when --voices-db is a PostgreSQL URL the server cannot use: psycopg missing, the server
+    unreachable, the login or the database refused, no right to create the table. The message is one line
+    with the password masked. Opening the store once also creates its table, so API servers that start
+    together find it there. A SQLite path is not checked here (its folder is made when the store opens)."""
+    from ttsserve.server.voice_store import is_postgres_url, open_voice_store
+    from ttsserve.server.voices import VoiceStoreError
+
+    if not is_postgres_url(spec):
+        return
+    try:
+        open_voice_store(spec).close()
+    except VoiceStoreError as e:
+        raise ValueError(f"--voices-db {e.store}: {e.reason}") from None
+
+
 def _gpt_config(cfg: EngineConfig, root) -> GPTConfig:
     """The GPT sizes the load will see: the checkpoint's config.json, or the dummy size's."""
     import json

@@ -56,7 +56,9 @@ from ttsserve.server.streaming import (
     until_disconnect,
 )
 from ttsserve.server.timestamps import json_response
-from ttsserve.server.voices import UnknownVoiceError, VoiceResolver, VoiceScope, VoiceStore
+from ttsserve.server.voice_routes import off_loop
+from ttsserve.server.voice_store import open_voice_store
+from ttsserve.server.voices import UnknownVoiceError, VoiceResolver, VoiceScope
 from ttsserve.text.split import LATIN_WEIGHT, MAX_UNITS_PER_SECOND, min_speech_seconds
 
 logger = logging.getLogger("ttsserve.server")
@@ -78,7 +80,7 @@ class ServerState:
         self.rate = rate_limiter or RateLimiter(cfg.requests_per_minute, cfg.chars_per_minute)
         self.gate = AdmissionGate(cfg.max_in_flight)
         self.metrics = ServerMetrics(engine.stats, (cfg.served_model_names or (engine.model_name,))[0])
-        self.store = VoiceStore(cfg.voices_db)
+        self.store = open_voice_store(cfg.voices_db)
         self.voices = VoiceResolver(self.store, engine.random_speaker, engine.parse_speaker)
         names = cfg.served_model_names or (engine.model_name, *OPENAI_MODEL_NAMES)
         self.model_names = tuple(dict.fromkeys(names))
@@ -117,9 +119,14 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def resolve_voice(self, spec, param: str = "voice", scope: VoiceScope = VoiceScope()):  # noqa: B008 - frozen
+    async def resolve_voice(self, spec, param: str = "voice", scope: VoiceScope = VoiceScope()):  # noqa: B008 - frozen
+        """The engine Voice of a request's voice spec; 400/404 naming `param`, 503 if the store is unreachable.
+        Built-in names, seeds and speaker strings resolve here; a stored voice's lookup runs off the loop."""
         try:
-            voice = self.voices.resolve(spec, scope)
+            if self.voices.needs_store(spec):
+                voice = await off_loop(self.voices.resolve, spec, scope)
+            else:
+                voice = self.voices.resolve(spec, scope)
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
         except UnknownVoiceError as e:

@@ -1,12 +1,14 @@
 """The voice routes: GET/POST /v1/audio/voices, GET/DELETE /v1/audio/voices/{voice_id} (an id or a name).
 
 Each request sees the built-in voices, the public stored voices (made without API keys or with an admin key)
-and the voices its own API key made (request.state.voice_scope, set by the app's identity check).
+and the voices its own API key made (request.state.voice_scope, set by the app's identity check). Every store
+call runs in a worker thread (off_loop): a PostgreSQL store's calls are network round trips.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 from fastapi import Depends, Request
@@ -20,12 +22,28 @@ from ttsserve.server.voices import (
     BUILTIN_VOICES,
     VoiceConflictError,
     VoiceRecord,
+    VoiceScope,
+    VoiceStoreError,
     builtin_records,
     check_voice_name,
 )
 
+logger = logging.getLogger("ttsserve.server")
+
 # ---- HTTP routes -----------------------------------------------------------------------------------
 MIN_REFERENCE_S = 0.5
+
+
+async def off_loop(fn, *args):
+    """fn(*args) in a worker thread, for calls that reach the voice store. A store that cannot be used (its
+    database down) is a 503; the client is not told where the database is, the log is."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except VoiceStoreError as e:
+        logger.warning("%s", e)
+        raise ApiError(
+            503, "the voices database is unavailable", code="voices_unavailable", headers={"Retry-After": "1"}
+        ) from None
 
 
 def max_reference_seconds() -> float:
@@ -115,7 +133,7 @@ async def _create_from_upload(st, request, owner: str | None) -> VoiceRecord:
         )
     data = await audio.read()
     try:
-        return await asyncio.to_thread(_reference_voice, st, name, data, transcript.strip(), owner)
+        return await off_loop(_reference_voice, st, name, data, transcript.strip(), owner)
     except VoiceConflictError as e:
         raise ApiError(409, str(e), param="name", code="voice_exists") from None
     except AudioTooLongError as e:
@@ -133,16 +151,31 @@ async def _create_from_json(st, request, owner: str | None) -> VoiceRecord:
     try:
         if body.seed is not None:
             vec = st.voices.speaker_for_seed(body.seed)
-            return st.store.create(body.name, "seed", seed=body.seed, spk_emb=vec, owner=owner)
+            return await off_loop(_create, st.store, body.name, "seed", body.seed, vec, owner)
         try:
             vec = st.voices.parse_speaker(body.speaker)
         except ValueError as e:
             raise ApiError(400, f"speaker: {e}", param="speaker", code="invalid_value") from None
-        return st.store.create(body.name, "speaker", spk_emb=vec, owner=owner)
+        return await off_loop(_create, st.store, body.name, "speaker", None, vec, owner)
     except VoiceConflictError as e:
         raise ApiError(409, str(e), param="name", code="voice_exists") from None
     except ValueError as e:
         raise ApiError(400, str(e), param="name", code="invalid_value") from None
+
+
+def _create(store, name: str, type_: str, seed: int | None, spk_emb, owner: str | None) -> VoiceRecord:
+    return store.create(name, type_, seed=seed, spk_emb=spk_emb, owner=owner)
+
+
+def _delete(store, voice_id: str, scope: VoiceScope) -> tuple[VoiceRecord | None, str]:
+    """Delete a stored voice by id or name: (its record, "deleted"), (None, "missing") when `scope` sees
+    none (or it went meanwhile), (record, "shared") for a visible voice `scope` does not own."""
+    rec = store.get(voice_id, scope)  # by id, else by name
+    if rec is not None and store.delete(rec.id, scope):
+        return rec, "deleted"
+    if rec is None or store.get(rec.id, scope) is None:
+        return None, "missing"
+    return rec, "shared"
 
 
 def register_voice_routes(app, st, identity, errors: dict) -> None:
@@ -150,7 +183,7 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
 
     @app.get("/v1/audio/voices", response_model=VoiceList, responses=errors, tags=["voices"])
     async def list_voices(request: Request, _: str = Depends(identity)):
-        voices = builtin_records() + st.store.list(request.state.voice_scope)
+        voices = builtin_records() + await off_loop(st.store.list, request.state.voice_scope)
         return {
             "object": "list",
             "data": [r.public() for r in voices],
@@ -184,7 +217,7 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
 
     @app.get("/v1/audio/voices/{voice_id}", response_model=VoiceObject, responses=errors, tags=["voices"])
     async def get_voice(voice_id: str, request: Request, _: str = Depends(identity)):
-        rec = st.voices.lookup(voice_id, request.state.voice_scope)
+        rec = await off_loop(st.voices.lookup, voice_id, request.state.voice_scope)
         if rec is None:
             raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
         return rec.public()
@@ -196,12 +229,10 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
             raise ApiError(
                 400, f"{voice_id!r} is a built-in voice and cannot be deleted", param="voice_id", code="builtin_voice"
             )
-        scope = request.state.voice_scope
-        rec = st.store.get(voice_id, scope)  # by id, else by name
-        deleted = rec is not None and st.store.delete(rec.id, scope)
-        if not deleted and (rec is None or st.store.get(rec.id, scope) is None):  # none, or gone meanwhile
+        rec, outcome = await off_loop(_delete, st.store, voice_id, request.state.voice_scope)
+        if outcome == "missing":
             raise ApiError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
-        if not deleted:  # visible but not this key's: a public voice
+        if outcome == "shared":  # visible but not this key's: a public voice
             raise ApiError(
                 403,
                 f"voice {voice_id!r} is shared: only an admin key deletes it",

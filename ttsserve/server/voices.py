@@ -1,4 +1,5 @@
-"""Named voices: fixed built-in speakers for OpenAI's voice names, and user voices persisted in SQLite.
+"""Named voices: fixed built-in speakers for OpenAI's voice names, and user voices persisted in a VoiceStore
+(SQLite, or PostgreSQL shared by several servers).
 
 A stored voice keeps the speaker vector itself (fp16 [hidden]) or the audio-code prompt (int32 [num_vq, P])
 plus its transcript, never just the recipe, so it sounds the same after a restart even if the engine's
@@ -8,10 +9,7 @@ random-speaker sampler changed. Built-in voices are a fixed seed each, drawn wit
 
 from __future__ import annotations
 
-import os
 import re
-import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,20 +44,6 @@ DEFAULT_VOICE = "alloy"
 NAME_RE = re.compile(VOICE_NAME_PATTERN)
 BUILTIN_CREATED_AT = 1_700_000_000
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS voices (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL UNIQUE,
-    type TEXT NOT NULL,          -- seed | speaker | audio_sample
-    created_at INTEGER NOT NULL,
-    seed INTEGER,
-    spk_emb BLOB,                -- fp16 little-endian [hidden]
-    spk_smp BLOB,                -- int32 little-endian [num_vq, P], row-major
-    spk_smp_rows INTEGER,
-    txt_smp TEXT,
-    owner TEXT DEFAULT NULL      -- the creating API key's id (a hash, never the key); NULL: visible to all
-)
-"""
 _COLUMNS = "id, name, type, created_at, seed, spk_emb, spk_smp, spk_smp_rows, txt_smp, owner"
 # A row is visible to a scope that sees all, and to everyone when public (owner NULL) or theirs.
 _VISIBLE = "(? OR owner IS NULL OR owner = ?)"
@@ -116,36 +100,30 @@ class VoiceConflictError(ValueError):
     """A voice with that name exists already."""
 
 
-class VoiceStore:
-    """SQLite-backed voice table. Thread-safe (one connection behind a lock; every call is short).
+class VoiceStoreError(RuntimeError):
+    """The voice store cannot be used (its database is unreachable, or refused the login or the statement).
 
-    path: a file path, or ":memory:" for a store that does not persist.
+    store: the store's --voices-db value, its password masked; reason: one line, no password."""
+
+    def __init__(self, store: str, reason: str) -> None:
+        super().__init__(f"voices database {store}: {reason}")
+        self.store = store
+        self.reason = reason
+
+
+class VoiceStore:
+    """The table of user voices: one interface, two backends, picked by voice_store.open_voice_store from
+    --voices-db: SQLite (voice_store_sqlite.py: a file, or ":memory:") and PostgreSQL (voice_store_pg.py: one
+    table shared by servers on several machines). The SQL is written once, here, with `?` placeholders.
+
+    Thread-safe, and every call blocks (a PostgreSQL call is a network round trip): the server makes them from
+    worker threads. A backend supplies `_fetch` (rows of a SELECT), `_execute` (rows changed) and `_insert`
+    (False when the name is taken: the table's UNIQUE constraint decides, so of several creates of one name
+    at once, on any servers sharing the table, exactly one wins), `close`, and `order_by`: the column that
+    lists voices in creation order.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA journal_mode=MEMORY")
-        self._db.execute(_SCHEMA)
-        self._migrate()
-
-    def _migrate(self) -> None:
-        """Databases from before voices had owners get the column (NULL: their voices stay visible to all).
-        API servers sharing the file may race here: the loser's ALTER fails with a duplicate column."""
-        cols = {row[1] for row in self._db.execute("PRAGMA table_info(voices)")}
-        if "owner" not in cols:
-            try:
-                self._db.execute("ALTER TABLE voices ADD COLUMN owner TEXT DEFAULT NULL")
-            except sqlite3.OperationalError as e:
-                if "duplicate column" not in str(e):
-                    raise
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+    order_by = "rowid"
 
     def create(
         self,
@@ -180,39 +158,40 @@ class VoiceStore:
             txt_smp,
             owner,
         )
-        with self._lock:
-            try:
-                self._db.execute(f"INSERT INTO voices ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", row)
-            except sqlite3.IntegrityError:
-                raise VoiceConflictError(f"a voice named {name!r} exists already") from None
+        if not self._insert(f"INSERT INTO voices ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})", row):
+            raise VoiceConflictError(f"a voice named {name!r} exists already")
         return rec
 
     def get(self, key: str, scope: VoiceScope = PUBLIC) -> VoiceRecord | None:
         """A stored voice `scope` may see, by id, else by name; None if neither matches (another key's voice
         is missing, to that key)."""
-        where = f"FROM voices WHERE {{}} = ? AND {_VISIBLE}"
-        with self._lock:
-            row = self._db.execute(f"SELECT {_COLUMNS} " + where.format("id"), (key, *scope.sql_args())).fetchone()
-            if row is None:
-                row = self._db.execute(
-                    f"SELECT {_COLUMNS} " + where.format("name"), (key, *scope.sql_args())
-                ).fetchone()
-        return None if row is None else _record(row)
+        for column in ("id", "name"):
+            rows = self._fetch(
+                f"SELECT {_COLUMNS} FROM voices WHERE {column} = ? AND {_VISIBLE}", (key, *scope.sql_args())
+            )
+            if rows:
+                return _record(rows[0])
+        return None
 
     def list(self, scope: VoiceScope = PUBLIC) -> list[VoiceRecord]:
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM voices WHERE {_VISIBLE} ORDER BY rowid", scope.sql_args()
-            ).fetchall()
+        rows = self._fetch(f"SELECT {_COLUMNS} FROM voices WHERE {_VISIBLE} ORDER BY {self.order_by}", scope.sql_args())
         return [_record(r) for r in rows]
 
     def delete(self, voice_id: str, scope: VoiceScope = PUBLIC) -> bool:
         """Delete a voice `scope` owns (a scope that sees all owns all); False if there is none."""
-        with self._lock:
-            cur = self._db.execute(
-                "DELETE FROM voices WHERE id = ? AND (? OR owner = ?)", (voice_id, *scope.sql_args())
-            )
-        return cur.rowcount > 0
+        return self._execute("DELETE FROM voices WHERE id = ? AND (? OR owner = ?)", (voice_id, *scope.sql_args())) > 0
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _fetch(self, sql: str, args: tuple) -> list[tuple]:
+        raise NotImplementedError
+
+    def _execute(self, sql: str, args: tuple) -> int:
+        raise NotImplementedError
+
+    def _insert(self, sql: str, row: tuple) -> bool:
+        raise NotImplementedError
 
 
 def check_voice_name(name: str) -> str:
@@ -270,6 +249,15 @@ class VoiceResolver:
         if seed is not None:
             return VoiceRecord(key.lower(), key.lower(), "builtin", BUILTIN_CREATED_AT, seed)
         return self.store.get(key, scope)
+
+    @staticmethod
+    def needs_store(spec) -> bool:
+        """Whether resolving `spec` may read the store (a blocking call, made off the event loop); the
+        default voice, built-in names, seeds and speaker strings never do."""
+        if spec is None:
+            return False
+        key = spec if isinstance(spec, str) else spec.id
+        return key is not None and (is_mix(key) or key.lower() not in BUILTIN_VOICES)
 
     def to_voice(self, rec: VoiceRecord) -> Voice:
         if rec.type == "builtin" or (rec.spk_emb is None and rec.spk_smp is None and rec.seed is not None):

@@ -43,7 +43,7 @@ async def _first_uses(state) -> None:
     async with anyio.create_task_group() as tg:  # anyio imports its backend on first use
         tg.start_soon(anyio.sleep, 0)
     for name in BUILTIN_VOICES:
-        state.resolve_voice(name)  # cached per seed: later requests for these voices compute nothing
+        await state.resolve_voice(name)  # cached per seed: later requests for these voices compute nothing
     silence = np.zeros(2400, dtype=np.float32)
     for fmt in FORMATS:
         try:
