@@ -20,7 +20,7 @@ for _ in $(seq 600); do
     sleep 0.5
 done
 for _ in $(seq 600); do  # /ready comes first; a CPU server then compiles its decode step in the background
-    curl -s "localhost:$PORT/metrics" | grep -q "^ttsserve_engine_warm 1" && break
+    curl -s "localhost:$PORT/metrics" | grep -qE "^ttsserve_engine_warm(\{[^}]*\})? 1" && break
     sleep 0.5
 done
 python3 -m ttsserve.entrypoints.cli bench serve --url "http://127.0.0.1:$PORT" --concurrency "$C" --duration "$DUR" \
