@@ -4,18 +4,25 @@
     serve run ttsserve.deploy.ray:build_app model=/models/chattts min_replicas=2 max_replicas=8
     serve run ttsserve.deploy.ray:build_app load_format=dummy dummy_size=tiny device=cpu num_replicas=2 num_gpus=0
 
-Each replica is one Ray actor holding one AsyncEngine (one GPU: `num_gpus=1`, Ray sets CUDA_VISIBLE_DEVICES)
-and serves the same FastAPI app as `ttsserve serve` (OpenAI /v1/audio/speech, /synthesize, streaming, voices,
-/metrics) behind Ray's HTTP proxy. Arguments: every `ttsserve serve` flag as `name=value` (dashes or
-underscores), plus the Ray settings in RAY_KEYS. Requires `pip install "ray[serve]"`; importing this module
-without Ray raises ImportError.
+Each replica is one Ray actor (one GPU: `num_gpus=1`, Ray sets CUDA_VISIBLE_DEVICES, which its engine-core
+process inherits) running what `ttsserve serve --api-server-count 1` runs: one engine-core process
+(engine/core/proc.py, started by deploy/core_process.py) and the same FastAPI app as `ttsserve serve` (OpenAI
+/v1/audio/speech, /synthesize, streaming, voices, /metrics) around a CoreClient connected to it, behind Ray's
+HTTP proxy. Every response carries `X-Replica: <replica id>`. Arguments: every `ttsserve serve` flag as
+`name=value` (dashes or underscores), plus the Ray settings in RAY_KEYS. Requires `pip install "ray[serve]"`;
+importing this module without Ray raises ImportError.
 
 Autoscaling: Ray counts ongoing requests per replica (queued + streaming), which for a TTS engine is its queue
 depth; it adds replicas while the average stays above `target_ongoing_requests` (default 16: a batched engine
 is efficient with many streams in flight, unlike Ray's default of 2) and removes them after
-`downscale_delay_s` below it. `max_ongoing_requests` caps what one replica accepts; beyond it Ray queues in the
-proxy, and the engine's own queue bound (503) stays the last line. Health: Ray calls `check_health` every
-`health_check_period_s`; an engine whose step loop died fails it and Ray replaces the replica.
+`downscale_delay_s` below it. Ray's custom autoscaling policies (engine metrics through
+`record_autoscaling_stats`) are an alpha API, and would measure the same queue. `max_ongoing_requests` caps
+what one replica accepts; beyond it Ray queues in the proxy, and the engine's own queue bound (503) stays the
+last line.
+
+Health: Ray calls `check_health` every `health_check_period_s`; it fails exactly when the app's /ready answers
+503, e.g. once the engine core died or stalled (the core is not restarted in place), and Ray replaces the
+replica. A replica process that dies takes its core with it.
 """
 
 from __future__ import annotations
@@ -59,25 +66,72 @@ RAY_DEFAULTS: dict[str, Any] = {
 }
 
 
+class ReplicaUnhealthyError(RuntimeError):
+    """check_health's failure: the replica's /ready would answer 503 (Ray replaces the replica)."""
+
+
+class ReplicaHeader:
+    """Pure ASGI middleware: `X-Replica: <Ray's replica id>` on every HTTP response, so clients, logs and tests
+    can tell which replica answered (the id is the one in Ray's dashboard and replica log file names)."""
+
+    def __init__(self, app, replica_id: str) -> None:
+        self.app = app
+        self.header = (b"x-replica", replica_id.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(msg) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), self.header]}
+            await send(msg)
+
+        await self.app(scope, receive, send_with_header)
+
+
 @serve.ingress()
 class TTSServeReplica:
-    """One engine + its HTTP app. The model loads in the constructor; the engine thread starts in the app's
-    lifespan, which Ray runs before the replica takes traffic."""
+    """One engine-core process + the HTTP app around a CoreClient connected to it. The core loads the model in
+    the constructor; the client connects in the app's lifespan, which Ray runs before the replica takes
+    traffic. Shutdown (Ray's graceful stop): the app drains its streams and closes the client, then `__del__`
+    stops the core."""
 
-    def __init__(self, engine_cfg: EngineConfig, server_cfg: Any) -> None:
-        from ttsserve.engine.core.async_engine import AsyncEngine
+    def __init__(self, engine_cfg: EngineConfig, server_cfg: Any, log_level: str = "info") -> None:
+        from ttsserve.deploy.core_process import EngineCoreProcess
+        from ttsserve.engine.core.client import CoreClient
 
-        self._engine = AsyncEngine.from_config(engine_cfg)
+        # Ray runs the constructor on the replica's user-code thread, which lives as long as the actor: the
+        # core's owner-death signal is tied to it (core_process's contract).
+        self._core = EngineCoreProcess(engine_cfg, server_cfg.drain_timeout_s, log_level)
+        self._core.start()
+        self._client = CoreClient(self._core.address, 0, stall_timeout_s=server_cfg.engine_stall_timeout_s)
         self._server_cfg = server_cfg
+        self._app = None
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self):
         from ttsserve.server.app import create_app
 
-        return create_app(self._engine, self._server_cfg)
+        self._app = create_app(self._client, self._server_cfg)
+        self._app.add_middleware(ReplicaHeader, replica_id=self._replica_id)
+        return self._app
 
     def check_health(self) -> None:
-        if not self._engine.ready:
-            raise RuntimeError("ttsserve engine loop is not running")
+        """Raises exactly when the app's /ready answers 503: the core is gone or stalled (the client's
+        dead_reason), the client is not connected, or the app is shutting down."""
+        client = self._client
+        closing = self._app is not None and self._app.state.server.gate.closed
+        if not client.ready or closing:
+            raise ReplicaUnhealthyError((client.dead_reason if client.dead else None) or "engine not ready")
+
+    def __del__(self) -> None:
+        # After the app's lifespan shutdown the client has drained: a live core is idle and stops at once on
+        # SIGTERM. A dead or stalled one is killed without waiting: Ray's shutdown budget is short, and a
+        # stalled loop never acts on SIGTERM.
+        core, client = getattr(self, "_core", None), getattr(self, "_client", None)
+        if core is not None:
+            core.stop(timeout_s=0.0 if client is None or client.dead else None)
 
 
 _BOOL_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if str(f.type) == "bool"}
@@ -160,9 +214,9 @@ def build_app(args: dict[str, Any] | None = None):
         serve_opts["voices_db"] = ":memory:"
     parser = add_serve_arguments(argparse.ArgumentParser(prog="ttsserve.deploy.ray", add_help=False))
     ns = parser.parse_args(_serve_args(serve_opts))
-    engine_cfg, server_cfg, _host, _port, _log_level = build_configs(ns, env=dict(os.environ))
+    engine_cfg, server_cfg, _host, _port, log_level = build_configs(ns, env=dict(os.environ))
     opts = deployment_options(ray_opts, engine_cfg, server_cfg.drain_timeout_s)
-    return serve.deployment(TTSServeReplica).options(**opts).bind(engine_cfg, server_cfg)
+    return serve.deployment(TTSServeReplica).options(**opts).bind(engine_cfg, server_cfg, log_level)
 
 
 def __getattr__(name: str):
