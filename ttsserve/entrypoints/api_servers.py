@@ -143,6 +143,7 @@ class _Launcher:
         self.reuse_port = count > 1 and REUSE_PORT_BALANCES
         self.socks: list[socket.socket | None] = []  # API server i's (one shared socket without reuse_port)
         self.limiter = None
+        self.serving = False  # every core came up once
 
     # ---- the launcher's life -----------------------------------------------------------------------
     def run(self) -> int:
@@ -158,13 +159,18 @@ class _Launcher:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
         status = 1
         try:
-            if self._start_cores():
-                if not self.reuse_port:  # one shared socket: connections queue while the API servers start
+            for core in self.cores:
+                core.spawn()
+            # The API servers start while the cores load (their interpreters, imports and text path take
+            # seconds): each handshakes with every core once it is up, then listens.
+            self.socks = [self.sock] + [None] * (self.count - 1 if self.reuse_port else 0)
+            self._start_limiter()
+            for i in range(self.count):
+                self._start_server(i)
+            if self._wait_cores():
+                self.serving = True
+                if not self.reuse_port:  # one shared socket: connections queue until an API server accepts
                     self.sock.listen(_BACKLOG)
-                self.socks = [self.sock] + [None] * (self.count - 1 if self.reuse_port else 0)
-                self._start_limiter()
-                for i in range(self.count):
-                    self._start_server(i)
                 url = public_url(self.host, self.port)
                 logger.info(
                     "serving on %s with %d API servers and %d engine cores: playground %s/  API docs %s/docs",
@@ -190,11 +196,9 @@ class _Launcher:
                 if p is not None and p.is_alive():
                     p.kill()
 
-    def _start_cores(self) -> bool:
-        """Start every engine core and wait until each has built its Engine. False if one failed (a bad
-        setting fails them all alike) or we were told to stop."""
-        for core in self.cores:
-            core.spawn()
+    def _wait_cores(self) -> bool:
+        """Wait until every engine core has built its Engine. False if one failed (a bad setting fails them
+        all alike) or we were told to stop."""
         pending = list(self.cores)
         while pending and not self.signals:
             for core in list(pending):
@@ -283,11 +287,13 @@ class _Launcher:
             sock.close()  # our copies: once the API servers close theirs, new connections are refused
         clean = True
         servers = [p for p in self.servers if p is not None and p.is_alive()]
+        # API servers of cores that never came up hold no request and wait in their handshake: kill them
+        stop = signal.SIGTERM if self.serving else signal.SIGKILL
         for p in servers:
-            p.terminate()
+            os.kill(p.pid, stop)
         grace = self.server_cfg.drain_timeout_s + 10
         for p in servers:
-            clean &= _join(p, grace) in (0, -signal.SIGTERM)
+            clean &= _join(p, grace) in (0, -stop)
         cores = [core.proc for core in self.cores if core.alive()]  # not those that died
         for p in cores:
             p.terminate()  # a core still loading its model dies of it: that is clean too

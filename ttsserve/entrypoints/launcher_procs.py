@@ -70,7 +70,8 @@ def _api_server_main(
         from ttsserve.server.shared_limits import SharedRateLimiter
 
         rate = SharedRateLimiter(limits_address)
-    client = DPClient(core_addresses, index, stall_timeout_s=server_cfg.engine_stall_timeout_s)
+    # started with the cores: the launcher watches them load (and stops everything if one fails), so wait
+    client = DPClient(core_addresses, index, server_cfg.engine_stall_timeout_s, handshake_timeout_s=None)
     app = create_app(client, server_cfg, rate_limiter=rate)
     from ttsserve.engine.core.heap import freeze_startup_heap
 

@@ -79,9 +79,16 @@ class CoreClient:
     sample_rate = SAMPLE_RATE
     model_name = MODEL_NAME
 
-    def __init__(self, address: str, index: int = 0, stall_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        index: int = 0,
+        stall_timeout_s: float = 60.0,
+        handshake_timeout_s: float | None = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
         self.address = address
         self.index = index
+        self.handshake_timeout_s = handshake_timeout_s  # None: wait for the core as long as it loads
         # lost: why the connection to the core is down (until a new core says hello); a sign: any message heard
         self.liveness = Liveness(stall_timeout_s, "the engine core is stalled: not heard from")
         self._info: CoreInfo | None = None
@@ -100,7 +107,7 @@ class CoreClient:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect and handshake. RuntimeError if the core does not answer within HANDSHAKE_TIMEOUT_S."""
+        """Connect and handshake. RuntimeError if the core does not answer within handshake_timeout_s."""
         if self._sock is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -118,10 +125,10 @@ class CoreClient:
         ]
         self._post(Hello(self.index, os.getpid()))
         try:
-            info: CoreInfo = await asyncio.wait_for(self._hello, HANDSHAKE_TIMEOUT_S)
+            info: CoreInfo = await asyncio.wait_for(self._hello, self.handshake_timeout_s)
         except TimeoutError:
             raise RuntimeError(
-                f"the engine core at {self.address} did not answer in {HANDSHAKE_TIMEOUT_S:.0f} s"
+                f"the engine core at {self.address} did not answer in {self.handshake_timeout_s:.0f} s"
             ) from None
         self.sample_rate, self.model_name = info.sample_rate, info.model_name
         if info.tokenizer_json is not None:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from ttsserve.engine.core.client import CoreClient
+from ttsserve.engine.core.client import HANDSHAKE_TIMEOUT_S, CoreClient
 from ttsserve.engine.errors import CoreUnreachableError, EngineDeadError, EngineOverloadedError
 from ttsserve.engine.load import estimate_frames
 from ttsserve.engine.synthesis import AudioOutput
@@ -54,9 +54,15 @@ _ADDITIVE = (
 class DPClient:
     """The engine as seen from one API server, over the cores at `addresses` (index i = core i)."""
 
-    def __init__(self, addresses: list[str], index: int = 0, stall_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        index: int = 0,
+        stall_timeout_s: float = 60.0,
+        handshake_timeout_s: float | None = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
         assert addresses, "at least one engine core"
-        self.clients = [CoreClient(a, index, stall_timeout_s) for a in addresses]
+        self.clients = [CoreClient(a, index, stall_timeout_s, handshake_timeout_s) for a in addresses]
         self._sent = [0] * len(addresses)  # frames sent to core i since its last stats report
         self._clock = [-1] * len(addresses)  # core i's stats_updates when _sent[i] was last reset
         self._next = 0  # tie-break rotation, so equal loads still spread
