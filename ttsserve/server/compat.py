@@ -21,9 +21,9 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 
 from ttsserve.server.args import ServerConfig
+from ttsserve.server.db_url import mask_url
 from ttsserve.server.errors import ApiError
 from ttsserve.server.timestamps import timestamps_mode
-from ttsserve.server.voice_store import mask_url
 
 logger = logging.getLogger("ttsserve.server")
 

@@ -8,7 +8,7 @@ import logging
 import os
 import tempfile
 
-from ttsserve.server.voice_store import is_postgres_url
+from ttsserve.server.db_url import is_postgres_url
 
 logger = logging.getLogger("ttsserve.server")
 

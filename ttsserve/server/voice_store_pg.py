@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from ttsserve.server.voice_store import mask_url, redact
+from ttsserve.server.db_url import mask_url, redact
 from ttsserve.server.voices import VoiceStore, VoiceStoreError
 
 # Column meanings as in voice_store_sqlite.py. seq: creation order (SQLite's rowid). seed is BIGINT: a voice's
