@@ -27,12 +27,8 @@ serve = pytest.importorskip("ray.serve", reason="ray[serve] not installed (pip i
 ray_deploy = pytest.importorskip("ttsserve.deploy.ray")
 
 from tests.server.fake_engine import FakeEngine  # noqa: E402
-from ttsserve.deploy.core_process import (  # noqa: E402
-    RUN_DIR_PREFIX,
-    CoreStartError,
-    EngineCoreProcess,
-    remove_orphaned_run_dirs,
-)
+from ttsserve.deploy.core_process import CoreStartError, EngineCoreProcess  # noqa: E402
+from ttsserve.engine.core.launch import RUN_DIR_PREFIX, clean_stale_run_dirs  # noqa: E402
 from ttsserve.server.app import ServerConfig, create_app  # noqa: E402
 
 TINY = {
@@ -134,7 +130,7 @@ def test_run_dirs_of_dead_owners_are_removed(tmp_path) -> None:
         d.mkdir()
         if owner is not None:
             (d / "owner.pid").write_text(owner)
-    assert remove_orphaned_run_dirs(str(tmp_path)) == [str(tmp_path / (RUN_DIR_PREFIX + "dead"))]
+    assert clean_stale_run_dirs(str(tmp_path)) == [str(tmp_path / (RUN_DIR_PREFIX + "dead"))]
     assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_DIR_PREFIX + "live", RUN_DIR_PREFIX + "unmarked"]
 
 

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from ttsserve.entrypoints.supervision import DeathBudget, RestartBackoff, clean_stale_run_dirs
+from ttsserve.engine.core.launch import clean_stale_run_dirs
+from ttsserve.entrypoints.supervision import DeathBudget, RestartBackoff
 
 
 def test_backoff_doubles_over_a_crash_loop_and_resets_after_a_healthy_run():
@@ -41,7 +42,7 @@ def test_stale_run_dirs_are_removed_and_live_ones_kept(tmp_path):
         d = tmp_path / name
         (d / "metrics").mkdir(parents=True)
         (d / "voices.db").write_text("x")
-        (d / "launcher.pid").write_text(str(pid))
+        (d / "owner.pid").write_text(str(pid))
     (tmp_path / "ttsserve-nopid").mkdir()
     (tmp_path / "other-dir").mkdir()
     assert clean_stale_run_dirs(str(tmp_path)) == [str(tmp_path / "ttsserve-dead")]

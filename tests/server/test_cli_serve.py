@@ -185,17 +185,17 @@ def test_a_cpu_server_runs_eager_unless_told_to_compile(monkeypatch, caplog) -> 
     import logging
 
     from ttsserve.config import EngineConfig
-    from ttsserve.server.args import server_cpu_defaults
+    from ttsserve.runner.cpu_threads import log_cpu_step_mode
 
     monkeypatch.delenv("TTSSERVE_CPU_COMPILE", raising=False)
     with caplog.at_level(logging.INFO, logger="ttsserve.server"):
-        server_cpu_defaults(EngineConfig(device="cpu"))
+        log_cpu_step_mode(EngineConfig(device="cpu"))
     assert "TTSSERVE_CPU_COMPILE" not in os.environ and "CPU: the decode step runs eager" in caplog.text
     caplog.clear()
     monkeypatch.setenv("TTSSERVE_CPU_COMPILE", "1")
     with caplog.at_level(logging.INFO, logger="ttsserve.server"):
-        server_cpu_defaults(EngineConfig(device="cpu"))
+        log_cpu_step_mode(EngineConfig(device="cpu"))
     assert os.environ["TTSSERVE_CPU_COMPILE"] == "1" and "compiling before /ready" in caplog.text
     caplog.clear()
-    server_cpu_defaults(EngineConfig(device="cuda"))
+    log_cpu_step_mode(EngineConfig(device="cuda"))
     assert caplog.text == ""

@@ -16,42 +16,20 @@ This module imports neither torch nor Ray; the child imports torch only after it
 
 from __future__ import annotations
 
-import glob
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
 import signal
-import sys
-import tempfile
+
+from ttsserve.engine.core.launch import clean_stale_run_dirs, core_process_main, make_run_dir
 
 logger = logging.getLogger("ttsserve.deploy.core")
-
-RUN_DIR_PREFIX = "ttsserve-core-"
-_OWNER_FILE = "owner.pid"
-_LOG_FORMAT = "%(asctime)s %(levelname)s [core] %(name)s: %(message)s"
 
 
 class CoreStartError(RuntimeError):
     """The engine core failed to start: its own one-line reason, or how it exited."""
-
-
-def _core_main(engine_cfg, address: str, ready, drain_timeout_s: float, log_level: str, owner_pid: int) -> None:
-    """The child's main (what entrypoints/launcher_procs._core_main does for `ttsserve serve`, minus the
-    launcher's process group and heartbeat: the owner watches the core through its CoreClient)."""
-    from ttsserve.engine.core.parent_death import die_with_parent
-
-    die_with_parent(owner_pid, signal.SIGKILL)
-    logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT, stream=sys.stderr)
-    from ttsserve.runner.cpu_threads import openmp_env_defaults
-
-    openmp_env_defaults()  # before torch loads (the next imports): idle OpenMP threads must sleep, not spin
-    from ttsserve.engine.core.proc import run_engine_core
-    from ttsserve.server.args import server_cpu_defaults
-
-    server_cpu_defaults(engine_cfg)
-    sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s))
 
 
 class EngineCoreProcess:
@@ -82,24 +60,18 @@ class EngineCoreProcess:
         """Spawn the core and wait until it is ready (no timeout: a model load takes what it takes; a core that
         dies while loading is seen at once). CoreStartError, with everything cleaned up, if it failed."""
         mp = multiprocessing.get_context("spawn")
-        remove_orphaned_run_dirs()
-        self.run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
-        with open(os.path.join(self.run_dir, _OWNER_FILE), "w") as f:
-            f.write(str(os.getpid()))
+        clean_stale_run_dirs()
+        self.run_dir = make_run_dir()
         ready_r, ready_w = mp.Pipe(duplex=False)
         # not daemonic: a daemonic process may not start processes of its own (torch.compile's workers)
+        # SIGKILL when the owner dies: a stalled core would never act on a SIGTERM, holding its GPU
+        args = (self.engine_cfg, self.address, ready_w, self.drain_timeout_s, self.log_level, os.getpid())
         self.proc = mp.Process(
-            target=_core_main,
+            target=core_process_main,
             name="ttsserve-core",
             daemon=False,
-            args=(
-                self.engine_cfg,
-                self.address,
-                ready_w,
-                self.drain_timeout_s,
-                self.log_level,
-                os.getpid(),
-            ),
+            args=args,
+            kwargs={"death_signal": signal.SIGKILL},
         )
         try:
             self.proc.start()
@@ -140,29 +112,3 @@ class EngineCoreProcess:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return None if proc is None else proc.exitcode
-
-
-def remove_orphaned_run_dirs(tmp: str | None = None) -> list[str]:
-    """Remove the run directories in $TMPDIR (or `tmp`) whose owner process is gone; returns their paths.
-    A directory without a readable owner file, or of a live owner, is left alone."""
-    removed = []
-    for path in glob.glob(os.path.join(tmp or tempfile.gettempdir(), RUN_DIR_PREFIX + "*")):
-        try:
-            with open(os.path.join(path, _OWNER_FILE)) as f:
-                owner = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if owner != os.getpid() and not _alive(owner):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

@@ -70,26 +70,6 @@ class ReplicaUnhealthyError(RuntimeError):
     """check_health's failure: the replica's /ready would answer 503 (Ray replaces the replica)."""
 
 
-class ReplicaHeader:
-    """Pure ASGI middleware: `X-Replica: <Ray's replica id>` on every HTTP response, so clients, logs and tests
-    can tell which replica answered (the id is the one in Ray's dashboard and replica log file names)."""
-
-    def __init__(self, app, replica_id: str) -> None:
-        self.app = app
-        self.header = (b"x-replica", replica_id.encode())
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_with_header(msg) -> None:
-            if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": [*msg.get("headers", []), self.header]}
-            await send(msg)
-
-        await self.app(scope, receive, send_with_header)
-
-
 @serve.ingress()
 class TTSServeReplica:
     """One engine-core process + the HTTP app around a CoreClient connected to it. The core loads the model in
@@ -114,7 +94,9 @@ class TTSServeReplica:
         from ttsserve.server.app import create_app
 
         self._app = create_app(self._client, self._server_cfg)
-        self._app.add_middleware(ReplicaHeader, replica_id=self._replica_id)
+        from ttsserve.server.http_server import ResponseHeader
+
+        self._app.add_middleware(ResponseHeader, name="X-Replica", value=self._replica_id)
         return self._app
 
     def check_health(self) -> None:

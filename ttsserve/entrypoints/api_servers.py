@@ -51,9 +51,10 @@ import signal
 import socket
 import time
 
+from ttsserve.engine.core.launch import clean_stale_run_dirs, make_run_dir
 from ttsserve.entrypoints.core_slots import CoreSlot
 from ttsserve.entrypoints.launcher_procs import _api_server_main, _configure_logging
-from ttsserve.entrypoints.supervision import RestartBackoff, clean_stale_run_dirs, make_run_dir
+from ttsserve.entrypoints.supervision import RestartBackoff
 from ttsserve.server.args import public_url
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket

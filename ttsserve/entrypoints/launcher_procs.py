@@ -9,11 +9,11 @@ import os
 import socket
 import sys
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
+from ttsserve.engine.core.launch import LOG_FORMAT
 
 
 def _configure_logging(level: str, role: str) -> None:
-    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT.format(role=role), stream=sys.stderr)
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT.format(role=role), stream=sys.stderr)
 
 
 def _child_setup(parent_pid: int, log_level: str, role: str) -> None:
@@ -37,15 +37,10 @@ def _core_main(
     index: int,
 ) -> None:
     os.environ.update(env)  # its GPU (CUDA_VISIBLE_DEVICES) or thread count, before torch loads
-    _child_setup(parent_pid, log_level, f"core{index}")
-    from ttsserve.runner.cpu_threads import openmp_env_defaults
+    os.setpgrp()  # terminal signals go to the launcher, which orders the shutdown
+    from ttsserve.engine.core.launch import core_process_main
 
-    openmp_env_defaults()  # before torch loads (the next import): idle OpenMP threads must sleep, not spin
-    from ttsserve.engine.core.proc import run_engine_core
-    from ttsserve.server.args import server_cpu_defaults
-
-    server_cpu_defaults(engine_cfg)
-    sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s, heartbeat))
+    core_process_main(engine_cfg, address, ready, drain_timeout_s, log_level, parent_pid, f"core{index}", heartbeat)
 
 
 def _api_server_main(
@@ -58,7 +53,7 @@ def _api_server_main(
     parent_pid: int,
 ) -> None:
     _child_setup(parent_pid, log_level, f"api{index}")
-    from ttsserve.server.http_server import raise_fd_limit, uvicorn_config
+    from ttsserve.server.http_server import ResponseHeader, raise_fd_limit, uvicorn_config
 
     raise_fd_limit()
     from ttsserve.engine.core.dp_client import DPClient
@@ -76,24 +71,5 @@ def _api_server_main(
     from ttsserve.engine.core.heap import freeze_startup_heap
 
     freeze_startup_heap(f"API server {index}")
-    config = uvicorn_config(ApiServerHeader(app, index), server_cfg, log_level)
+    config = uvicorn_config(ResponseHeader(app, "X-API-Server", str(index)), server_cfg, log_level)
     DrainingServer(config, app.state.drain, server_cfg.drain_timeout_s).run(sockets=[sock])
-
-
-class ApiServerHeader:
-    """Pure ASGI: `X-API-Server: <index>` on every response, so logs and clients can tell which process answered."""
-
-    def __init__(self, app, index: int) -> None:
-        self.app = app
-        self.header = (b"x-api-server", str(index).encode())
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_with_header(msg) -> None:
-            if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": [*msg.get("headers", []), self.header]}
-            await send(msg)
-
-        await self.app(scope, receive, send_with_header)

@@ -14,7 +14,7 @@ import sys
 
 from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
 from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, plan_cores, visible_gpus
-from ttsserve.server.args import add_serve_arguments, build_configs, public_url, server_cpu_defaults
+from ttsserve.server.args import add_serve_arguments, build_configs, public_url
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
 
@@ -72,7 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
     _configure_logging(log_level)
     raise_fd_limit()
     log_outside_paths(engine_cfg, server_cfg)
-    server_cpu_defaults(engine_cfg)
+    from ttsserve.runner.cpu_threads import log_cpu_step_mode
+
+    log_cpu_step_mode(engine_cfg)
     logger.info("loading model (%s)", engine_cfg.model or engine_cfg.load_format)
     try:
         engine = AsyncEngine.from_config(engine_cfg)

@@ -1,20 +1,8 @@
-"""The launcher's bookkeeping for the processes it supervises: restart backoff, the core-death budget, and
-run directories left behind by launchers that were killed.
-"""
+"""The launcher's bookkeeping for the processes it supervises: restart backoff and the core-death budget."""
 
 from __future__ import annotations
 
-import glob
-import logging
-import os
-import shutil
-import tempfile
 from collections import deque
-
-logger = logging.getLogger("ttsserve.launcher")
-
-RUN_DIR_PREFIX = "ttsserve-"
-_PID_FILE = "launcher.pid"
 
 
 class RestartBackoff:
@@ -52,41 +40,3 @@ class DeathBudget:
         while self.deaths and self.deaths[0] < now - self.window_s:
             self.deaths.popleft()
         return len(self.deaths) <= self.limit
-
-
-def make_run_dir() -> str:
-    """A fresh run directory in $TMPDIR, marked with this launcher's pid (see clean_stale_run_dirs)."""
-    run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
-    with open(os.path.join(run_dir, _PID_FILE), "w") as f:
-        f.write(str(os.getpid()))
-    return run_dir
-
-
-def clean_stale_run_dirs(tmp: str | None = None) -> list[str]:
-    """Remove the run directories (core.sock, metrics/, voices.db) of launchers that are gone (SIGKILLed, or
-    the machine lost power): a directory with a pid file whose process does not exist. Directories without
-    a pid file, or of a live pid, are left alone. Returns the paths removed."""
-    removed = []
-    for path in glob.glob(os.path.join(tmp or tempfile.gettempdir(), RUN_DIR_PREFIX + "*")):
-        try:
-            with open(os.path.join(path, _PID_FILE)) as f:
-                pid = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    if removed:
-        logger.info("removed %d stale run directories of launchers that are gone: %s", len(removed), removed)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True

@@ -138,3 +138,29 @@ def openmp_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict
         return {}
     env.update(todo)
     return todo
+
+
+def log_cpu_step_mode(engine_cfg) -> None:
+    """A CPU server runs its decode step eagerly unless $TTSSERVE_CPU_COMPILE says otherwise ("1": the decode
+    attention, then the whole decode step, compiled with torch.compile before /ready; "attention": the
+    attention only). On the real-size model at one stream the compiled step is no faster than the eager one
+    and the compile takes about a minute on 2 cores (BENCHMARKS.md, CPU first requests); it pays off with many
+    streams. Logs the choice in one line."""
+    import torch
+
+    from ttsserve.attention.torch_ref import COMPILE_ENV, compile_level
+
+    log = logging.getLogger("ttsserve.server")
+    on_cpu = engine_cfg.device == "cpu" or (engine_cfg.device == "auto" and not torch.cuda.is_available())
+    if not on_cpu:
+        return
+    if compile_level() == "0":
+        log.info(
+            "CPU: the decode step runs eager (%s=1 compiles it before /ready: about a minute, faster with many "
+            "streams)",
+            COMPILE_ENV,
+        )
+    else:
+        logging.getLogger("ttsserve.server").info(
+            "CPU: %s=%s: compiling before /ready (about a minute on 2 cores)", COMPILE_ENV, compile_level()
+        )

@@ -89,3 +89,23 @@ def uvicorn_config(app, server_cfg, log_level: str):
         timeout_keep_alive=server_cfg.timeout_keep_alive_s,
         timeout_graceful_shutdown=server_cfg.drain_timeout_s,
     )
+
+
+class ResponseHeader:
+    """Pure ASGI middleware: one fixed header on every HTTP response (`X-API-Server: <i>`, `X-Replica: <id>`),
+    so logs and clients can tell which process answered."""
+
+    def __init__(self, app, name: str, value: str) -> None:
+        self.app = app
+        self.header = (name.lower().encode(), value.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(msg) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), self.header]}
+            await send(msg)
+
+        await self.app(scope, receive, send_with_header)
