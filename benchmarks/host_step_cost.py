@@ -21,6 +21,10 @@ Results (branch host, 2 shared CPU cores, best of 3 x 7 rounds; before = 4441ebd
   Scheduler.update_from_output  119 / 249  ->   75 / 162
   StreamingStage.append_batch   155 / 290  ->   98 / 153  (width 64; ~14 us of it is the CPU index_copy_)
   InputBatch.flush_block_tables   no copy on CPU either way
+ModelRunner (--burst 4, pipelined; 2 shared CPU cores, best of 5 rounds, 3 interleaved runs; before = a313be2),
+us per call, N = 128 / 256 / 512: launch 193-197 / 306-320 / 520-540 -> 215-227 / 318-321 / 486-504; wait
+212-214 / 381-392 / 2458-2556 -> 114-117 / 282-298 / 550-586 (runner_output's per-row lists and tuples, and
+the collections they set off, were most of it).
 CUDA host cost per call on an H200 (inline torch sequences): flush_block_tables 44-81 us (2 pin_memory staging
 copies + index_copy_) -> ~12 us (one copy from the pinned host table + an event record on a cached stream);
 append_batch's device write 33 us either way (1 staging copy + one index kernel), its Python loop as above.
