@@ -1,10 +1,11 @@
 """Host cost of one engine step's bookkeeping, per call, on CPU: the pieces of the engine core's step loop a
 py-spy profile of served load shows (Scheduler.schedule / update_from_output with the KVCacheManager,
-InputBatch.sync_block_table + flush_block_tables, StreamingStage.append_batch), driven with the real objects
-and N running code decode sequences, as the pipelined (async-scheduling) engine calls them.
+InputBatch.sync_block_table + flush_block_tables, StreamingStage.append_batch, ModelRunner.launch / wait with the
+decode graph's replay stubbed out), driven with the real objects and N running code decode sequences, as the
+pipelined (async-scheduling) engine calls them.
 
 Usage: python3 benchmarks/host_step_cost.py [--seqs 128 256] [--steps 2000] [--rounds 5] [--width 64]
-                                           [--device cpu|cuda]
+                                           [--device cpu|cuda] [--burst 4]
 
 Each number is the best of `rounds` rounds of steps / rounds calls (the machine is shared: the minimum is the
 least disturbed round).
@@ -20,6 +21,10 @@ Results (branch host, 2 shared CPU cores, best of 3 x 7 rounds; before = 4441ebd
   Scheduler.update_from_output  119 / 249  ->   75 / 162
   StreamingStage.append_batch   155 / 290  ->   98 / 153  (width 64; ~14 us of it is the CPU index_copy_)
   InputBatch.flush_block_tables   no copy on CPU either way
+ModelRunner (--burst 4, pipelined; 2 shared CPU cores, best of 5 rounds, 3 interleaved runs; before = a313be2),
+us per call, N = 128 / 256 / 512: launch 193-197 / 306-320 / 520-540 -> 215-227 / 318-321 / 486-504; wait
+212-214 / 381-392 / 2458-2556 -> 114-117 / 282-298 / 550-586 (runner_output's per-row lists and tuples, and
+the collections they set off, were most of it).
 CUDA host cost per call on an H200 (inline torch sequences): flush_block_tables 44-81 us (2 pin_memory staging
 copies + index_copy_) -> ~12 us (one copy from the pinned host table + an event record on a cached stream);
 append_batch's device write 33 us either way (1 staging copy + one index kernel), its Python loop as above.
@@ -152,6 +157,64 @@ def bench_input_batch(n: int, steps: int, device: torch.device) -> dict[str, flo
     }
 
 
+# ---- model runner -----------------------------------------------------------------------------------------
+def _runner_engine(n: int, burst: int):
+    """A CPU engine (tiny dummy model) holding n code streams in steady decode, pipelined with decode bursts of
+    `burst` frames as on CUDA, whose decode graph (DecodeGraphs on CPU, every host step of run()) replays
+    nothing: the runner's host work without the device's."""
+    from ttsserve.config import EngineConfig
+    from ttsserve.engine.engine import Engine
+    from ttsserve.params import SamplingParams, SynthesisRequest
+    from ttsserve.runner.cuda_graphs import DecodeGraphs
+
+    e = Engine(
+        EngineConfig(
+            load_format="dummy",
+            dummy_size="tiny",
+            device="cpu",
+            kv_cache_memory=256 << 20,
+            swap_space=0,
+            max_num_seqs=n,
+            max_num_batched_tokens=max(4096, 64 * n),
+            async_scheduling=True,
+            num_scheduler_steps=burst,
+        )
+    )
+    graphs = DecodeGraphs(e.runner, [n], fused=False, max_steps=burst)
+    graphs.capture()
+    graphs._replay = lambda bs: None
+    e.runner.graphs = graphs
+    for i in range(n):
+        params = SamplingParams(seed=i, max_new_tokens=MAX_MODEL_LEN // 2)
+        e.add_synthesis(SynthesisRequest("host work per step.", code_params=params))
+    return e
+
+
+def _runner_steps(e, steps: int, t: list[float]) -> None:
+    """Pipelined steps as Engine.step runs them (schedule n + 1, launch it, wait for n, commit n); t:
+    [launch_s, wait_s] accumulators."""
+    s, r = e.scheduler, e.runner
+    for _ in range(steps):
+        sched = s.schedule()
+        t0 = time.perf_counter()
+        launched = r.launch(sched, s.requests)
+        t1 = time.perf_counter()
+        done, e._in_flight = e._in_flight, (sched, launched)
+        out = r.wait(done[1]) if done else None
+        t[0], t[1] = t[0] + t1 - t0, t[1] + time.perf_counter() - t1
+        if done:
+            s.update_from_output(done[0], out.sampled, out.stopped)
+
+
+def bench_runner(n: int, steps: int, burst: int, engines: dict) -> dict[str, float]:
+    e = engines.get((n, burst)) or engines.setdefault((n, burst), _runner_engine(n, burst))
+    _runner_steps(e, 4, [0.0, 0.0])  # prefill, then every stream decodes
+    steps = min(steps, 80)  # the rounds share the engine: its streams must not reach max_new_tokens
+    t = [0.0, 0.0]
+    _runner_steps(e, steps, t)
+    return {"runner_launch": _us(t[0], steps), "runner_wait": _us(t[1], steps)}
+
+
 # ---- audio stage -----------------------------------------------------------------------------------------
 def _stage(width: int, device: torch.device) -> IncrementalAudioStage:
     torch.manual_seed(0)
@@ -196,7 +259,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--width", type=int, default=64, help="frame width (the real model: 768)")
     ap.add_argument("--device", default="cpu", help="where the input batch and the audio stage live")
+    ap.add_argument("--burst", type=int, default=4, help="decode burst of the runner's steps (CUDA's default: 4)")
     a = ap.parse_args()
+    engines: dict = {}
     torch.set_num_threads(1)
     dev = torch.device(a.device)
     for n in a.seqs:
@@ -205,6 +270,7 @@ def main() -> int:
             **_best(lambda: bench_scheduler(n, k), a.rounds),
             **_best(lambda: bench_input_batch(n, k, dev), a.rounds),
             **_best(lambda: bench_append_batch(n, k, a.width, dev), a.rounds),
+            **_best(lambda: bench_runner(n, k, a.burst, engines), a.rounds),
         }
         print(
             f"N={n} {dev.type}: "

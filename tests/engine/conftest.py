@@ -17,3 +17,11 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_speaker() -> np.ndarray:
     return np.load(GOLDEN / "b_speaker.npz")["tiny_spk_emb_fp16"]
+
+
+@pytest.fixture(autouse=True)
+def _verify_input_batch(monkeypatch):
+    """Every engine test checks that the runner's persistent rows agree with the scheduler's output."""
+    from ttsserve.runner.input_batch import InputBatch
+
+    monkeypatch.setattr(InputBatch, "verify", True)

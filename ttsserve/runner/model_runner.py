@@ -25,7 +25,7 @@ import torch
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, select_backend
 from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel
-from ttsserve.runner.input_batch import InputBatch, StepArrays
+from ttsserve.runner.input_batch import InputBatch, ScheduledColumns, StepArrays
 from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
 from ttsserve.runner.step_inputs import gather_input_rows
 from ttsserve.runner.step_outputs import runner_output
@@ -42,6 +42,11 @@ from ttsserve.sample.state import SamplingState
 
 DEFAULT_HISTORY_WINDOW = 16
 logger = logging.getLogger(__name__)
+
+
+def _pick(items: list, idx) -> list:
+    """items[i] for i in idx (an int array or list), by a C-level map."""
+    return list(map(items.__getitem__, idx.tolist() if isinstance(idx, np.ndarray) else idx))
 
 
 def runner_backend(device: torch.device, head_dim: int):
@@ -93,7 +98,9 @@ class ModelRunner:
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.input_batch = InputBatch(max_num_seqs, max_blocks, self.block_size, self.device)
+        self.input_batch = InputBatch(
+            max_num_seqs, max_blocks, self.block_size, self.device, max_num_steps=num_scheduler_steps
+        )
         self.sampling = SamplingState(max_num_seqs, self.cfg.num_vq, DEFAULT_HISTORY_WINDOW, self.device)
         self.states: dict[str, SequenceState] = {}
         self.timings = RunnerTimings()
@@ -203,38 +210,27 @@ class ModelRunner:
         scheduled = sched.scheduled
         if not scheduled:
             return None
-        rows = self._assign_rows(scheduled, requests)
+        cols = self._update_states(scheduled, sched.num_scheduled_tokens, requests)
         tm = self.timings
         tm.steps += 1
-        # decode rows: code requests past their prompt advancing by the frame(s) they sample (num_steps of them)
-        decode = [
-            i
-            for i, s in enumerate(scheduled)
-            if s.num_new_tokens == s.num_steps
-            and s.will_sample
-            and s.mode == "code"
-            and s.num_computed_tokens >= s.num_prompt_tokens
-        ]
-        bursts = {scheduled[i].num_steps for i in decode}
+        decode = np.flatnonzero(cols.decode)
+        bursts = np.unique(cols.num_steps[decode]).tolist()  # ascending
         if len(decode) == len(scheduled) and len(bursts) == 1:
-            groups = [self._decode_group(scheduled, rows, bursts.pop())]
-        elif decode and (
-            self.pipelined or max(bursts) > 1 or self.graphs is not None and self.graphs.can_run(len(decode))
+            groups = [self._decode_group(cols, None, bursts[0])]
+        elif bursts and (
+            self.pipelined or bursts[-1] > 1 or self.graphs is not None and self.graphs.can_run(len(decode))
         ):
             # A mixed step: the decode rows replay their graph, the prefill / text rows run after it on the
             # general path. Off CUDA one forward over all rows reads the weights once, which is what a CPU
             # step is bound by; but pipelined, the decode rows' inputs may be on the device only, which
             # only the decode path reads (as a burst's are).
-            groups = []
-            for k in sorted(bursts, reverse=True):
-                idx = [i for i in decode if scheduled[i].num_steps == k]
-                groups.append(self._decode_group([scheduled[i] for i in idx], rows[idx], k))
-            rest = sorted(set(range(len(scheduled))) - set(decode))
-            if rest:
-                groups += self._execute_general([scheduled[i] for i in rest], rows[rest], requests)
-            tm.mixed_graph_steps += self.graphs is not None and bool(rest)
+            groups = [self._decode_group(cols, decode[cols.num_steps[decode] == k], k) for k in reversed(bursts)]
+            rest = np.flatnonzero(~cols.decode)
+            if len(rest):
+                groups += self._execute_general(scheduled, cols, rest, requests)
+            tm.mixed_graph_steps += self.graphs is not None and bool(len(rest))
         else:
-            groups = self._execute_general(scheduled, rows, requests)
+            groups = self._execute_general(scheduled, cols, None, requests)
         flat = [g.tokens.reshape(-1) for g in groups]
         flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         event = None
@@ -248,12 +244,15 @@ class ModelRunner:
         tm.prepare_ms += (time.perf_counter() - t0) * 1e3
         return LaunchedStep(groups, host, event)
 
-    def _decode_group(self, scheduled: list, rows: np.ndarray, num_steps: int = 1) -> StepGroup:
-        """Code decode rows (num_steps new frames each, past the prompt): graph replays where one fits, else
-        eager; each of the num_steps steps reads the frame the previous one sampled (on the device)."""
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-        steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, len(scheduled))
-        if self.graphs is not None and self.graphs.can_run(len(scheduled)):
+    def _decode_group(self, cols: ScheduledColumns, idx: np.ndarray | None, num_steps: int = 1) -> StepGroup:
+        """Code decode rows cols[idx] (all rows when idx is None; num_steps new frames each, past the prompt):
+        graph replays where one fits, else eager; each of the num_steps steps reads the frame the previous
+        one sampled (on the device)."""
+        rows, starts, steps = cols.rows, cols.starts, cols.steps
+        ids = cols.req_ids
+        if idx is not None:
+            rows, starts, steps, ids = rows[idx], starts[idx], steps[idx], _pick(ids, idx)
+        if self.graphs is not None and self.graphs.can_run(len(rows)):
             tokens, hidden = self.graphs.run(rows, starts, steps, num_steps)
             if self.pipelined and num_steps == 1:  # the next replay, queued before this is read, rewrites it
                 hidden = hidden.clone()
@@ -261,7 +260,7 @@ class ModelRunner:
         else:
             outs = [self._decode_eager(rows, starts + j, steps + j) for j in range(num_steps)]
             tokens, hidden = torch.stack([t for t, _ in outs], dim=1), torch.stack([h for _, h in outs])
-        return StepGroup("code", scheduled, tokens, hidden, num_steps)
+        return StepGroup("code", ids, tokens, hidden, num_steps)
 
     def wait(self, launched: LaunchedStep | None) -> RunnerOutput:
         """The sampled tokens of a launched step (the one device-to-host sync of the step)."""
@@ -280,35 +279,23 @@ class ModelRunner:
         self.timings.output_ms += (time.perf_counter() - t1) * 1e3
         return out
 
-    def _assign_rows(self, scheduled: list, requests: dict) -> np.ndarray:
-        """Rows of the scheduled sequences ([B] int64), initialising the rows of sequences new to the batch."""
-        ib = self.input_batch
-        rows = np.empty(len(scheduled), dtype=np.int64)
-        new_rows, new_ids = [], []
-        nblocks = ib.num_blocks_np
-        for i, s in enumerate(scheduled):
-            row = ib.row_of.get(s.request_id)
-            if row is None:
-                row, _ = ib.assign(s.request_id)
-                new_rows.append(row)
-                new_ids.append(s.request_id)
-                nblocks = ib.num_blocks_np  # assign() may have grown the tables
-            rows[i] = row
-            if len(s.block_table) != nblocks[row]:
-                ib.sync_block_table(row, s.block_table)
-        if ib.max_rows > self.sampling.num_rows:
-            self.sampling.grow(num_rows=ib.max_rows)
-        if new_rows:
+    def _update_states(self, scheduled: list, num_tokens: int, requests: dict) -> ScheduledColumns:
+        """The step's columns (InputBatch.update_states), after initialising the sampling state of the rows
+        of sequences new to the batch."""
+        cols, new = self.input_batch.update_states(scheduled, num_tokens)
+        if self.input_batch.max_rows > self.sampling.num_rows:
+            self.sampling.grow(num_rows=self.input_batch.max_rows)
+        if new:
+            new_ids = _pick(cols.req_ids, new)
             sts = [self.states[r] for r in new_ids]
             self.sampling.set_rows(
-                new_rows,
+                cols.rows[new].tolist(),
                 [st.params for st in sts],
                 [st.seed for st in sts],
                 [st.mode for st in sts],
                 [requests[r].output_token_ids for r in new_ids],
             )
-        ib.flush_block_tables()
-        return rows
+        return cols
 
     def _metadata(self, arr: StepArrays) -> tuple[AttentionMetadata, torch.Tensor]:
         """AttentionMetadata and positions [T] on the device for one step's host arrays."""
@@ -365,33 +352,34 @@ class ModelRunner:
         self.sampling.record(rows, steps, tokens)
         return tokens
 
-    def _execute_general(self, scheduled: list, rows: np.ndarray, requests: dict) -> list:
-        n = len(scheduled)
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
-        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
-        steps = np.fromiter((s.num_output_tokens for s in scheduled), np.int64, n)
+    def _execute_general(self, scheduled: list, cols: ScheduledColumns, idx: np.ndarray | None, requests: dict) -> list:
+        """Rows cols[idx] (all rows when idx is None) through the general path: vectorised inputs, one forward,
+        then the heads and sampler of the rows that sample, one group per mode."""
+        rows, starts, num_new, steps, ids = cols.rows, cols.starts, cols.num_new, cols.steps, cols.req_ids
+        code, will_sample = cols.code, cols.will_sample
+        if idx is not None:
+            scheduled = _pick(scheduled, idx)
+            rows, starts, num_new, steps, ids = rows[idx], starts[idx], num_new[idx], steps[idx], _pick(ids, idx)
+            code, will_sample = code[idx], will_sample[idx]
         arr = self.input_batch.step_arrays(rows, starts, num_new, steps)
         md, positions = self._metadata(arr)
         x = self._gather_inputs(scheduled, arr, requests)
         hidden = self._forward_general(x, md, positions)
         groups = []
-        for mode in ("code", "text"):
-            idx = [i for i, s in enumerate(scheduled) if s.will_sample and s.mode == mode]
-            if not idx:
+        for mode, of_mode in (("code", code), ("text", ~code)):
+            sel = np.flatnonzero(will_sample & of_mode)
+            if not len(sel):
                 continue
-            sel = np.asarray(idx)
             last = async_h2d(torch.from_numpy(arr.cu_seqlens_q[sel + 1].astype(np.int64) - 1), self.device)
             h = hidden[last].float()
             sg = self.sampler_graphs
-            if mode == "code" and sg is not None and sg.can_run(len(idx)):
+            if mode == "code" and sg is not None and sg.can_run(len(sel)):
                 tokens = sg.run(h, rows[sel], steps[sel])
                 self.timings.sampler_graph_steps += 1
             else:
                 rows_t = async_h2d(torch.from_numpy(rows[sel]), self.device)
                 tokens = self.sample_rows(h, rows_t, async_h2d(torch.from_numpy(steps[sel]), self.device), mode)
-            groups.append(
-                StepGroup(mode, [scheduled[i] for i in idx], tokens[:, None], h[None] if mode == "code" else None)
-            )
+            groups.append(StepGroup(mode, _pick(ids, sel), tokens[:, None], h[None] if mode == "code" else None))
         return groups
 
     def _gather_inputs(self, scheduled: list, arr: StepArrays, requests: dict) -> torch.Tensor:

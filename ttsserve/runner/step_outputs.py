@@ -19,21 +19,25 @@ def runner_output(groups: list[StepGroup], host: np.ndarray, audio_eos_id: int, 
         n, k, width = g.tokens.shape
         rows = host[offset : offset + n * k * width].reshape(n, k, width)
         offset += n * k * width
-        ids = [s.request_id for s in g.scheduled]
+        ids = g.req_ids
         if g.mode == "text":
             toks = rows[:, 0, 0].tolist()
             out.sampled.update(zip(ids, toks))
-            out.stopped.update(zip(ids, [t == text_eos_id for t in toks]))
+            out.stopped.update(zip(ids, (rows[:, 0, 0] == text_eos_id).tolist()))
             continue
         eos = (rows == audio_eos_id).any(axis=2)  # [n, k]
+        # one tuple per frame and one tuple of frames per row, all by C-level maps: no Python work per row
+        frame_tuples = zip(*rows.reshape(n * k, width).T.tolist())
         if k == 1:
-            out.sampled.update(zip(ids, map(tuple, rows[:, 0].tolist())))
+            out.sampled.update(zip(ids, frame_tuples))
             out.stopped.update(zip(ids, eos[:, 0].tolist()))
             num_frames = np.where(eos[:, 0], 0, 1)
         else:  # a burst's frames end before its first EOS
             num_frames = np.where(eos.any(axis=1), eos.argmax(axis=1), k)
-            flat = list(map(tuple, rows.reshape(n * k, width).tolist()))  # C-level: one tuple per frame
-            out.sampled.update(zip(ids, [flat[i * k : i * k + m] for i, m in enumerate(num_frames.tolist())]))
+            bursts = list(zip(*[frame_tuples] * k))  # [n] tuples of k frames
+            for i in np.flatnonzero(num_frames < k).tolist():  # rows cut by an EOS
+                bursts[i] = bursts[i][: num_frames[i]]
+            out.sampled.update(zip(ids, bursts))
             out.stopped.update(zip(ids, (num_frames < k).tolist()))
         _add_frames(frames, ids, g.hidden, num_frames)
     for (j, _), batches in sorted(frames.items()):  # a mixed step's code groups: one batch per (j, m)

@@ -52,7 +52,7 @@ class SequenceState:
 @dataclass
 class RunnerOutput:
     """sampled[req_id]: for requests that sampled this step, a 4-tuple of codes (code) or a token id (text);
-    for a decode burst (ScheduledRequest.num_steps > 1) the list of its frames before the first EOS.
+    for a decode burst (ScheduledRequest.num_steps > 1) the sequence (a tuple) of its frames before the first EOS.
     stopped[req_id]: the sampled row is EOS (any codebook for code), or the burst reached one.
     frames: the hidden states of the non-EOS frames, the Decoder's input (MODEL.md §4.5), as (j, req_ids, hidden
     [m, len(req_ids), H] fp32 on the device) batches: frames j .. j + m - 1 of this step for each listed
@@ -66,11 +66,11 @@ class RunnerOutput:
 
 @dataclass
 class StepGroup:
-    """Rows of a launched step that sampled together: tokens int64 [B, num_steps, width] on the device (width
-    num_vq for code, 1 for text); hidden fp32 [num_steps, B, H] for code (None for text)."""
+    """Rows of a launched step that sampled together: req_ids [B]; tokens int64 [B, num_steps, width] on the
+    device (width num_vq for code, 1 for text); hidden fp32 [num_steps, B, H] for code (None for text)."""
 
     mode: str
-    scheduled: list
+    req_ids: list[str]
     tokens: torch.Tensor
     hidden: torch.Tensor | None
     num_steps: int = 1
