@@ -42,12 +42,13 @@ def _port() -> int:
 
 
 class Server:
-    def __init__(self, cores: int, log: Path) -> None:
+    def __init__(self, cores: int, log: Path, extra: list[str] = ()) -> None:
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *TINY, "--port", str(self.port)]
         cmd += ["--kv-cache-memory", "128M", "--swap-space", "0", "--voices-db", ":memory:"]
         cmd += ["--data-parallel-size", str(cores), "--api-server-count", "1", "--max-new-tokens", str(LONG)]
+        cmd += list(extra)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one thread per core
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
