@@ -3,7 +3,8 @@ core, one API server, loopback, closed-loop pcm streams).
 
     python3 benchmarks/dp_cpu.py --out benchmarks/results/dp-cpu.json [--duration 30] [--concurrency 16]
 
-1. scaling: audio-s/s with 2 cores against 1 core at the same concurrency (target >= 1.7x);
+1. scaling: audio-s/s with 2 cores against 1 core at the same concurrency (target >= 1.7x), and with 2 cores
+   at twice the concurrency (each core as loaded as the one core was);
 2. mixed load, 2 cores: a quarter of the requests 10x longer; /metrics sampled every 100 ms: samples where
    a core idles (nothing running, nothing waiting) while the other has waiting requests (target 0), and
    time-to-first-audio p99 against the uniform load's (target <= 1.3x);
@@ -181,6 +182,9 @@ def run(args) -> dict:
             res[f"uniform_{cores}_cores"] = _summary(recs, wall)
             if cores == 2:
                 res["uniform_2_cores"]["idle_while_waiting_samples"] = _idle_while_waiting(samples, 2)
+                # weak scaling: each core gets the streams one core had
+                recs, _, wall = asyncio.run(_measured(srv.url, 2, 2 * args.concurrency, args.duration))
+                res["uniform_2_cores_double_concurrency"] = _summary(recs, wall)
                 recs, samples, wall = asyncio.run(_measured(srv.url, 2, args.concurrency, args.duration, 4))
                 res["mixed_2_cores"] = _summary(recs, wall) | {
                     "samples": len(samples),
@@ -192,6 +196,7 @@ def run(args) -> dict:
             srv.stop()
     u1, u2, mixed = res["uniform_1_cores"], res["uniform_2_cores"], res["mixed_2_cores"]
     res["scaling_2_over_1"] = u2["audio_s_per_s"] / u1["audio_s_per_s"]
+    res["weak_scaling_2_over_1"] = res["uniform_2_cores_double_concurrency"]["audio_s_per_s"] / u1["audio_s_per_s"]
     res["mixed_ttfa_p99_over_uniform"] = mixed["ttfa_p99_s"] / u2["ttfa_p99_s"]
     return res
 
