@@ -20,13 +20,14 @@ class StandInCore:
 
     def __init__(self, outstanding: int = 0) -> None:
         self.outstanding = outstanding
-        self.stats_updates = 0
+        self.unreported_frames = 0
         self.ready, self.dead, self.stalled, self.dead_reason = True, False, False, None
         self.fail_with: Exception | None = None  # raised before the first output
         self.got: list[str] = []
 
     def report(self, outstanding: int) -> None:
-        self.outstanding, self.stats_updates = outstanding, self.stats_updates + 1
+        """A stats report that counts every request sent so far."""
+        self.outstanding, self.unreported_frames = outstanding, 0
 
     def stats(self) -> dict:
         return {"outstanding_frames": self.outstanding, "num_streams": 0}
@@ -34,8 +35,9 @@ class StandInCore:
     def core_state(self, i: int) -> dict:
         return {"core": i, "ready": self.ready, "reason": self.dead_reason, "pid": None}
 
-    async def generate(self, req):
+    async def generate(self, req, frames: int = 0):
         self.got.append(req.text)
+        self.unreported_frames += frames
         if self.fail_with is not None:
             raise self.fail_with
         yield AudioOutput(req.request_id or "r", np.zeros(4, np.float32), True, finish_reason="stop")
@@ -87,7 +89,7 @@ def test_routes_to_the_least_outstanding_work_not_the_fewest_requests() -> None:
     assert busy.got == [] and len(idle.got) == 4
 
 
-def test_requests_sent_since_the_last_report_count_until_the_next() -> None:
+def test_requests_a_report_does_not_count_yet_count_until_one_does() -> None:
     a, b = StandInCore(), StandInCore()
     dp = _dp(a, b)
     long = _req("x", frames=1000)
@@ -95,7 +97,7 @@ def test_requests_sent_since_the_last_report_count_until_the_next() -> None:
     _send(dp, _req("y", frames=10))
     _send(dp, _req("z", frames=10))
     assert a.got == ["x"] and b.got == ["y", "z"]
-    a.report(0)  # the core says it is done with it: the local charge is dropped
+    a.report(0)  # a report that counts it (and says it is done): the local charge is dropped
     b.report(500)
     _send(dp, _req("w", frames=10))
     assert a.got[-1] == "w"

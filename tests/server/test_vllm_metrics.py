@@ -82,7 +82,7 @@ def test_vllm_names_types_and_buckets(serve_real):
         samples = fams[name].samples
         les = [float(s.labels["le"]) for s in samples if s.name.endswith("_bucket")]
         assert les == [*bounds, float("inf")], name
-        count = next(s.value for s in samples if s.name.endswith("_count") and s.labels == model)
+        count = next(s.value for s in samples if s.name.endswith("_count") and s.labels.items() >= model.items())
         assert count == 1.0, name
     assert TTFT_BUCKETS_S[:3] == (0.001, 0.005, 0.01) and REQUEST_LATENCY_BUCKETS_S[-1] == 7680.0  # vLLM's layouts
 

@@ -97,7 +97,10 @@ class CoreClient:
         self._call_ids = itertools.count()
         self.processor = InputProcessor(None, index)  # the core's tokenizer joins it at the handshake
         self._stats: dict = {}
-        self.stats_updates = 0  # how many stats messages arrived: a data-parallel router's clock
+        # frames (engine/load.py estimates) of this server's requests not yet in a stats report of the core:
+        # sent and not admitted yet, or admitted since the last report (rid -> [frames, admitted])
+        self._unreported: dict[str, list] = {}
+        self.unreported_frames = 0
         self._accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -176,9 +179,10 @@ class CoreClient:
         return self.liveness.stalled
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:
+    async def generate(self, req: SynthesisRequest, frames: int = 0) -> AsyncIterator[AudioOutput]:
         """Stream the audio of `req` (the EngineClient contract); a core that dies mid-stream ends it with an
-        error output."""
+        error output. frames: its estimated work, counted in unreported_frames until the core's stats
+        include it."""
         if self.dead:
             raise CoreUnreachableError(self.dead_reason)
         if not self.ready:
@@ -190,6 +194,8 @@ class CoreClient:
         msg = msgspec.structs.replace(SynthesisMsg.of(req), request_id=rid)
         stream = _Stream(asyncio.Queue(), self._loop.create_future(), req.request_id)
         self._streams[rid] = stream
+        self._unreported[rid] = [frames, False]
+        self.unreported_frames += frames
         admitted = finished = yielded = False
         try:
             self._post(AddRequest(rid, msgspec.Raw(encoder.encode(msg)), segments))
@@ -210,6 +216,7 @@ class CoreClient:
                     return
         finally:
             self._streams.pop(rid, None)
+            self._reported(rid)
             pending = not stream.admitted.done()  # the core may still admit it: abort it all the same
             if pending:
                 stream.admitted.cancel()
@@ -321,14 +328,22 @@ class CoreClient:
             elif isinstance(msg, CoreInfo):
                 self._on_hello(msg)
 
+    def _reported(self, rid: str) -> None:
+        entry = self._unreported.pop(rid, None)
+        if entry is not None:
+            self.unreported_frames -= entry[0]
+
     def _on_outputs(self, msg: CoreOutputs) -> None:
-        if msg.stats is not None:
-            self._stats = msg.stats
-            self.stats_updates += 1
         for rid in msg.admitted:
             s = self._streams.get(rid)
             if s is not None and not s.admitted.done():
                 s.admitted.set_result(None)
+            if (entry := self._unreported.get(rid)) is not None:
+                entry[1] = True
+        if msg.stats is not None:  # built when this message was sent: it counts every request admitted so far
+            self._stats = msg.stats
+            for rid in [rid for rid, (_, admitted) in self._unreported.items() if admitted]:
+                self._reported(rid)
         for rej in msg.rejected:
             s = self._streams.get(rej.request_id)
             if s is not None and not s.admitted.done():
@@ -355,7 +370,6 @@ class CoreClient:
             self._hello.set_result(info)
         elif self.liveness.lost is not None:  # a new core after a death
             self._info, self._stats, self.liveness.lost = info, dict(info.stats), None
-            self.stats_updates += 1
             logger.info("reconnected to the engine core (pid %d)", info.pid)
 
     def _core_gone(self, reason: str) -> None:
@@ -369,6 +383,8 @@ class CoreClient:
             else:
                 s.queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()  # their generators end on what was just queued; the new core never knew them
+        self._unreported.clear()
+        self.unreported_frames = 0
         for fut in [*self._calls.values(), self._hello]:
             if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(reason))

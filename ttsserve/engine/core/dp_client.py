@@ -3,8 +3,8 @@
 It holds one CoreClient per core and sends each request to one of them:
 - Least outstanding work. A core's load is the frames it has yet to deliver (engine/load.py), which it
   reports with its outputs (`outstanding_frames`, at most proc.STATS_INTERVAL_S old), plus the estimated
-  frames of the requests this API server sent it since that report. Request counts would mislead: TTS
-  requests differ a hundredfold in length.
+  frames of this API server's requests that report does not count yet (CoreClient.unreported_frames).
+  Request counts would mislead: TTS requests differ a hundredfold in length.
 - Prefix-cache affinity. A voice with an audio-code prompt (a saved reference recording: hundreds of prompt
   positions whose KV blocks a core caches) prefers one core, the same for every API server (rendezvous
   hashing over the cores that are up), while that core's load is within a slack of the least loaded.
@@ -63,8 +63,6 @@ class DPClient:
     ) -> None:
         assert addresses, "at least one engine core"
         self.clients = [CoreClient(a, index, stall_timeout_s, handshake_timeout_s) for a in addresses]
-        self._sent = [0] * len(addresses)  # frames sent to core i since its last stats report
-        self._clock = [-1] * len(addresses)  # core i's stats_updates when _sent[i] was last reset
         self._next = 0  # tie-break rotation, so equal loads still spread
         self.routed = [0] * len(addresses)  # requests sent to core i (tests, logs)
 
@@ -106,11 +104,9 @@ class DPClient:
 
     # ---- routing -----------------------------------------------------------------------------------
     def load(self, i: int) -> int:
-        """Core i's outstanding frames: its last report plus what this server sent it since."""
+        """Core i's outstanding frames: its last report plus this server's requests the report misses."""
         c = self.clients[i]
-        if c.stats_updates != self._clock[i]:
-            self._clock[i], self._sent[i] = c.stats_updates, 0
-        return int(c.stats().get("outstanding_frames", 0)) + self._sent[i]
+        return int(c.stats().get("outstanding_frames", 0)) + c.unreported_frames
 
     def choose(self, req: SynthesisRequest, frames: int, exclude: set[int] = frozenset()) -> int | None:
         """The core for `req` (None: no core can take it now)."""
@@ -140,9 +136,8 @@ class DPClient:
                 if self.dead:
                     raise EngineDeadError(self.dead_reason)
                 raise EngineOverloadedError("no engine core is accepting requests (starting or full)")
-            self._sent[i] += frames
             self.routed[i] += 1
-            stream = self.clients[i].generate(req)
+            stream = self.clients[i].generate(req, frames)
             try:
                 first = await anext(stream)
             except StopAsyncIteration:
@@ -150,7 +145,6 @@ class DPClient:
             except EngineOverloadedError as e:
                 if isinstance(e, EngineDeadError) and not isinstance(e, CoreUnreachableError):
                     raise  # admitted, then lost with its core
-                self._sent[i] -= frames
                 tried.add(i)
                 logger.info("core %d did not take request %s (%s): trying another", i, req.request_id, e)
                 continue
