@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--dummy-size", default="real", choices=("real", "tiny"), help="random weights' size (no --model)")
     ap.add_argument("--threads", type=int, default=None, help="EngineConfig.cpu_threads when it has that field")
     ap.add_argument(
         "--lookahead-frames",
@@ -59,6 +60,7 @@ def main() -> None:
     kw = dict(
         model=a.model,
         load_format="dummy" if a.model is None else "auto",
+        dummy_size=a.dummy_size,
         device="cpu",
         dtype=a.dtype,
         quantization=a.quantization,

@@ -45,12 +45,27 @@ def compile_level() -> str:
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k / v ([T, Hkv, D]) at flat slots (block_id * block_size + offset); slots < 0 are padding
     tokens and are not stored. kv_cache: [2, num_blocks, block_size, Hkv, D], written in place."""
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    store_kv(kv_cache, k, v, *stored_slots(slot_mapping))
+
+
+def stored_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots [T] int64, keep [T] bool or None when every slot is stored) of a step's slot_mapping; the same
+    for every layer (TorchPagedAttention builds it once per step)."""
     slots = slot_mapping.long()
-    kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, T, Hkv, D]: one index_copy_ for both
     if bool((slots < 0).any()):  # a host sync; free on CPU, acceptable in the reference backend elsewhere
         keep = slots >= 0
-        slots, kv = slots[keep], kv[:, keep]
+        return slots[keep], keep
+    return slots, None
+
+
+def store_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None
+) -> None:
+    """write_kv for stored_slots' (slots, keep)."""
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    kv = torch.stack((k, v)).to(kv_cache.dtype)  # [2, T, Hkv, D]: one index_copy_ for both
+    if keep is not None:
+        kv = kv[:, keep]
     kv_cache.view(2, num_blocks * block_size, hkv, d).index_copy_(1, slots, kv)
 
 
@@ -133,6 +148,7 @@ class TorchPagedAttention:
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._step: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor | None] | None = None
         self._tables: tuple[AttentionMetadata, torch.Tensor] | None = None  # _compiled_tables' step cache
+        self._slots: tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None] | None = None  # _stored_slots'
         self._compiled_ready: threading.Event | None = None  # set by a background warmup() when done
 
     def forward(
@@ -150,7 +166,7 @@ class TorchPagedAttention:
         positions of its context of md.seq_lens tokens) causally over that context. Returns [T, Hq, D]
         in q's dtype (computed in fp32 when the cache is bf16 / fp16).
         """
-        write_kv(kv_cache, k, v, md.slot_mapping)
+        store_kv(kv_cache, k, v, *self._stored_slots(md))
         if md.is_decode_only and q.shape[0] == md.num_seqs:
             ready = self._compiled_ready is None or self._compiled_ready.is_set()
             if self.compile_decode and ready and kv_cache.device.type == "cpu":
@@ -167,6 +183,12 @@ class TorchPagedAttention:
             kb, vb = gather_kv(kv_cache, md.block_tables[b], ctx_len)
             out[s:e] = causal_sdpa(q[s:e].float(), kb.float(), vb.float(), scale).to(q.dtype)
         return out
+
+    def _stored_slots(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """stored_slots(md.slot_mapping), built once per step: every layer shares `md`."""
+        if self._slots is None or self._slots[0] is not md:
+            self._slots = (md, *stored_slots(md.slot_mapping))
+        return self._slots[1], self._slots[2]
 
     def _decode_compiled(
         self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float

@@ -31,13 +31,14 @@ class LlamaLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext, layer_idx: int
     ) -> torch.Tensor:
-        t = x.shape[0]
+        t, nh, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(x))
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = nh * d, self.num_kv_heads * d
+        # q and k rotated as one [T, Hq + Hkv, D] view: the same elementwise math in half the ops (a decode
+        # step's per-op host cost is most of a small model's step); q / k are views of that tensor
+        qk = apply_rotary(qkv[:, : nq + nkv].view(t, nh + self.num_kv_heads, d), cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, d)
         attn = ctx.attend(layer_idx, q, k, v)
         x = x + self.o_proj(attn.reshape(t, nq))
         return x + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from ttsserve.sample.host_ops import stable_sort_last
+
 MIN_TOKENS_TO_KEEP = 3  # both warpers of the reference keep at least 3 tokens (top_k=1 acts as top-3)
+
+
+def stable_sort(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.sort(logits, dim=-1, stable=True); on the CPU (fp32) the same values and indices by numpy's sort
+    of integer keys (sample/host_ops.py), ~10x faster."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return stable_sort_last(logits)
+    return torch.sort(logits, dim=-1, stable=True)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -37,7 +47,7 @@ def _top_p_remove_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> to
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """HF top-p with min_tokens_to_keep=3. logits: [B, R, V]; top_p: [B] in (0, 1] (float64 for exact
     HF thresholds)."""
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, stable=True)
+    sorted_logits, sorted_idx = stable_sort(logits)
     remove_sorted = _top_p_remove_sorted(sorted_logits, top_p)
     remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
@@ -64,7 +74,7 @@ def apply_top_p_top_k(logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Te
     remaining value is sorted[V - k_eff], or -inf if top-p removed that position.
     """
     b, r, v = logits.shape
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, stable=True)
+    sorted_logits, sorted_idx = stable_sort(logits)
     remove_sorted = _top_p_remove_sorted(sorted_logits, top_p)
     idx = (v - _effective_k(top_k, v))[:, None, None].expand(b, r, 1)
     kth = torch.where(remove_sorted.gather(-1, idx), float("-inf"), sorted_logits.gather(-1, idx))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ttsserve.params import SamplingParams
+from ttsserve.sample.host_ops import hash_uniform_host
 from ttsserve.sample.penalties import apply_repetition_penalty, apply_top_p_top_k, ban_token
 from ttsserve.sample.rng import hash_uniform
 
@@ -47,8 +48,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     b, r, v = logits.shape
     x = process_logits(logits, batch)
     probs = x.softmax(dim=-1)
-    u = hash_uniform(batch.seeds, batch.steps, r, v)
+    u = (hash_uniform_host if logits.device.type == "cpu" else hash_uniform)(batch.seeds, batch.steps, r, v)
     sampled = (probs / -torch.log(u)).argmax(dim=-1)
+    if x.device.type == "cpu" and not bool(batch.greedy.any()):  # a host read is free on the CPU
+        return sampled
     return torch.where(batch.greedy[:, None], x.argmax(dim=-1), sampled)
 
 
