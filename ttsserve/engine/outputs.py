@@ -20,7 +20,9 @@ class ScheduledRequest(NamedTuple):
     mode: str  # "code" | "text"; the scheduler only passes it on
     num_computed_tokens: int  # start position of this chunk (KV for positions < this already exists)
     num_new_tokens: int  # positions computed in this step (1 for decode, a chunk for prefill/recompute)
-    new_token_ids: list  # [num_new_tokens] items at positions [num_computed_tokens, +num_new_tokens)
+    # [num_new_tokens] items at positions [num_computed_tokens, +num_new_tokens), without those still in flight;
+    # read-only (the empty list of a pipelined decode may be shared)
+    new_token_ids: list
     # [cdiv(num_computed_tokens + num_new_tokens, block_size)] GPU block ids. The request's live,
     # append-only list (no copy per step): read it before the next schedule(), never mutate it.
     block_table: list[int]
