@@ -21,6 +21,9 @@ Results (branch host, 2 shared CPU cores, best of 3 x 7 rounds; before = 4441ebd
   Scheduler.update_from_output  119 / 249  ->   75 / 162
   StreamingStage.append_batch   155 / 290  ->   98 / 153  (width 64; ~14 us of it is the CPU index_copy_)
   InputBatch.flush_block_tables   no copy on CPU either way
+Scheduler steady decode rows (engine/steady.py; 2 shared CPU cores, --steps 1000, 2 runs interleaved with one of
+main; before = 1b1f7d0), us per call, N = 128 / 256 / 512: schedule 117 / 242 / 521 -> 86 / 161 / 319-328,
+update_from_output 43 / 89 / 225 -> 38 / 70 / 182-187.
 ModelRunner (--burst 4, pipelined; 2 shared CPU cores, best of 5 rounds, 3 interleaved runs; before = a313be2),
 us per call, N = 128 / 256 / 512: launch 193-197 / 306-320 / 520-540 -> 215-227 / 318-321 / 486-504; wait
 212-214 / 381-392 / 2458-2556 -> 114-117 / 282-298 / 550-586 (runner_output's per-row lists and tuples, and

@@ -11,6 +11,8 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from itertools import compress, repeat
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -32,6 +34,10 @@ from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
 
 logger = logging.getLogger(__name__)
+# RequestUpdate / ScheduledRequest fields, read by C-level maps: the step's bookkeeping makes no Python call per row
+_ID, _NUM_NEW, _FINISHED = attrgetter("request_id"), attrgetter("num_new_tokens"), attrgetter("finished")
+_START, _PROMPT = attrgetter("num_computed_tokens"), attrgetter("num_prompt_tokens")
+_NUM_STEPS = attrgetter("num_steps")
 
 
 class Engine:
@@ -261,9 +267,8 @@ class Engine:
         if out.frames:
             self._append_frames(out.frames, updates)
         t6 = clock()
-        for u in updates:
-            if u.finished:
-                self._finish_sequence(u.request_id, u.finish_reason or "stop")
+        for u in compress(updates, map(_FINISHED, updates)):
+            self._finish_sequence(u.request_id, u.finish_reason or "stop")
         t7 = clock()
         if chunks is None:
             chunks = self.audio.step()
@@ -296,10 +301,10 @@ class Engine:
         a request is accepted when its update appended more than j samples. A pipelined step's rows whose
         results the scheduler dropped (EOS, abort or preemption while in flight) and a burst's frames past
         max_new_tokens are not frames."""
-        get = {u.request_id: u.num_new_tokens for u in updates}.get
+        get = dict(zip(map(_ID, updates), map(_NUM_NEW, updates))).get
         for j, seq_ids, hiddens in frames:
             m = hiddens.shape[0]
-            if min(get(s, 0) for s in seq_ids) >= j + m:
+            if min(map(get, seq_ids, repeat(0))) >= j + m:
                 self._append_accepted(seq_ids, hiddens)
                 continue
             accepted = [min(max(get(s, 0) - j, 0), m) for s in seq_ids]  # frames of this batch, per row
@@ -313,13 +318,10 @@ class Engine:
                 self._append_accepted([seq_ids[i] for i in keep], hiddens[:a, rows])
 
     def _append_accepted(self, seq_ids: list[str], hiddens) -> None:
-        """hiddens: [n, H] or [m, n, H] (m frames of each)."""
+        """hiddens: [n, H] or [m, n, H] (m frames of each). A segment's frame count is its sequence's outputs,
+        taken when it leaves (SequenceRegistry.release), not counted here per row."""
         self.audio.append_batch(seq_ids, hiddens)
         m = 1 if hiddens.dim() == 2 else hiddens.shape[0]
-        sequences = self.sequences
-        for seq_id in seq_ids:
-            rec = sequences[seq_id]
-            rec.synthesis.tracker.add_frames(rec.segment, m)
         self.counters.frames += m * len(seq_ids)
 
     def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
@@ -327,7 +329,7 @@ class Engine:
         gc_ms = (self._gc.total_s() - gc_s) * 1e3
         self.counters.observe_step(ms, phases, len(sched.scheduled), sched.num_scheduled_tokens, gc_ms, vocoder)
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
-            self.controller.observe(len(sched.scheduled), ms / max(s.num_steps for s in sched.scheduled))
+            self.controller.observe(len(sched.scheduled), ms / max(map(_NUM_STEPS, sched.scheduled)))
 
     def _handle_scheduler_finished(self, sched) -> None:
         """Requests the scheduler ended on its own (impossible to serve) fail their synthesis; the ids of
@@ -340,8 +342,7 @@ class Engine:
                 self.registry.fail(rec.synthesis, f"segment {rec.segment}: {rec.request.error}")
                 failed = True
         if failed:
-            live = self.sequences
-            sched.scheduled = [s for s in sched.scheduled if s.request_id in live]
+            sched.retain(self.sequences)
 
     def _finish_sequence(self, sid: str, reason: str) -> None:
         rec = self.sequences.get(sid)
@@ -362,10 +363,9 @@ class Engine:
 
     def _observe_queue_times(self, sched) -> None:
         """A synthesis waits in the queue from its arrival to the first step that schedules one of its sequences."""
-        now = None
-        for s in sched.scheduled:
-            if s.num_computed_tokens >= s.num_prompt_tokens:  # a decode row: scheduled before, skip the lookup
-                continue
+        now, scheduled = None, sched.scheduled
+        # only prefill rows (a decode row was scheduled before): picked by C-level maps
+        for s in compress(scheduled, map(int.__lt__, map(_START, scheduled), map(_PROMPT, scheduled))):
             rec = self.sequences.get(s.request_id)
             if rec is None or rec.synthesis.scheduled:
                 continue

@@ -6,17 +6,23 @@ Token items are opaque hashable values: an int text id or a 4-tuple of audio cod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's work in this step: compute positions [num_computed_tokens, +num_new_tokens)."""
+class ScheduledRequest(NamedTuple):
+    """One request's work in this step: compute positions [num_computed_tokens, +num_new_tokens).
+
+    A tuple, so the scheduler's steady path builds one per row at C level (tuple.__new__ over a zip of
+    columns, no Python __init__ call per row); its fields are read-only.
+    """
 
     request_id: str
     mode: str  # "code" | "text"; the scheduler only passes it on
     num_computed_tokens: int  # start position of this chunk (KV for positions < this already exists)
     num_new_tokens: int  # positions computed in this step (1 for decode, a chunk for prefill/recompute)
-    new_token_ids: list  # [num_new_tokens] items at positions [num_computed_tokens, +num_new_tokens)
+    # [num_new_tokens] items at positions [num_computed_tokens, +num_new_tokens), without those still in flight;
+    # read-only (the empty list of a pipelined decode may be shared)
+    new_token_ids: list
     # [cdiv(num_computed_tokens + num_new_tokens, block_size)] GPU block ids. The request's live,
     # append-only list (no copy per step): read it before the next schedule(), never mutate it.
     block_table: list[int]
@@ -43,15 +49,31 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # [(gpu_block, cpu_block)]
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # [(cpu_block, gpu_block)]
     finished_ids: list[str] = field(default_factory=list)  # aborted / errored since the last step
+    # The scheduler's own bookkeeping for update_from_output (the runner does not read it): steady_rows are
+    # the Requests its steady path scheduled (engine/steady.py), each a full burst of steady_num_steps, with
+    # their ids; per_row the ScheduledRequests of the other rows (None: every row of scheduled).
+    steady_rows: list = field(default_factory=list)
+    steady_ids: list[str] = field(default_factory=list)
+    steady_num_steps: int = 1
+    per_row: list[ScheduledRequest] | None = None
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def retain(self, live) -> None:
+        """Drop the rows whose request_id is not in live (a container), from every list above."""
+        self.scheduled = [s for s in self.scheduled if s.request_id in live]
+        if self.per_row is not None:
+            self.per_row = [s for s in self.per_row if s.request_id in live]
+        keep = [rid in live for rid in self.steady_ids]
+        self.steady_rows = [r for r, k in zip(self.steady_rows, keep) if k]
+        self.steady_ids = [rid for rid, k in zip(self.steady_ids, keep) if k]
 
-@dataclass(slots=True)
-class RequestUpdate:
-    """Result of one step for one request (only requests that sampled, or finished, get one)."""
+
+class RequestUpdate(NamedTuple):
+    """Result of one step for one request (only requests that sampled, or finished, get one). A tuple, built
+    at C level for steady rows like ScheduledRequest."""
 
     request_id: str
     new_token: object | None  # the last appended item (int or 4-tuple); None when nothing was appended

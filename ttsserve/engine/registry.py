@@ -107,6 +107,8 @@ class SequenceRegistry:
         self.runner.remove_sequence(sid)
         if rec.mode == "code":
             self.audio.abort(sid)
+            # its frames are its outputs (the engine appends a frame per output): counted once, here
+            rec.synthesis.tracker.add_frames(rec.segment, len(rec.request.output_token_ids))
         del self.sequences[sid]
         del rec.synthesis.seqs[sid]
 

@@ -24,23 +24,30 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import filterfalse
+from operator import attrgetter
 
 from ttsserve.engine.block_manager import KVCacheManager
-from ttsserve.engine.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from ttsserve.engine.outputs import ScheduledRequest, SchedulerOutput, SchedulerStats
 from ttsserve.engine.request import Request, RequestStatus
+from ttsserve.engine.scheduler_commit import OutputCommitter
 from ttsserve.engine.scheduler_config import PreemptionMode, SchedulerConfig  # noqa: F401 (re-exported)
+from ttsserve.engine.steady import SteadyRows, schedule_burst
 
 _RUNNING = RequestStatus.RUNNING  # an enum member lookup costs ~0.2 us on CPython 3.11; the hot loops test it
-_MISSING = object()
+_ID = attrgetter("request_id")
 
 
 @dataclass
 class _Step:
     budget: int
-    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)  # insertion-ordered
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)  # per-row path, insertion-ordered
+    steady_rows: list[Request] = field(default_factory=list)  # the steady path's rows, running order
+    steady_ids: list[str] = field(default_factory=list)
+    steady_scheduled: list[ScheduledRequest] = field(default_factory=list)
 
 
-class Scheduler:
+class Scheduler(OutputCommitter):
     def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager) -> None:
         if config.preemption_mode == "swap" and block_manager.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0 in the block manager")
@@ -58,6 +65,7 @@ class Scheduler:
         self._pending_aborts: dict[str, None] = {}
         self._finished_ids: list[str] = []  # errored at add_request, reported by the next schedule()
         self._max_num_seqs_limit = config.max_num_seqs
+        self._steady = SteadyRows(block_manager.block_size, max(config.num_scheduler_steps, 1))
         self.num_preemptions = 0
         self._num_steps = 0
 
@@ -138,14 +146,52 @@ class Scheduler:
         st = _Step(budget=self.config.max_num_batched_tokens)
         self._num_steps += 1
         admit = not self.running or self._num_steps % self.config.admission_interval == 0
-        self._schedule_running(st, out)
+        self._steady.expire(self._num_steps)
+        if not (self._steady.horizon and self._schedule_steady(st, out)):
+            self._schedule_running(list(self.running), st, out)
         if not out.preempted_ids:  # admitting now would only take back the blocks just freed
             self._schedule_swapped(st, out)
             if not self.swapped and admit:  # swapped requests came first: new ones must not starve them
                 self._schedule_waiting(st, out)
-        out.scheduled = list(st.scheduled.values())
+        out.per_row = list(st.scheduled.values())
+        out.scheduled = self._merge(st, out.per_row) if st.steady_rows else out.per_row
+        out.steady_rows, out.steady_ids, out.steady_num_steps = st.steady_rows, st.steady_ids, self._steady.num_steps
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - st.budget
         return out
+
+    def _schedule_steady(self, st: _Step, out: SchedulerOutput) -> bool:
+        """The steady rows in bulk (engine/steady.py), then the other running rows one by one. Only when the
+        budget and the free blocks cover what every other row could ask for: then no row is short of budget or
+        preempted, in any order, so the steps equal the per-row path's (False: nothing was done)."""
+        running, steady = self.running, self._steady
+        rows = steady.rows_in(running)
+        others = list(filterfalse(steady.horizon.__contains__, running)) if len(rows) < len(running) else []
+        budget = st.budget - steady.num_steps * len(rows)
+        if not rows or not self._covers(others, budget):
+            return False
+        st.budget, st.steady_rows = budget, rows
+        st.steady_ids, st.steady_scheduled = schedule_burst(rows, steady.num_steps)
+        self._schedule_running(others, st, out)
+        return True
+
+    def _covers(self, others: list[Request], budget: int) -> bool:
+        """budget and the free blocks hold every other row's largest next step (its remaining positions, or a burst)."""
+        bm, burst, blocks = self.block_manager, self._steady.num_steps, 0
+        for req in others:
+            start = req.num_computed_tokens + req.num_inflight_tokens
+            n = max(req.num_tokens_with_placeholders - start, burst)
+            budget -= n
+            blocks += max(bm.blocks_for(start + n) - len(req.block_table), 0)
+        return budget >= 0 and blocks <= bm.num_free_blocks
+
+    def _merge(self, st: _Step, per_row: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Steady and per-row ScheduledRequests in running order (C-level when rows are many)."""
+        if not per_row:
+            return st.steady_scheduled
+        merged = dict.fromkeys(map(_ID, self.running))  # admitted rows are at its end, in admission order
+        merged.update(zip(st.steady_ids, st.steady_scheduled))
+        merged.update(st.scheduled)
+        return list(filter(None, merged.values()))  # None: a running row not scheduled this step
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens req may compute now (0: not this step)."""
@@ -159,13 +205,13 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _schedule_running(self, st: _Step, out: SchedulerOutput) -> None:
+    def _schedule_running(self, running: list[Request], st: _Step, out: SchedulerOutput) -> None:
+        """The per-row path over running (a copy: preemption edits self.running), in its order."""
         bm, limit, burst = self.block_manager, self.token_limit, self.config.num_scheduler_steps
         # Running order is admission order, and a partial chunk only happens when a request took the
         # rest of the budget (or the per-request threshold), so a prefilling request is never ahead of
         # more decodes than the budget holds: every running request gets its token (tests check it).
-        # The step's hot loop: lengths read once (Request's properties cost a call each); a decode skips _chunk.
-        running = list(self.running)
+        # Lengths read once (Request's properties cost a call each); a decode skips _chunk.
         for i, req in enumerate(running):
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this step
@@ -260,6 +306,12 @@ class Scheduler:
         req.num_inflight_tokens += num_new
         req.num_inflight_outputs += num_steps if will_sample else 0
         st.budget -= num_new
+        steady = self._steady
+        if num_new == num_steps == steady.num_steps and will_sample and start >= n_prompt and req.mode == "code":
+            room = min(req.max_new_tokens, self.token_limit - n_prompt)
+            steady.enter(req, self._num_steps, end, num_outputs + num_steps, room)
+        elif req in steady.horizon:
+            steady.discard(req)
 
     # ---- preemption --------------------------------------------------------------------------------
     def _pick_victim(self) -> Request:
@@ -270,6 +322,7 @@ class Scheduler:
     def _preempt(self, victim: Request, st: _Step, out: SchedulerOutput) -> None:
         bm = self.block_manager
         self.running.remove(victim)
+        self._steady.discard(victim)
         undone = st.scheduled.pop(victim.request_id, None)
         if undone is not None:  # scheduled earlier in this step: give its tokens back
             st.budget += undone.num_new_tokens
@@ -289,82 +342,10 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_ids.append(victim.request_id)
 
-    # ---- results -----------------------------------------------------------------------------------
-    def update_from_output(
-        self, sched_out: SchedulerOutput, sampled: dict[str, object], stop: dict[str, bool]
-    ) -> list[RequestUpdate]:
-        """Advance every scheduled request; append samples; finish on stop / length; free finished blocks.
-
-        sampled: {request_id: token item} for every scheduled request with will_sample; for a decode burst
-            (num_steps > 1) the list of its samples up to, without, the first EOS.
-        stop: {request_id: True} when that sample is the end marker (EOS; not appended), or the burst reached one.
-        Returns one RequestUpdate per request that sampled.
-        """
-        updates: list[RequestUpdate] = []
-        any_finished = False
-        get_request, limit = self.requests.get, self.token_limit
-        for s in sched_out.scheduled:
-            rid = s.request_id
-            req = get_request(rid)
-            if req is None or req.status is not _RUNNING:
-                continue  # finished, aborted or preempted since it was scheduled: its results are dropped
-            n = s.num_new_tokens
-            req.num_computed_tokens += n
-            req.num_inflight_tokens -= n
-            assert req.num_inflight_tokens >= 0, f"{rid}: committed more than was in flight"
-            if not s.will_sample:
-                continue
-            if s.num_steps > 1:
-                update = self._commit_burst(req, s.num_steps, sampled, stop)
-                any_finished |= update.finished
-                updates.append(update)
-                continue
-            req.num_inflight_outputs -= 1
-            if stop and stop.get(rid, False):
-                token, status = None, RequestStatus.FINISHED_STOPPED
-            else:
-                token = sampled.get(rid, _MISSING)
-                if token is _MISSING:
-                    raise ValueError(f"runner output has no sample for request {rid!r}")
-                outputs = req.output_token_ids
-                outputs.append(token)
-                n_out = len(outputs)  # num_output_tokens; + the prompt: num_tokens
-                if n_out < req.max_new_tokens and len(req.prompt_token_ids) + n_out < limit:
-                    updates.append(RequestUpdate(rid, token, False, None))  # the common case: no finish
-                    continue
-                status = RequestStatus.FINISHED_LENGTH
-            self._finish(req, status)
-            any_finished = True
-            updates.append(RequestUpdate(rid, token, True, status.value, 0 if token is None else 1))
-        if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
-        return updates
-
-    def _commit_burst(self, req: Request, num_steps: int, sampled: dict, stop: dict) -> RequestUpdate:
-        """Append a decode burst's samples (its positions are already committed) until EOS or a length limit."""
-        rid = req.request_id
-        req.num_inflight_outputs -= num_steps
-        items = sampled.get(rid, _MISSING)
-        if items is _MISSING or len(items) > num_steps:
-            raise ValueError(f"runner output has no burst of <= {num_steps} samples for request {rid!r}")
-        outputs, n_prompt = req.output_token_ids, len(req.prompt_token_ids)
-        room = min(req.max_new_tokens, self.token_limit - n_prompt) - len(outputs)
-        outputs.extend(items[:room])
-        n = min(len(items), room)
-        token = outputs[-1] if n else None
-        if n == room:
-            status = RequestStatus.FINISHED_LENGTH
-        elif stop and stop.get(rid, False):
-            status = RequestStatus.FINISHED_STOPPED
-        else:
-            assert n == num_steps, f"{rid}: a burst without EOS returned {n} of {num_steps} samples"
-            return RequestUpdate(rid, token, False, None, n)
-        self._finish(req, status)
-        return RequestUpdate(rid, token, True, status.value, n)
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Caller removes req from its queue."""
         req.status = status
+        self._steady.discard(req)
         self.block_manager.free(req)
         del self.requests[req.request_id]
         del self._seq[req.request_id]
