@@ -64,7 +64,6 @@ class DPClient:
         assert addresses, "at least one engine core"
         self.clients = [CoreClient(a, index, stall_timeout_s, handshake_timeout_s) for a in addresses]
         self._next = 0  # tie-break rotation, so equal loads still spread
-        self.routed = [0] * len(addresses)  # requests sent to core i (tests, logs)
 
     @property
     def sample_rate(self) -> int:
@@ -117,8 +116,7 @@ class DPClient:
         loads = {i: self.load(i) for i in up}
         least = min(up, key=lambda i: (loads[i], (i - self._next) % n))
         self._next = (least + 1) % n
-        smp = req.voice.spk_smp
-        if smp is not None and len(up) > 1:
+        if req.voice.spk_smp is not None and len(up) > 1:
             key = req.voice.key
             preferred = max(up, key=lambda i: hashlib.sha1(f"{key}/{i}".encode()).digest())
             if loads[preferred] - loads[least] <= max(AFFINITY_SLACK * loads[least], AFFINITY_MIN_FRAMES):
@@ -136,7 +134,6 @@ class DPClient:
                 if self.dead:
                     raise EngineDeadError(self.dead_reason)
                 raise EngineOverloadedError("no engine core is accepting requests (starting or full)")
-            self.routed[i] += 1
             stream = self.clients[i].generate(req, frames)
             try:
                 first = await anext(stream)
