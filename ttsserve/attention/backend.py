@@ -8,6 +8,7 @@ The GPT calls `ctx.attend(layer_idx, q, k, v)` for every layer; the context deci
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,3 +102,21 @@ def select_backend(device: torch.device) -> PagedAttentionBackend:
     from ttsserve.attention.torch_ref import TorchPagedAttention
 
     return TorchPagedAttention()
+
+
+def runner_backend(device: torch.device, head_dim: int):
+    """(attention backend, CUDA-graph capturable): the selected backend, or the torch reference where the
+    Triton kernels do not support the head size (e.g. tiny test models on CUDA; no graphs then)."""
+    backend = select_backend(device)
+    if backend.name == "triton":
+        from ttsserve.attention.triton_paged import SUPPORTED_HEAD_DIMS
+
+        if head_dim in SUPPORTED_HEAD_DIMS:
+            return backend, True
+        logging.getLogger(__name__).warning(
+            "head_dim %d is not supported by the Triton kernels: torch reference attention, no CUDA graphs", head_dim
+        )
+        from ttsserve.attention.torch_ref import TorchPagedAttention
+
+        return TorchPagedAttention(), False
+    return backend, False

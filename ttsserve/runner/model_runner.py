@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from ttsserve.attention.backend import AttentionMetadata, PagedAttention, select_backend
+from ttsserve.attention.backend import AttentionMetadata, PagedAttention, runner_backend
 from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, ScheduledColumns, StepArrays
@@ -47,24 +47,6 @@ logger = logging.getLogger(__name__)
 def _pick(items: list, idx) -> list:
     """items[i] for i in idx (an int array or list), by a C-level map."""
     return list(map(items.__getitem__, idx.tolist() if isinstance(idx, np.ndarray) else idx))
-
-
-def runner_backend(device: torch.device, head_dim: int):
-    """(attention backend, CUDA-graph capturable): the selected backend, or the torch reference where the
-    Triton kernels do not support the head size (e.g. tiny test models on CUDA; no graphs then)."""
-    backend = select_backend(device)
-    if backend.name == "triton":
-        from ttsserve.attention.triton_paged import SUPPORTED_HEAD_DIMS
-
-        if head_dim in SUPPORTED_HEAD_DIMS:
-            return backend, True
-        logger.warning(
-            "head_dim %d is not supported by the Triton kernels: torch reference attention, no CUDA graphs", head_dim
-        )
-        from ttsserve.attention.torch_ref import TorchPagedAttention
-
-        return TorchPagedAttention(), False
-    return backend, False
 
 
 class ModelRunner:

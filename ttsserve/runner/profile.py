@@ -85,7 +85,7 @@ def profile_max_step(model, cfg: EngineConfig) -> int:
     x = torch.randn(tokens, gcfg.hidden_size, device=dev, dtype=dtype)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     scale = gcfg.head_dim**-0.5
-    from ttsserve.runner.model_runner import runner_backend
+    from ttsserve.attention.backend import runner_backend
 
     backend, _ = runner_backend(dev, gcfg.head_dim)
     hidden = model.gpt(x, positions, PagedAttention(backend, caches, md, scale))
