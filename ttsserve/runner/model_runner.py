@@ -15,7 +15,6 @@ The runner never touches a queue; the scheduler never touches a tensor (docs/ARC
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -41,7 +40,6 @@ from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState
 
 DEFAULT_HISTORY_WINDOW = 16
-logger = logging.getLogger(__name__)
 
 
 def _pick(items: list, idx) -> list:
