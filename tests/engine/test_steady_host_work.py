@@ -9,11 +9,9 @@ and none opens a KV block must make as many calls for 256 rows as for 8. Pure Py
 
 from __future__ import annotations
 
-import gc
-import sys
-
 import pytest
 
+from tests.call_count import counting_calls
 from ttsserve.engine.block_manager import KVCacheManager
 from ttsserve.engine.request import Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -42,15 +40,6 @@ def _samples(out) -> dict:
     return {s.request_id: (frame,) * s.num_steps if s.num_steps > 1 else frame for s in out.scheduled if s.will_sample}
 
 
-class _Calls:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, frame, event, arg) -> None:
-        if event in ("call", "c_call"):
-            self.count += 1
-
-
 def _steps(n: int, burst: int, pipelined: bool, num_steps: int = 24):
     """-> [(Python calls of schedule + update, whether the step was steady)] per step after the first three. A
     step is steady when the steps it schedules and commits are clean: every row decoded the step before and none
@@ -59,17 +48,11 @@ def _steps(n: int, burst: int, pipelined: bool, num_steps: int = 24):
     in_flight, decoded, result, was_clean = None, set(), [], False
     for k in range(num_steps):
         tables = {r.request_id: len(r.block_table) for r in s.running}
-        calls = _Calls()
-        gc.disable()  # a collection's callbacks are not the step's calls
-        sys.setprofile(calls)
-        try:
+        with counting_calls() as calls:
             out = s.schedule()
             done = in_flight if pipelined else (out, _samples(out))
             if done is not None:
                 s.update_from_output(done[0], done[1], {})
-        finally:
-            sys.setprofile(None)
-            gc.enable()
         in_flight = (out, _samples(out))
         rows = {x.request_id: x for x in out.scheduled}
         opens = any(len(s.requests[rid].block_table) != tables.get(rid, -1) for rid in rows)

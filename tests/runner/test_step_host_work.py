@@ -10,11 +10,9 @@ first decode), and write only the tables of new rows and of decodes that open a 
 
 from __future__ import annotations
 
-import gc
-import sys
-
 import pytest
 
+from tests.call_count import counting_calls
 from ttsserve.config import EngineConfig
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest
@@ -47,15 +45,6 @@ def _engine(n: int, burst: int) -> Engine:
     return engine
 
 
-class _Calls:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, frame, event, arg) -> None:
-        if event in ("call", "c_call"):
-            self.count += 1
-
-
 def _step(engine: Engine, decoded: set[str], count_rows: bool = True) -> tuple[int, tuple, tuple[int, int]]:
     """One scheduler -> runner -> scheduler step -> (Python calls in the runner, (rows read, tables synced) or
     () without count_rows, (rows that did not decode last step, rows new to the batch or whose step opens a
@@ -69,14 +58,9 @@ def _step(engine: Engine, decoded: set[str], count_rows: bool = True) -> tuple[i
         for s in sched.scheduled
     ]
     counters = (lambda: (ib.num_rows_read, ib.num_tables_synced)) if count_rows else tuple
-    before, calls = counters(), _Calls()
-    gc.disable()  # a collection's callbacks (the engine times its pauses) are not the step's calls
-    sys.setprofile(calls)
-    try:
+    before = counters()
+    with counting_calls() as calls:  # the collector paused: the engine times its pauses in callbacks
         out = runner.wait(runner.launch(sched, engine.scheduler.requests))
-    finally:
-        sys.setprofile(None)
-        gc.enable()
     engine.scheduler.update_from_output(sched, out.sampled, out.stopped)
     done = tuple(b - a for a, b in zip(before, counters()))
     burst = engine.scheduler.config.num_scheduler_steps
