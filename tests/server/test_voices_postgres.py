@@ -194,6 +194,17 @@ def test_a_connection_dropped_while_idle_is_replaced(pg):
     store.close()
 
 
+def test_statements_time_out_unless_the_url_sets_options(pg):
+    url = pg.create_database("timeouts")
+    store = open_voice_store(url)
+    assert store._run(lambda conn: conn.execute("SHOW statement_timeout").fetchone()[0]) == "10s"
+    store.close()
+    sep = "&" if "?" in url else "?"
+    store = open_voice_store(url + sep + "options=-c%20statement_timeout%3D3s")
+    assert store._run(lambda conn: conn.execute("SHOW statement_timeout").fetchone()[0]) == "3s"
+    store.close()
+
+
 def test_a_role_without_create_rights_uses_an_existing_table(pg):
     """Since PostgreSQL 15 a plain role may not create tables in `public`: the store must not need to once
     the table exists (it checks before CREATE TABLE)."""

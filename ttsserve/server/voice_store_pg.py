@@ -6,7 +6,9 @@ connection, or opens one, and hands it back after. Connections are in autocommit
 transaction, and a create's uniqueness is the UNIQUE constraint's, never a check before the insert.
 
 The URL is libpq's: user, password, host(s), port, database and parameters (sslmode, connect_timeout,
-options=-csearch_path%3Dother_schema, ...). connect_timeout defaults to 10 s.
+options=-csearch_path%3Dother_schema, ...). connect_timeout defaults to 10 s, and, unless the URL sets
+`options`, statement_timeout to 10 s: a database that hangs fails the call (503) instead of holding a worker
+thread for as long as it hangs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ CREATE TABLE voices (
 # database would otherwise both run CREATE TABLE, and IF NOT EXISTS does not stop the loser failing on the
 # catalog's unique index.
 _DDL_LOCK_KEY = int.from_bytes(b"ttsvoice", "big") >> 1
-_CONNECT_DEFAULTS = {"connect_timeout": "10", "application_name": "ttsserve"}
+_CONNECT_DEFAULTS = {"connect_timeout": "10", "application_name": "ttsserve", "options": "-c statement_timeout=10s"}
 
 
 def _psycopg(url: str):
