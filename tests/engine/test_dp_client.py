@@ -29,6 +29,10 @@ class StandInCore:
         """A stats report that counts every request sent so far."""
         self.outstanding, self.unreported_frames = outstanding, 0
 
+    @property
+    def outstanding_frames(self) -> int:
+        return self.outstanding + self.unreported_frames
+
     def stats(self) -> dict:
         return {"outstanding_frames": self.outstanding, "num_streams": 0}
 

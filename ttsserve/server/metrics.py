@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ttsserve.engine.step_stats import FIRST_AUDIO_BUCKETS_S
-from ttsserve.server.vllm_metrics import CORE, VllmEngineCollector, VllmRequestMetrics, per_core
+from ttsserve.server.vllm_metrics import CORE, VllmEngineCollector, VllmRequestMetrics, scrape_cores
 
 # The *_created series double the output for nothing a TTS dashboard uses (process-wide setting).
 disable_created_metrics()
@@ -78,11 +78,7 @@ class _EngineCollector:
         self._stats = stats
 
     def collect(self):
-        try:
-            stats = self._stats() or {}
-        except Exception:  # a scrape must not fail because the engine is starting or stopping
-            stats = {}
-        cores = per_core(stats)
+        cores = scrape_cores(self._stats)
         for key, (name, help_, kind) in _ENGINE_GAUGES.items():
             values = [(core, s[key]) for core, s in cores if isinstance(s.get(key), (int, float))]
             if not values:

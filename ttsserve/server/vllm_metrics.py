@@ -33,10 +33,15 @@ LABEL = "model_name"
 CORE = "core"  # the engine-core label: "0".."N-1" with data-parallel cores, "0" otherwise
 
 
-def per_core(stats: dict) -> list[tuple[str, dict]]:
-    """(core label, that core's stats): a data-parallel client's stats["cores"], else the one core "0"."""
-    cores = stats.get("cores")
-    return list(cores.items()) if isinstance(cores, dict) else [("0", stats)]
+def scrape_cores(stats: Callable[[], dict]) -> list[tuple[str, dict]]:
+    """(core label, that core's stats) from engine.stats(): a data-parallel client's stats["cores"], else the
+    one core "0"; nothing while the engine cannot say (a scrape must not fail while it starts or stops)."""
+    try:
+        snapshot = stats() or {}
+    except Exception:
+        return []
+    cores = snapshot.get("cores")
+    return list(cores.items()) if isinstance(cores, dict) else [("0", snapshot)]
 
 
 _GAUGES = {
@@ -54,11 +59,7 @@ class VllmEngineCollector:
         self._model = model_name
 
     def collect(self):
-        try:
-            stats = self._stats() or {}
-        except Exception:  # a scrape must not fail because the engine is starting or stopping
-            stats = {}
-        cores = per_core(stats)
+        cores = scrape_cores(self._stats)
         for key, (name, help_) in _GAUGES.items():
             family = GaugeMetricFamily(name, help_, labels=[LABEL, CORE])
             for core, s in cores:

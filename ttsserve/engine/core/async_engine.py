@@ -27,7 +27,7 @@ import numpy as np
 from ttsserve.config import EngineConfig
 from ttsserve.engine.core.engine_core import EngineCore
 from ttsserve.engine.core.heap import FreezeWhenWarm
-from ttsserve.engine.core.liveness import Liveness
+from ttsserve.engine.core.liveness import Liveness, LivenessReport
 from ttsserve.engine.engine import Engine
 from ttsserve.engine.errors import EngineDeadError, EngineOverloadedError
 from ttsserve.engine.input_processor import InputProcessor
@@ -48,7 +48,7 @@ def _may_be_admitted(fut: Future) -> bool:
     return fut.running() or (fut.done() and not fut.cancelled() and fut.exception() is None)
 
 
-class AsyncEngine:
+class AsyncEngine(LivenessReport):
     """An EngineClient (engine/protocol.py) running `engine` on a thread of this process."""
 
     def __init__(self, engine: Engine, stall_timeout_s: float = 60.0) -> None:
@@ -96,18 +96,6 @@ class AsyncEngine:
     def ready(self) -> bool:
         alive = self._thread is not None and self._thread.is_alive()
         return alive and self.core.accepting and not self._stopping and not self.dead
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self.liveness.dead_reason
-
-    @property
-    def dead(self) -> bool:
-        return self.liveness.dead_reason is not None
-
-    @property
-    def stalled(self) -> bool:
-        return self.liveness.stalled
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest) -> AsyncIterator[AudioOutput]:

@@ -35,7 +35,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ttsserve.constants import MODEL_NAME, SAMPLE_RATE
-from ttsserve.engine.core.liveness import Liveness
+from ttsserve.engine.core.liveness import Liveness, LivenessReport
 from ttsserve.engine.core.messages import (
     Abort,
     AddRequest,
@@ -73,7 +73,7 @@ class _Stream:
     public_id: str | None  # the request_id the caller gave (outputs carry it back)
 
 
-class CoreClient:
+class CoreClient(LivenessReport):
     """The engine as seen from one API server. `index` must be unique among the core's API servers."""
 
     sample_rate = SAMPLE_RATE
@@ -165,19 +165,6 @@ class CoreClient:
     def ready(self) -> bool:
         return self._info is not None and self._accepting and not self.dead
 
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the core cannot serve now (gone, or stalled); None while it can."""
-        return self.liveness.dead_reason
-
-    @property
-    def dead(self) -> bool:
-        return self.liveness.dead_reason is not None
-
-    @property
-    def stalled(self) -> bool:
-        return self.liveness.stalled
-
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, req: SynthesisRequest, frames: int = 0) -> AsyncIterator[AudioOutput]:
         """Stream the audio of `req` (the EngineClient contract); a core that dies mid-stream ends it with an
@@ -239,6 +226,13 @@ class CoreClient:
                 if not s.admitted.done():
                     s.admitted.set_result(None)
                 s.queue.put_nowait(AudioOutput(request_id, np.zeros(0, np.float32), True, finish_reason="abort"))
+
+    @property
+    def outstanding_frames(self) -> int:
+        """The core's outstanding frames as it last reported them, plus this server's requests that report
+        does not count yet: what data-parallel routing weighs."""
+        reported = 0 if self.dead else self._stats.get("outstanding_frames", 0)
+        return int(reported) + self.unreported_frames
 
     def stats(self) -> dict:
         """The core's engine stats (shared by all API servers; ~0.1 s old at most), plus num_streams: this

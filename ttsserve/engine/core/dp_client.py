@@ -104,8 +104,7 @@ class DPClient:
     # ---- routing -----------------------------------------------------------------------------------
     def load(self, i: int) -> int:
         """Core i's outstanding frames: its last report plus this server's requests the report misses."""
-        c = self.clients[i]
-        return int(c.stats().get("outstanding_frames", 0)) + c.unreported_frames
+        return self.clients[i].outstanding_frames
 
     def choose(self, req: SynthesisRequest, frames: int, exclude: set[int] = frozenset()) -> int | None:
         """The core for `req` (None: no core can take it now)."""

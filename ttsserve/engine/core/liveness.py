@@ -35,3 +35,22 @@ class Liveness:
     @property
     def stalled(self) -> bool:
         return self.lost is None and self.dead_reason is not None
+
+
+class LivenessReport:
+    """The EngineClient's dead / dead_reason / stalled, read from the client's `liveness`."""
+
+    liveness: Liveness
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve now (gone, or stalled); None while it can."""
+        return self.liveness.dead_reason
+
+    @property
+    def dead(self) -> bool:
+        return self.liveness.dead_reason is not None
+
+    @property
+    def stalled(self) -> bool:
+        return self.liveness.stalled
