@@ -27,6 +27,18 @@
 #       bash benchmarks/gpu_served.sh OUT
 set -u
 point=0
+# MONITOR=1 (default): in mid-point, GPU utilization sampled every 200 ms for 5 s, one `top` of the host's
+# processes and, with SPY=1 and py-spy installed, 8 s of the engine core's stacks (benchmarks/spy_summary.py reads them).
+monitor() {  # monitor PREFIX SECONDS
+    sleep $(( $2 / 2 ))
+    timeout 5 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -lms 200 > "$1.gpu_util.csv" 2>&1 &
+    top -b -n 1 -w 200 | head -45 > "$1.top.txt" 2>&1
+    if [ "${SPY:-0}" = 1 ] && command -v py-spy > /dev/null; then
+        pid=$(curl -s localhost:8000/ready | python3 -c "import json,sys; print(json.load(sys.stdin)['cores'][0]['pid'])" 2>/dev/null)
+        [ -n "$pid" ] && py-spy record --pid "$pid" --duration 8 --rate 200 --nonblocking --format raw -o "$1.core.raw" > /dev/null 2>&1
+    fi
+    wait
+}
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}"
@@ -59,6 +71,7 @@ if [ "${SERVE:-1}" = 1 ]; then
         IFS=: read -r fmt conc procs dur <<< "$spec"
         procs=${procs:-${CLIENT_PROCS:-4}}
         name="serve_${fmt}_c${conc//,/-}_p${procs}_$((++point))"
+        [ "${MONITOR:-1}" = 1 ] && monitor "$OUT/$name" "${dur:-${DUR:-25}}" &
         timeout "${SERVE_TIMEOUT:-300}" python3 -m ttsserve.entrypoints.cli bench serve --url http://127.0.0.1:8000 \
             --concurrency "$conc" --client-procs "$procs" --duration "${dur:-${DUR:-25}}" --num-requests 100000 \
             --no-plots --no-progress --response-format "$fmt" --out "$OUT/$name" > "$OUT/$name.txt" 2>&1
