@@ -102,7 +102,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     swap_space: float = 4.0
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 4096
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
@@ -136,7 +136,7 @@ class EngineConfig:
             (0.05 <= self.gpu_memory_utilization <= 0.99, "gpu_memory_utilization must be in [0.05, 0.99]"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
             (self.swap_space >= 0, "swap_space must be >= 0"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.preemption_mode in ("auto", "recompute", "swap"), "preemption_mode must be auto|recompute|swap"),
             (16 <= self.max_model_len <= 1 << 20, "max_model_len must be in [16, 2**20]"),
@@ -161,6 +161,14 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit into one step's budget.
             self.max_num_batched_tokens = self.max_model_len
+
+    def default_max_num_seqs(self, device_type: str) -> int:
+        """max_num_seqs when not given, before the KV pool is known (the engine then lowers it to the streams of
+        10-s utterances the pool holds, runner/kv_cache.py rows_that_fit). CUDA: 512 (the H200 served 1,451
+        audio-s/s at 512 streams against 1,096-1,170 capped at 256, and the same at 256 streams); CPU: 256."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return 512 if device_type == "cuda" else 256
 
     def step_intervals(self, device_type: str) -> tuple[int, int]:
         """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in (in engine steps:

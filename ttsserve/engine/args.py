@@ -53,7 +53,8 @@ HELP = {
     "gpu_memory_utilization": "fraction of GPU memory for weights + activations + KV cache",
     "kv_cache_memory": "bytes for the KV pool (suffixes K/M/G/KiB/MiB/GiB accepted)",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
-    "max_num_seqs": "most sequences (text segments being spoken) in one engine step's batch",
+    "max_num_seqs": "most sequences (text segments being spoken) in one engine step's batch; unset: 512 on CUDA "
+    "(no more than the KV pool holds 10-s utterances), 256 on the CPU",
     "max_num_batched_tokens": "most positions (prompt tokens + frames) computed in one engine step",
     "enable_chunked_prefill": "split long prompts across steps so running streams keep getting frames",
     "preemption_mode": "auto | recompute | swap: how a sequence gives up its KV blocks when the pool runs out "

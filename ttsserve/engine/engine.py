@@ -29,7 +29,7 @@ from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
-from ttsserve.runner.kv_cache import plan_engine_kv_cache
+from ttsserve.runner.kv_cache import plan_engine_batch
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
 
@@ -50,7 +50,8 @@ class Engine:
         self.model = model or load_model(cfg)
         tok = self.model.tokenizer
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
-        self.kv_spec = plan_engine_kv_cache(cfg, self.model)
+        cfg, self.kv_spec = plan_engine_batch(cfg, self.model)
+        self.cfg = cfg  # max_num_seqs resolved
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         burst = cfg.scheduler_steps(self.model.device.type)
         self.runner = ModelRunner(

@@ -37,6 +37,11 @@ class KVCacheSpec:
         blocks_each = -(-tokens // self.block_size)
         return self.num_blocks // blocks_each
 
+    def rows_that_fit(self, cap: int, seconds: float = 10.0) -> int:
+        """The batch rows worth scheduling: at most `cap`, and no more (rounded down to 16) than utterances of
+        `seconds` the pool holds at once, so a full batch does not preempt itself (never below min(cap, 16))."""
+        return min(cap, max(min(cap, 16), self.concurrent_utterances(seconds) // 16 * 16))
+
     def report(self) -> str:
         gib = self.num_tokens * self.bytes_per_token / 2**30
         kind = " fp8" if self.kv_cache_dtype == "fp8" else ""
@@ -118,6 +123,19 @@ class KVCache:
         for dev_layer, host_layer in zip(self.layers, self.cpu_layers):
             for dev, host in zip(self._parts(dev_layer), self._parts(host_layer)):
                 dev[:, dst] = host[:, src].to(dev.device, non_blocking=True)
+
+
+def plan_engine_batch(cfg, model) -> tuple:
+    """(cfg with max_num_seqs resolved, the KV pool). max_num_seqs not given: the device's default
+    (EngineConfig.default_max_num_seqs), and where the pool comes from the device's memory (CUDA without
+    --kv-cache-memory) no more rows than it holds 10-s utterances (KVCacheSpec.rows_that_fit)."""
+    from dataclasses import replace
+
+    rows = cfg.default_max_num_seqs(model.device.type)
+    spec = plan_engine_kv_cache(replace(cfg, max_num_seqs=rows), model)
+    if cfg.max_num_seqs is None and model.device.type == "cuda" and cfg.kv_cache_memory is None:
+        rows = spec.rows_that_fit(rows)
+    return replace(cfg, max_num_seqs=rows), spec
 
 
 def plan_engine_kv_cache(cfg, model) -> KVCacheSpec:
