@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The H200 headline table in one device call, every figure as JSON under OUT (real-size dummy, bf16):
+#   bash benchmarks/gpu_targets.sh OUT
+# 1. cold start: `ttsserve serve` to /ready with caches warm (COLD_RUNS starts; the first fills the caches
+#    a fresh machine lacks: dummy checkpoint, Triton / inductor, Python bytecode), bench/coldstart.py's JSON;
+# 2. served: one server (`--api-server-count 12` + SERVE_ARGS), then `bench serve` at each SERVE_POINTS item
+#    (format:concurrency or format:qps<rate>), DUR seconds each, 4 client processes;
+# 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s.
+# Env: PARTS (default "cold serve offline") picks the parts; SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS,
+#      OFFLINE_BATCH. Each part writes as it goes, so a call cut short keeps what it measured.
+set -u
+OUT=${1:?usage: $0 OUT}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}"
+# a read-only torch install has no bytecode cache: without this every start recompiles torch's sources (~20 s)
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-/tmp/ttsserve-pycache}"
+CLI="python3 -m ttsserve.entrypoints.cli"
+MODEL_ARGS="--device cuda --load-format dummy --dummy-size real"
+(date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
+ nproc; python3 -c "import torch; print(torch.__version__)") > "$OUT/machine.txt" 2>&1
+parts=" ${PARTS:-cold serve offline} "
+
+if [[ $parts == *" cold "* ]]; then
+    timeout 300 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-2}" --label "serve, 12 API servers" -- \
+        $MODEL_ARGS --api-server-count 12 ${SERVE_ARGS:-} > "$OUT/coldstart.txt" 2>&1
+    tail -1 "$OUT/coldstart.txt" > "$OUT/coldstart.json"
+    grep -E "^run|cold start" "$OUT/coldstart.txt"
+fi
+
+if [[ $parts == *" serve "* ]]; then
+    $CLI serve $MODEL_ARGS --port 8000 --api-server-count 12 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 400); do
+        curl -sf localhost:8000/ready > /dev/null 2>&1 && break
+        kill -0 $server 2>/dev/null || break
+        sleep 0.5
+    done
+    for point in ${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}; do
+        IFS=: read -r fmt load <<< "$point"
+        if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
+        timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args --client-procs 4 \
+            --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
+            --out "$OUT/serve_${fmt}_${load}" > "$OUT/serve_${fmt}_${load}.txt" 2>&1
+        echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$OUT/serve_${fmt}_${load}.txt" | tail -1
+    done
+    kill -INT $server; wait $server
+fi
+
+if [[ $parts == *" offline "* ]]; then
+    for b in 1 "${OFFLINE_BATCH:-512}"; do
+        timeout 240 $CLI bench offline $MODEL_ARGS --dtype bfloat16 --batch-sizes "$b" --frames 469 \
+            --lengths fixed --rounds 2 --no-plots --no-progress --out "$OUT/offline_b$b" > "$OUT/offline_b$b.txt" 2>&1
+        echo "bench offline batch $b rc=$?"; tail -4 "$OUT/offline_b$b.txt"
+    done
+fi
