@@ -6,7 +6,10 @@ history update. The host fills one pinned int64 array [bucket, 4] (row, position
 padding rows point at the scratch row with slot -1 and so attend to nothing), copies it in one transfer,
 replays, and reads the sampled codes back: one small host sync per step.
 
-Captured largest first so that every smaller graph fits in the memory pool of the larger ones. The attention
+Captured largest first so that every smaller graph fits in the memory pool of the larger ones; with
+`capture(defer=True)` only the largest is captured at once and `capture_next()` takes the others later, largest
+first (the engine does it between served steps: engine/deferred_capture.py), while a batch whose own bucket is
+not captured yet replays the smallest captured bucket above it (more padding rows, the same rows' math). The attention
 is captured with `max_seq_len = max_model_len`: the Triton kernel freezes its split count at capture and reads
 each sequence's length on the device, so one graph serves every context length up to max_model_len.
 Graphs hold the addresses of the runner's persistent tensors; if one of those is reallocated (rows or history
@@ -15,6 +18,7 @@ window grew) the runner's `generation` changes and the graphs are captured again
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from typing import ClassVar
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention
+from ttsserve.graph_capture import capture
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +123,7 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
 def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """body() captured into a new CUDA graph in `pool` (None: a new one) -> (graph, the pool it is in)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        body()
+    capture(graph, body, pool)
     return graph, graph.pool() if pool is None else pool
 
 
@@ -136,13 +140,72 @@ def or_uncompiled(owner, fn, what: str) -> None:
         fn()
 
 
+class BucketedGraphs:
+    """The bucket bookkeeping the runner's graph families share. `sizes` ascending; `graphs` maps each captured
+    size to its graph (None off CUDA, where the body runs eagerly); `pending` holds the sizes capture_next()
+    takes, largest first. Subclasses implement _capture_bucket(size) and may override _stale()."""
+
+    sizes: list[int]
+    graphs: dict
+    ops: DecodeOps | None
+
+    def _init_buckets(self, sizes: list[int]) -> None:
+        self.sizes = sorted(set(sizes))
+        self.graphs = {}
+        self.pool = None
+        self.pending: list[int] = []
+        self.deferred = False  # the last capture() deferred all but the largest bucket
+        self._captured: list[int] = []  # sorted
+
+    def _reset_buckets(self, defer: bool) -> list[int]:
+        """Forget every graph -> the sizes to capture now, largest first (defer: the largest only; the rest
+        become pending)."""
+        self.graphs.clear()
+        self.pool = None
+        self._captured = []
+        self.deferred = defer
+        now = self.sizes[::-1] if not defer else self.sizes[-1:]
+        self.pending = self.sizes[-2::-1] if defer else []
+        return now
+
+    def _add_graph(self, size: int, graph) -> None:
+        self.graphs[size] = graph
+        bisect.insort(self._captured, size)
+
+    def bucket(self, n: int) -> int:
+        """The smallest captured size >= n (n at most the largest size, which is always captured)."""
+        return self._captured[bisect.bisect_left(self._captured, n)]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def capture_next(self) -> None:
+        """Capture the largest pending bucket. Safe between engine steps with a step in flight: each bucket's
+        capture synchronizes the device before it writes a buffer a queued step may read."""
+        if self._stale():  # the tensors the graphs read were reallocated: start over, largest first
+            self.capture(defer=True)
+            return
+        size = self.pending.pop(0)
+        or_uncompiled(self, lambda: self._capture_bucket(size), f"capturing {type(self).__name__} bucket {size}")
+
+    def _stale(self) -> bool:
+        return False
+
+    def capture(self, defer: bool = False) -> None:
+        raise NotImplementedError
+
+    def _capture_bucket(self, size: int) -> None:
+        raise NotImplementedError
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to 64 and of 16 up to max_num_seqs (and max_num_seqs itself)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
-class DecodeGraphs:
+class DecodeGraphs(BucketedGraphs):
     """Bucketed decode-step graphs of one ModelRunner (CUDA only; `capture()` before `run()`)."""
 
     def __init__(
@@ -154,7 +217,7 @@ class DecodeGraphs:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
         self.runner = runner
         self.ops = DecodeOps(runner.device.type == "cuda" if compile is None else compile) if fused else None
-        self.sizes = sorted(set(sizes))
+        self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
         self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
         self.max_steps = max_steps
@@ -170,8 +233,6 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(max_bs, runner.cfg.num_vq, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(max_bs, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
         self.generation = None
         self.capture_s = 0.0
 
@@ -189,9 +250,6 @@ class DecodeGraphs:
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
-
-    def bucket(self, batch_size: int) -> int:
-        return next(s for s in self.sizes if s >= batch_size)
 
     # ---- the captured body ---------------------------------------------------------------------------------
     def _body(self, bs: int) -> None:
@@ -240,38 +298,46 @@ class DecodeGraphs:
 
     # ---- capture / replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket (see _capture_all); if the torch.compile'd ops cannot be captured, capture
-        again with the same ops uncompiled."""
-        self._or_uncompiled(self._capture_all, "capturing the compiled decode step")
+    def capture(self, defer: bool = False) -> None:
+        """Capture every bucket, largest first into one shared memory pool (defer: only the largest now, the
+        rest by capture_next()); if the torch.compile'd ops cannot be captured, capture again with the same
+        ops uncompiled. Off CUDA nothing is captured and run() calls the same body eagerly on the static
+        buffers (tests of the padding / indexing logic)."""
+        self._or_uncompiled(lambda: self._capture_now(defer), "capturing the compiled decode step")
 
-    def _capture_all(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool. Off CUDA nothing is captured and
-        run() calls the same body eagerly on the static buffers (tests of the padding / indexing logic)."""
+    def _capture_now(self, defer: bool) -> None:
         t0 = time.perf_counter()
-        self.graphs.clear()
-        self.pool = None
+        now = self._reset_buckets(defer)
         self.generation = self.runner.generation
-        if self.runner.device.type != "cuda":
-            self.graphs = dict.fromkeys(self.sizes)
-            return
-        torch.cuda.synchronize()
-        for bs in reversed(self.sizes):
-            self._fill_padding(0, bs)
-            self.meta[:bs].copy_(self.meta_host[:bs])
-            self._warm_up(bs)
-            torch.cuda.synchronize()
-            self.graphs[bs], self.pool = capture_graph(lambda: self._body(bs), self.pool)
-        torch.cuda.synchronize()
-        self.generation = self.runner.generation
+        for bs in now:
+            self._capture_bucket(bs)
         self.capture_s = time.perf_counter() - t0
-        logger.info(
-            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
-            len(self.graphs),
-            self.sizes[0],
-            self.sizes[-1],
-            self.capture_s,
-        )
+        if self.runner.device.type == "cuda":
+            logger.info(
+                "captured %d decode CUDA graph%s (batch sizes %d..%d) in %.1f s%s",
+                len(now),
+                "s" if len(now) > 1 else "",
+                now[-1],
+                now[0],
+                self.capture_s,
+                f"; {len(self.pending)} more after start-up, between steps" if self.pending else "",
+            )
+
+    @torch.inference_mode()
+    def _capture_bucket(self, bs: int) -> None:
+        """Warm the body up at `bs` rows of padding, then capture it (off CUDA: record the eager body)."""
+        if self.runner.device.type != "cuda":
+            self._add_graph(bs, None)
+            return
+        torch.cuda.synchronize()  # a step in flight may still copy from the pinned buffer filled next
+        self._fill_padding(0, bs)
+        self.meta[:bs].copy_(self.meta_host[:bs])
+        self._warm_up(bs)
+        graph, self.pool = capture_graph(lambda: self._body(bs), self.pool)
+        self._add_graph(bs, graph)
+
+    def _stale(self) -> bool:
+        return self.generation != self.runner.generation
 
     def _warm_up(self, bs: int) -> None:
         """Run the body once outside the capture (Triton / torch.compile compile, cuBLAS picks its kernels). A
@@ -290,7 +356,7 @@ class DecodeGraphs:
         static buffers, valid until the next replay; a burst returns new tensors."""
         if self.generation != self.runner.generation:
             logger.info("persistent batch tensors were reallocated: re-capturing the decode graphs")
-            self.capture()
+            self.capture(defer=self.deferred)
         if not 1 <= num_steps <= self.max_steps:
             raise ValueError(f"num_steps must be in [1, {self.max_steps}], got {num_steps}")
         b = len(rows)
