@@ -79,6 +79,7 @@ class DeferredCapture:
             self.failed.append(name)
             return False
         dt = self.clock() - t0
+        logger.debug("deferred capture of a %s bucket: %.3f s", type(family).__name__, dt)
         self.captured += 1
         self.capture_s += dt
         self._busy_after = self.clock() + dt * (1 - self.busy_share) / self.busy_share

@@ -325,7 +325,8 @@ class DecodeGraphs(BucketedGraphs):
 
     @torch.inference_mode()
     def _capture_bucket(self, bs: int) -> None:
-        """Warm the body up at `bs` rows of padding, then capture it (off CUDA: record the eager body)."""
+        """Warm the body up at `bs` rows of padding, capture it, and replay it once on the padding (a graph's
+        first launch uploads it: not in a served step). Off CUDA: record the eager body."""
         if self.runner.device.type != "cuda":
             self._add_graph(bs, None)
             return
@@ -334,6 +335,8 @@ class DecodeGraphs(BucketedGraphs):
         self.meta[:bs].copy_(self.meta_host[:bs])
         self._warm_up(bs)
         graph, self.pool = capture_graph(lambda: self._body(bs), self.pool)
+        graph.replay()  # padding rows only: the scratch row's state, no KV slot
+        torch.cuda.synchronize()
         self._add_graph(bs, graph)
 
     def _stale(self) -> bool:
