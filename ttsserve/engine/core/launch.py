@@ -51,16 +51,23 @@ def core_process_main(
     from ttsserve.engine.core.proc import run_engine_core
     from ttsserve.runner.cpu_threads import log_cpu_step_mode
 
-    if go is not None and not _wait_for_go(go):
+    if go is not None and not _wait_for_go(go, engine_cfg.device):
         sys.exit(0)
 
     log_cpu_step_mode(engine_cfg)
     sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s, heartbeat))
 
 
-def _wait_for_go(go) -> bool:
+def _wait_for_go(go, device: str) -> bool:
+    import torch
+
     import ttsserve.engine.engine  # noqa: F401 - torch and the engine's modules load while the owner checks
 
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        try:  # the CUDA context (the current device's, as the engine's) is made while waiting, not in the load
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the engine's own start reports a broken device, once released
+            pass
     try:
         return bool(go.recv())
     except EOFError:  # the owner is gone or gave up
