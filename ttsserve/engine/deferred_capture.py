@@ -1,8 +1,8 @@
 """CUDA graphs captured after the engine is ready, one bucket at a time, between served steps.
 
 Capturing every bucket up front (39 decode batch sizes, 15 prefill token buckets x 21 pieces, 7 sampler row
-buckets, 40 vocoder buckets) took most of a 40-s start on an H200, and the vocoder's buckets alone 9 s (each
-one's warm-up picks cuDNN plans for its shapes). With `background_graph_capture` the runner and the audio
+buckets, 40 vocoder buckets) took 18 s of a 40-s start on an H200 (the vocoder's 40 alone 9.3 s: each bucket
+runs its call eagerly once before its capture). With `background_graph_capture` the runner and the audio
 stage capture only each family's largest bucket before the engine is ready, so every batch already has a
 graph (the smallest captured bucket that holds it: more padding rows, the same rows' math), and this driver
 takes the others afterwards, largest first, on the engine's own thread: the engine-core loop calls run_one()
@@ -86,7 +86,8 @@ class DeferredCapture:
         if not self.num_pending and not self._done_logged:
             self._done_logged = True
             logger.info(
-                "captured %d deferred CUDA graph buckets in %.1f s of engine time, done %.1f s after start-up",
+                "captured %d deferred CUDA graph buckets in %.1f s of engine time, done %.1f s after the engine "
+                "was built",
                 self.captured,
                 self.capture_s,
                 self.clock() - self._started,

@@ -125,20 +125,17 @@ class Engine:
     # ---- memory ------------------------------------------------------------------------------------
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until start-up work left to the background is done (False on timeout): the runner's CPU
-        compilations, and the deferred graph captures, which run here unless timeout is 0 (the check alone).
-        A caller with a timeout other than 0 must own the engine's thread (no step may run meanwhile)."""
+        compilations; the deferred graph captures run here (by the engine's thread) unless timeout is 0."""
         if self.deferred is not None and timeout != 0 and not self.deferred.run_all(timeout):
             return False
         return self.runner.wait_warm(timeout) and not self.graphs_pending
 
     @property
     def graphs_pending(self) -> int:
-        """Graph buckets still to capture after start-up (each batch meanwhile replays a larger one)."""
         return 0 if self.deferred is None else self.deferred.num_pending
 
     def run_deferred(self, busy: bool) -> bool:
-        """Capture one deferred graph bucket if one is due (between steps, on the engine's thread; busy: requests
-        are running) -> whether one was captured."""
+        """One deferred graph capture if due (between steps, on the engine's thread) -> whether one ran."""
         return self.deferred is not None and self.deferred.run_one(busy)
 
     def memory_report(self) -> str:
