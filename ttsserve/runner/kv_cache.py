@@ -87,20 +87,19 @@ class KVCache:
         check_kv_cache_dtype(spec.kv_cache_dtype, device)
         shape = kv_cache_shape(spec.num_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
         cpu_shape = kv_cache_shape(spec.num_cpu_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
-        pin = device.type == "cuda"
         t0 = time.perf_counter()
-        # Host blocks are always fully written by a swap-out before they are read: no need to zero them.
+        # Host blocks are always fully written by a swap-out before they are read: no need to zero them. They
+        # are pageable: swap_out / swap_in copy through the temporaries that gathering blocks by index makes,
+        # never from or into the pool itself, so pinning it (seconds for the default 4 GiB on a GPU host)
+        # would buy nothing.
         if spec.kv_cache_dtype == "fp8":
             self.layers = [FP8KVCache.zeros(shape, device) for _ in range(cfg.num_layers)]
             t1 = time.perf_counter()
-            self.cpu_layers = [FP8KVCache.empty(cpu_shape, "cpu", pin) for _ in range(cfg.num_layers)]
+            self.cpu_layers = [FP8KVCache.empty(cpu_shape, "cpu") for _ in range(cfg.num_layers)]
         else:
             self.layers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
             t1 = time.perf_counter()
-            # one pinned allocation viewed per layer: the pinned allocator rounds each allocation up to a power
-            # of two, which per layer would pin about a quarter more host memory than the pool (and take longer)
-            host = torch.empty((cfg.num_layers, *cpu_shape), dtype=dtype, pin_memory=pin)
-            self.cpu_layers = list(host.unbind(0))
+            self.cpu_layers = [torch.empty(cpu_shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.spec = spec
         # seconds the allocations took (the start-up log reports them): device pool, host swap pool
         self.alloc_s = (t1 - t0, time.perf_counter() - t1)
@@ -154,8 +153,8 @@ def plan_engine_kv_cache(cfg, model) -> KVCacheSpec:
 
 def allocate_kv_cache(cfg: GPTConfig, spec: KVCacheSpec, device: torch.device, dtype: torch.dtype) -> Future:
     """A Future of KVCache(cfg, spec, device, dtype). On CUDA it is built on a helper thread and this returns at
-    once: allocating and zeroing the device pool (most of the GPU) and pinning the host swap pool are driver
-    work that releases the GIL, which the runner overlaps with torch.compile's imports. The caller must not
+    once: allocating and zeroing the device pool (most of the GPU) is driver work that releases the GIL, which
+    the runner overlaps with torch.compile's imports. The caller must not
     capture a CUDA graph before .result() returned (a capture forbids other threads' allocations). Elsewhere
     the cache is built here."""
     fut: Future = Future()
