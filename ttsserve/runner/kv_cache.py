@@ -90,8 +90,8 @@ class KVCache:
         t0 = time.perf_counter()
         # Host blocks are always fully written by a swap-out before they are read: no need to zero them. They
         # are pageable: swap_out / swap_in copy through the temporaries that gathering blocks by index makes,
-        # never from or into the pool itself, so pinning it (seconds for the default 4 GiB on a GPU host)
-        # would buy nothing.
+        # never from or into the pool itself, so pinning it (page by page, GiBs of it) would only lengthen
+        # the start.
         if spec.kv_cache_dtype == "fp8":
             self.layers = [FP8KVCache.zeros(shape, device) for _ in range(cfg.num_layers)]
             t1 = time.perf_counter()
