@@ -173,3 +173,21 @@ def test_background_graph_capture_defaults_on_for_serving_only():
     assert engine_kwargs(args, env={})["background_graph_capture"] is False
     env = {"TTSSERVE_BACKGROUND_GRAPH_CAPTURE": "1"}
     assert engine_kwargs(parser.parse_args([]), env=env)["background_graph_capture"] is True
+
+
+def test_the_precompile_body_reads_no_kv_cache(tiny_model):
+    """DecodeGraphs.precompile runs the body with zeros for attention before the runner's KV cache exists (on
+    CUDA, while it is being allocated): the body must not touch it."""
+    import torch
+
+    e = make_engine(tiny_model)
+    g = DecodeGraphs(e.runner, [1, 4])
+    g.capture()
+    kv, e.runner.kv = e.runner.kv, None
+    try:
+        g._fill_padding(0, 4)
+        g.meta[:4].copy_(g.meta_host[:4])
+        g._body(4, zero_attention=True)
+    finally:
+        e.runner.kv = kv
+    assert torch.isfinite(g.hidden[:4]).all() and g.tokens[:4].shape == (4, tiny_model.gpt_config.num_vq)

@@ -18,7 +18,6 @@ window grew) the runner's `generation` changes and the graphs are captured again
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from typing import ClassVar
@@ -28,6 +27,7 @@ import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention
 from ttsserve.graph_capture import capture
+from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
     return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]
 
 
+class _ZeroAttention:
+    """An attention context whose output is zeros shaped like the real one's ([T, Hq, D], contiguous)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+
+
 def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """body() captured into a new CUDA graph in `pool` (None: a new one) -> (graph, the pool it is in)."""
     graph = torch.cuda.CUDAGraph()
@@ -138,65 +145,6 @@ def or_uncompiled(owner, fn, what: str) -> None:
         logger.warning("%s failed (%s: %s); running its ops uncompiled", what, type(exc).__name__, exc)
         owner.ops = DecodeOps(compile=False)
         fn()
-
-
-class BucketedGraphs:
-    """The bucket bookkeeping the runner's graph families share. `sizes` ascending; `graphs` maps each captured
-    size to its graph (None off CUDA, where the body runs eagerly); `pending` holds the sizes capture_next()
-    takes, largest first. Subclasses implement _capture_bucket(size) and may override _stale()."""
-
-    sizes: list[int]
-    graphs: dict
-    ops: DecodeOps | None
-
-    def _init_buckets(self, sizes: list[int]) -> None:
-        self.sizes = sorted(set(sizes))
-        self.graphs = {}
-        self.pool = None
-        self.pending: list[int] = []
-        self.deferred = False  # the last capture() deferred all but the largest bucket
-        self._captured: list[int] = []  # sorted
-
-    def _reset_buckets(self, defer: bool) -> list[int]:
-        """Forget every graph -> the sizes to capture now, largest first (defer: the largest only; the rest
-        become pending)."""
-        self.graphs.clear()
-        self.pool = None
-        self._captured = []
-        self.deferred = defer
-        now = self.sizes[::-1] if not defer else self.sizes[-1:]
-        self.pending = self.sizes[-2::-1] if defer else []
-        return now
-
-    def _add_graph(self, size: int, graph) -> None:
-        self.graphs[size] = graph
-        bisect.insort(self._captured, size)
-
-    def bucket(self, n: int) -> int:
-        """The smallest captured size >= n (n at most the largest size, which is always captured)."""
-        return self._captured[bisect.bisect_left(self._captured, n)]
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.pending)
-
-    def capture_next(self) -> None:
-        """Capture the largest pending bucket. Safe between engine steps with a step in flight: each bucket's
-        capture synchronizes the device before it writes a buffer a queued step may read."""
-        if self._stale():  # the tensors the graphs read were reallocated: start over, largest first
-            self.capture(defer=True)
-            return
-        size = self.pending.pop(0)
-        or_uncompiled(self, lambda: self._capture_bucket(size), f"capturing {type(self).__name__} bucket {size}")
-
-    def _stale(self) -> bool:
-        return False
-
-    def capture(self, defer: bool = False) -> None:
-        raise NotImplementedError
-
-    def _capture_bucket(self, size: int) -> None:
-        raise NotImplementedError
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -252,8 +200,9 @@ class DecodeGraphs(BucketedGraphs):
         return batch_size <= self.sizes[-1]
 
     # ---- the captured body ---------------------------------------------------------------------------------
-    def _body(self, bs: int) -> None:
-        """One decode step of `bs` rows from the static buffers into self.tokens / self.hidden."""
+    def _body(self, bs: int, zero_attention: bool = False) -> None:
+        """One decode step of `bs` rows from the static buffers into self.tokens / self.hidden (zero_attention:
+        zeros for every attention output, which reads no KV cache: precompile())."""
         r = self.runner
         meta = self.meta[:bs]
         rows, positions = meta[:, _ROW].contiguous(), meta[:, _POS].contiguous()
@@ -284,7 +233,7 @@ class DecodeGraphs(BucketedGraphs):
             hidden = r._forward(x, md, positions).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
         else:
-            ctx = PagedAttention(r.backend, r.kv.layers, md, r.scale)
+            ctx = _ZeroAttention() if zero_attention else PagedAttention(r.backend, r.kv.layers, md, r.scale)
             hidden = fused_gpt_forward(r.model.gpt, self.ops, x, positions, ctx).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", sample_fn=self.ops.sample)
         self.hidden[:bs] = hidden
@@ -297,6 +246,18 @@ class DecodeGraphs(BucketedGraphs):
         m[:, start:end, _STEP] = 0
 
     # ---- capture / replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def precompile(self) -> None:
+        """Run the body once at the largest bucket's padding with zeros for attention, before the runner's KV
+        cache exists: torch.compile traces and loads the ops now (the runner overlaps it with the KV pool's
+        allocation), at the shapes and dtypes the first capture's warm-up then finds compiled."""
+        if self.ops is None or not self.ops.compiled or self.runner.device.type != "cuda":
+            return
+        bs = self.sizes[-1]
+        self._fill_padding(0, bs)
+        self.meta[:bs].copy_(self.meta_host[:bs])
+        self._or_uncompiled(lambda: self._body(bs, zero_attention=True), "torch.compile of the decode step")
+
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
         """Capture every bucket, largest first into one shared memory pool (defer: only the largest now, the

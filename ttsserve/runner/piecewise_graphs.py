@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from ttsserve.runner.cuda_graphs import BucketedGraphs, DecodeOps, capture_graph, or_uncompiled
+from ttsserve.runner.cuda_graphs import DecodeOps, capture_graph, or_uncompiled
+from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class PrefillGraphs(BucketedGraphs):
         normed, residual = ops.add_rmsnorm(h, residual, nxt.input_layernorm.weight, nxt.input_layernorm.eps)
         self.residual[:t].copy_(residual)
         self._qkv(nxt, normed, t)
+
+    def _or_uncompiled(self, fn, what: str) -> None:
+        or_uncompiled(self, fn, what)
 
     # ---- capture / replay --------------------------------------------------------------------------------
     @torch.inference_mode()

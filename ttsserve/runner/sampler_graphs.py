@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ttsserve.runner.cuda_graphs import BucketedGraphs, capture_graph, or_uncompiled
+from ttsserve.runner.cuda_graphs import capture_graph, or_uncompiled
+from ttsserve.runner.graph_buckets import BucketedGraphs
 
 _ROW, _STEP = range(2)
 
@@ -57,6 +58,9 @@ class SamplerGraphs(BucketedGraphs):
         m[:b, _ROW], m[:b, _STEP] = rows, steps
         m[b:bs, _ROW], m[b:bs, _STEP] = self.runner.sampling.scratch_row, 0
         self.meta[:bs].copy_(self._meta_hosts[self._turn][:bs], non_blocking=True)
+
+    def _or_uncompiled(self, fn, what: str) -> None:
+        or_uncompiled(self, fn, what)
 
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
