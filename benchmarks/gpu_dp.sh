@@ -29,6 +29,12 @@ start_server() {  # N M LOG
         sleep 0.5
     done
     echo "N=$1: all cores ready after $((SECONDS - t0)) s"
+    for _ in $(seq 240); do  # the deferred CUDA graphs are captured after /ready: measure warm cores
+        w=$(curl -s localhost:$port/metrics | grep -E "^ttsserve_engine_warm[{ ]")
+        [ -n "$w" ] && ! grep -qvE " 1(\.0)?$" <<< "$w" && break
+        sleep 0.5
+    done
+    echo "N=$1: all cores warm after $((SECONDS - t0)) s"
 }
 
 for n in ${NS:-1 $GPUS}; do

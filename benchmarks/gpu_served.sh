@@ -67,6 +67,12 @@ if [ "${SERVE:-1}" = 1 ]; then
         sleep 0.5
     done
     echo "server ready after ${SECONDS}s (script clock)"
+    for _ in $(seq 240); do  # the deferred CUDA graphs are captured after /ready: measure the warm server
+        w=$(curl -s localhost:8000/metrics | grep -E "^ttsserve_engine_warm[{ ]")
+        [ -n "$w" ] && ! grep -qvE " 1(\.0)?$" <<< "$w" && break
+        sleep 0.5
+    done
+    echo "server warm after ${SECONDS}s (script clock)"
     for spec in ${FORMATS:-pcm:32,128,256}; do  # format:concurrencies[:client processes[:seconds]]
         IFS=: read -r fmt conc procs dur <<< "$spec"
         procs=${procs:-${CLIENT_PROCS:-4}}

@@ -79,3 +79,39 @@ def test_buckets() -> None:
     assert graphs.fits(4, stage.max_call_frames) and not graphs.fits(5, 1)
     with pytest.raises(ValueError, match="positive"):
         type(graphs)(stage, False, [0], [4])
+
+
+def test_deferred_buckets_replay_the_smallest_captured_one_that_holds_the_call() -> None:
+    """defer=True captures the largest bucket only; calls replay the captured bucket with the fewest cells that
+    holds them while capture_next() adds the others between steps, and every stream equals its one-shot decode;
+    slots that grow drop the graphs and capture the largest again, the rest pending."""
+    dec, vocos = _NETS
+    stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=2, max_chunk_frames=8, max_windows_per_call=4)
+    top = stage.max_call_frames
+    stage.enable_cuda_graphs(max_streams=2, row_buckets=[2, 4], frame_buckets=[4, 16, top], defer=True)
+    graphs = stage.graphs[False]
+    assert list(graphs.graphs) == [(4, top)] and graphs.num_pending == 5 and stage.graph_families() == [graphs]
+    assert graphs.bucket(1, 1) == (4, top)
+    graphs.capture_next()  # by cells, largest first: (4, 16) before (2, top)
+    assert list(graphs.graphs) == [(4, top), (4, 16)] and graphs.bucket(1, 1) == (4, 16)
+    assert graphs.bucket(3, 17) == (4, top)
+    step = stage.step
+
+    def step_then_capture():  # one deferred capture after every step, as the engine-core loop does
+        chunks = step()
+        if graphs.num_pending:
+            graphs.capture_next()
+        return chunks
+
+    stage.step = step_then_capture
+    for i, (wav, frames) in run_schedule(stage, [(30, 0, 1), (25, 2, 3), (12, 5, 1)], 4).items():
+        assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
+    assert graphs.num_pending == 0 and len(graphs.graphs) == 6 and graphs.bucket(1, 1) == (2, 4)
+    assert graphs.replays == stage.calls_total > 0
+    stage.step = step
+    for i in range(9):  # more streams than the slots planned for
+        stage.add_request(f"grow{i}")
+    stage.append("grow0", torch.randn(stage.first_chunk_frames + stage.right_context_frames, 64))
+    stage.step()
+    assert graphs.generation == stage.slot_generation and list(graphs.graphs) == [(4, top)]
+    assert graphs.num_pending == 5

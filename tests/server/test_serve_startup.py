@@ -97,6 +97,13 @@ def test_several_api_servers_never_join_a_port_group_they_did_not_make():
         first.close()
 
 
+def test_api_servers_refuse_a_bad_setting_with_one_line(tmp_path):
+    """With API servers the engine check runs in the launcher while the gated core imports torch: the core is
+    stopped before it prints anything, and no process is left behind."""
+    _assert_refused(["--model", str(tmp_path / "nowhere"), "--api-server-count", "1"], "no such checkpoint folder")
+    _assert_refused([*TINY, "--api-server-count", "2", "--kv-cache-memory", "16K"], "holds fewer than 2 blocks")
+
+
 def test_a_bad_engine_value():
     # A value EngineConfig accepts but the model's sizes refuse: found from config.json alone, before the load.
     _assert_refused([*TINY, "--kv-cache-memory", "16K"], "KV cache budget of 0.0 MiB holds fewer than 2 blocks")

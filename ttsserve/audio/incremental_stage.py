@@ -146,11 +146,16 @@ class IncrementalAudioStage(StreamingStage):
         return self._allocate_slot()
 
     def enable_cuda_graphs(
-        self, max_streams: int, row_buckets: list[int] | None = None, frame_buckets: list[int] | None = None
+        self,
+        max_streams: int,
+        row_buckets: list[int] | None = None,
+        frame_buckets: list[int] | None = None,
+        defer: bool = False,
     ) -> None:
         """Capture the calls of every (rows, frames) bucket for each decoder kind, with state slots for
         2 * max_streams streams allocated first (growing past them drops the graphs; each bucket is captured
-        again when a call needs it). Off CUDA the graphs' padded static-buffer path runs eagerly (tests)."""
+        again when a call needs it). defer: the largest bucket only; graph_families()' capture_next() takes
+        the others. Off CUDA the graphs' padded static-buffer path runs eagerly (tests)."""
         from ttsserve.audio.vocoder_graphs import VocoderGraphs, default_frame_buckets, default_row_buckets
 
         # waiting requests and multi-segment texts hold streams too: twice the batch before slots grow
@@ -162,7 +167,11 @@ class IncrementalAudioStage(StreamingStage):
         for kind in self._decoders:
             self.graphs[kind] = VocoderGraphs(self, kind, rows, frames)
         for graphs in self.graphs.values():
-            graphs.capture()
+            graphs.capture(defer=defer)
+
+    def graph_families(self) -> list[VocoderGraphs]:
+        """The captured call graphs, one family per decoder kind (num_pending, capture_next())."""
+        return list(self.graphs.values())
 
     def _first_needed_frame(self, st: Stream) -> int:
         return st.num_emitted_frames  # frames before it are fed: their trace lives in the conv caches

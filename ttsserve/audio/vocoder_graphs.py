@@ -12,10 +12,15 @@ scratch state slot that no stream owns, with 0 new frames; frames past a row's o
 path pads them. Wider rows change nothing a row keeps (audio/incremental.py: junk past a row's count only
 reaches positions past it), so the graphed call returns what the eager call returns.
 
+`capture(defer=True)` captures the largest bucket only and leaves the others to `capture_next()` (the engine
+calls it between served steps, engine/deferred_capture.py); until then a call replays the captured bucket
+with the fewest padded (row, frame) cells that holds it, which returns the same samples.
+
 Graphs hold the addresses of the stage's state tensors: when the stage grows its slots (more streams than
 planned for) every graph is dropped, and each bucket is captured again when a call first needs it (about 0.2 s
-each on an H200, where capturing all 40 at once stalled the engine for 8 s). Off CUDA nothing is captured and
-run() calls the same body on the static buffers, which is how the CPU tests check the padding and bucketing.
+each on an H200, where capturing all 40 at once stalled the engine for 8 s), or, after a deferred capture,
+the largest at once and the rest by capture_next(). Off CUDA nothing is captured and run() calls the same body
+on the static buffers, which is how the CPU tests check the padding and bucketing.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ttsserve.audio.incremental import NOT_FINISHED
+from ttsserve.graph_capture import capture
 from ttsserve.h2d import to_device
 
 logger = logging.getLogger(__name__)
@@ -66,6 +72,8 @@ class VocoderGraphs:
         self.scratch_slot = stage.reserve_scratch_slot()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self.outputs: dict[tuple[int, int], Tensor] = {}
+        self.pending: list[tuple[int, int]] = []  # buckets capture_next() takes, in capture order
+        self.deferred = False  # the last capture() left all but the largest bucket to capture_next()
         self.pool = None
         self.generation: int | None = None
         self.capture_s = 0.0
@@ -75,7 +83,17 @@ class VocoderGraphs:
         return rows <= self.row_buckets[-1] and frames <= self.frame_buckets[-1]
 
     def bucket(self, rows: int, frames: int) -> tuple[int, int]:
-        return (next(b for b in self.row_buckets if b >= rows), next(n for n in self.frame_buckets if n >= frames))
+        """The smallest (rows, frames) bucket that holds a call; while captures are pending, the captured one
+        with the fewest cells that holds it, when one does (else the smallest: run() captures it)."""
+        key = (next(b for b in self.row_buckets if b >= rows), next(n for n in self.frame_buckets if n >= frames))
+        if key in self.graphs or not self.pending:
+            return key
+        fits = [k for k in self.graphs if k[0] >= rows and k[1] >= frames]
+        return min(fits, key=lambda k: (k[0] * k[1], k)) if fits else key
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
 
     # ---- the captured body ---------------------------------------------------------------------------------
     def _body(self, b: int, n: int) -> Tensor:
@@ -101,29 +119,43 @@ class VocoderGraphs:
     def _drop(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
+        self.pending = []
         self.pool = None
         self.generation = self.stage.slot_generation
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, so that each fits in the pool of the larger ones."""
+    def capture(self, defer: bool = False) -> None:
+        """Capture every bucket, largest first, so that each fits in the pool of the larger ones (defer: the
+        largest only; capture_next() takes the rest in the same order)."""
         t0 = time.perf_counter()
         self._drop()
-        for key in sorted(
+        self.deferred = defer
+        keys = sorted(
             ((b, n) for b in self.row_buckets for n in self.frame_buckets), key=lambda k: (k[0] * k[1], k), reverse=True
-        ):
+        )
+        now, self.pending = (keys[:1], keys[1:]) if defer else (keys, [])
+        for key in now:
             self._capture_one(*key)
         self.capture_s = time.perf_counter() - t0
         logger.info(
-            "captured %d vocoder CUDA graphs (rows %d..%d, frames %d..%d) in %.1f s%s",
-            len(self.graphs),
-            self.row_buckets[0],
-            self.row_buckets[-1],
-            self.frame_buckets[0],
-            self.frame_buckets[-1],
+            "captured %d vocoder CUDA graph%s (rows %d..%d, frames %d..%d) in %.1f s%s%s",
+            len(now),
+            "s" if len(now) > 1 else "",
+            min(k[0] for k in now),
+            max(k[0] for k in now),
+            min(k[1] for k in now),
+            max(k[1] for k in now),
             self.capture_s,
             self._pool_report(),
+            f"; {len(self.pending)} more after start-up, between steps" if self.pending else "",
         )
+
+    @torch.no_grad()
+    def capture_next(self) -> None:
+        """Capture the next pending bucket (between engine steps; stream order keeps a call in flight safe)."""
+        key = self.pending.pop(0)
+        if key not in self.graphs:  # a call may have captured it meanwhile
+            self._capture_one(*key)
 
     def _pool_report(self) -> str:
         if self.stage.device.type != "cuda" or self.pool is None:
@@ -140,10 +172,8 @@ class VocoderGraphs:
             return
         self._fill(b, n, None, [[], [], [], []])
         self._body(b, n)  # warm-up: cuDNN / cuFFT pick their kernels and plans outside the capture
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[(b, n)] = self._body(b, n)
+        self.outputs[(b, n)] = capture(graph, lambda: self._body(b, n), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         # a graph's first launch uploads it (an H200 test saw 30 ms of host time for a 64-row call): pay it now
@@ -158,11 +188,14 @@ class VocoderGraphs:
         until the next replay (stream order keeps a crop queued before it safe)."""
         if self.generation != self.stage.slot_generation:
             logger.warning(
-                "the vocoder's state slots grew to %d: its graphs are captured again as calls need "
-                "them (raise max_num_seqs' headroom to avoid this)",
+                "the vocoder's state slots grew to %d: its graphs are captured again %s (raise max_num_seqs' "
+                "headroom to avoid this)",
                 self.stage._num_slots,
+                "(the largest now, the rest between steps)" if self.deferred else "as calls need them",
             )
             self._drop()
+            if self.deferred:  # the largest now (so every call fits), the rest by capture_next()
+                self.capture(defer=True)
         b, n = self.bucket(x.shape[0], x.shape[1])
         if (b, n) not in self.graphs:
             self._capture_one(b, n)  # after _fill below the body reads this call's rows, not the capture's

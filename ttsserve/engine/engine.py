@@ -18,8 +18,10 @@ import numpy as np
 import torch
 
 from ttsserve.config import EngineConfig
+from ttsserve.engine.audio_setup import build_audio_stage
 from ttsserve.engine.batch_control import BatchSizeController
 from ttsserve.engine.block_manager import KVCacheManager
+from ttsserve.engine.deferred_capture import DeferredCapture
 from ttsserve.engine.frontend import FrontEnd, Segment, check_room
 from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, make_seq_id
 from ttsserve.engine.request import Mode, Request
@@ -54,6 +56,8 @@ class Engine:
         self.cfg = cfg  # max_num_seqs resolved
         self.max_model_len = min(cfg.max_model_len, self.model.gpt_config.max_position_embeddings)
         burst = cfg.scheduler_steps(self.model.device.type)
+        cuda_graphs = self.model.device.type == "cuda" and not cfg.enforce_eager
+        defer = cuda_graphs and bool(cfg.background_graph_capture)  # engine/deferred_capture.py
         self.runner = ModelRunner(
             self.model,
             self.kv_spec,
@@ -64,6 +68,7 @@ class Engine:
             enforce_eager=cfg.enforce_eager,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             num_scheduler_steps=burst,
+            defer_graph_capture=defer,
         )
         cadence, admission = cfg.step_intervals(self.model.device.type)
         self.pipelined = cfg.pipelined(self.model.device.type)
@@ -87,24 +92,7 @@ class Engine:
             ),
             self.kv_manager,
         )
-        from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
-
-        self.audio = make_audio_stage(
-            self.model.decoder,
-            None,
-            self.model.vocos,
-            first_chunk_frames=cfg.first_chunk_frames,
-            max_chunk_frames=cfg.max_chunk_frames,
-            lookahead_frames=cfg.lookahead_frames,
-            cadence=cadence,
-            device=self.model.device,
-            deferred=self.model.device.type == "cuda",
-            net_dtype=vocoder_net_dtype(self.model),
-        )
-        if self.model.device.type == "cuda":
-            self.audio.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
-            if not cfg.enforce_eager and hasattr(self.audio, "enable_cuda_graphs"):
-                self.audio.enable_cuda_graphs(cfg.max_num_seqs)  # every (rows, frames) bucket, before /ready
+        self.audio = build_audio_stage(cfg, self.model, cadence, cuda_graphs, defer)
         # A stream hears its first audio once its first chunk plus the right context exist.
         self.first_audio_frames = cfg.first_chunk_frames + self.audio.right_context_frames
         self.controller = BatchSizeController(cfg.target_step_latency_ms, self.scheduler.config.max_num_seqs)
@@ -114,8 +102,11 @@ class Engine:
         self.sequences = self.registry.sequences  # SeqId -> SequenceRecord
         self.counters, self.timings, self._gc = EngineCounters(), StepTimings(), gc_pauses()
         self._ids = itertools.count()
-        if self.model.device.type == "cuda" and not cfg.enforce_eager:
+        if cuda_graphs:
             self.warm_up()
+        families = self.runner.graph_families() + getattr(self.audio, "graph_families", list)()
+        # the graphs' buckets left to capture between served steps (engine/deferred_capture.py)
+        self.deferred = DeferredCapture(families, torch.cuda.synchronize) if defer else None
         logger.info(self.memory_report())
 
     def warm_up(self) -> None:
@@ -134,8 +125,19 @@ class Engine:
 
     # ---- memory ------------------------------------------------------------------------------------
     def wait_warm(self, timeout: float | None = None) -> bool:
-        """Block until start-up work the runner left to the background is done (False on timeout)."""
-        return self.runner.wait_warm(timeout)
+        """Block until start-up work left to the background is done (False on timeout): the runner's CPU
+        compilations; the deferred graph captures run here (by the engine's thread) unless timeout is 0."""
+        if self.deferred is not None and timeout != 0 and not self.deferred.run_all(timeout):
+            return False
+        return self.runner.wait_warm(timeout) and not self.graphs_pending
+
+    @property
+    def graphs_pending(self) -> int:
+        return 0 if self.deferred is None else self.deferred.num_pending
+
+    def run_deferred(self, busy: bool) -> bool:
+        """One deferred graph capture if due (between steps, on the engine's thread) -> whether one ran."""
+        return self.deferred is not None and self.deferred.run_one(busy)
 
     def memory_report(self) -> str:
         """How many streams fit, and what weight / KV quantization saved (when used)."""

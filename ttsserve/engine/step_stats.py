@@ -205,5 +205,6 @@ def engine_stats(engine) -> dict:
         "step_breakdown_ms": engine.timings.as_dict(c.steps),
         "runner_breakdown_ms": rt.per_step(),
         "async_scheduling": engine.pipelined,
-        "warm": engine.runner.wait_warm(0),
+        "cuda_graphs_pending": engine.graphs_pending,
+        "warm": engine.wait_warm(0),
     }

@@ -50,6 +50,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 from ttsserve.engine.core.launch import clean_stale_run_dirs, make_run_dir
 from ttsserve.entrypoints.core_slots import CoreSlot
@@ -101,19 +102,24 @@ def run_api_servers(
     count: int,
     sock: socket.socket | None = None,
     core_envs: list[dict[str, str]] | None = None,
+    preflight: Callable[[], None] | None = None,
 ) -> int:
     """The launcher's main (count >= 1). Returns the exit status (see the module docstring). sock: the
     first listening socket, bound but not listening (None: bound here); with count > 1 on Linux, bound with
     preflight.bind_socket(reuse_port=True). core_envs: one environment per engine core
-    (data_parallel.plan_cores; None: one core)."""
+    (data_parallel.plan_cores; None: one core). preflight: the flag checks that import torch
+    (preflight.check_engine_config), run while the cores import theirs; its ValueError is raised from here
+    after the cores are stopped, with nothing printed."""
     _configure_logging(log_level, "launcher")
-    log_outside_paths(engine_cfg, server_cfg)
-    clean_stale_run_dirs()
     run_dir = make_run_dir()
-    logger.info("run directory: %s", run_dir)
     try:
         launcher = _Launcher(engine_cfg, server_cfg, host, port, log_level, count, run_dir, core_envs)
         launcher.sock = sock
+        if preflight is not None:
+            launcher.start_cores(preflight)
+        log_outside_paths(engine_cfg, server_cfg)
+        clean_stale_run_dirs()
+        logger.info("run directory: %s", run_dir)
         return launcher.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -147,6 +153,20 @@ class _Launcher:
         self.serving = False  # every core came up once
 
     # ---- the launcher's life -----------------------------------------------------------------------
+    def start_cores(self, preflight: Callable[[], None]) -> None:
+        """Spawn the cores gated, so their interpreters import torch and the engine (seconds) while
+        preflight() runs here; release them once it passed. A ValueError from it kills them first."""
+        for core in self.cores:
+            core.spawn(gated=True)
+        try:
+            preflight()
+        except BaseException:
+            for core in self.cores:
+                core.stop_gated()
+            raise
+        for core in self.cores:
+            core.release()
+
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -161,7 +181,8 @@ class _Launcher:
         status = 1
         try:
             for core in self.cores:
-                core.spawn()
+                if core.proc is None:  # not started by start_cores()
+                    core.spawn()
             # The API servers start while the cores load (their interpreters, imports and text path take
             # seconds): each handshakes with every core once it is up, then listens.
             self.socks = [self.sock] + [None] * (self.count - 1 if self.reuse_port else 0)

@@ -29,6 +29,7 @@ class CoreSlot:
         self.engine_cfg, self.server_cfg, self.log_level = engine_cfg, server_cfg, log_level
         self.proc = None
         self.ready_pipe = None  # the starting core's pipe; None once it is up
+        self._go = None  # a gated core's go pipe (write end) until release()
         self.restart_at: float | None = None  # down until then
         self.backoff = RestartBackoff()
         self.deaths = DeathBudget(server_cfg.core_restart_limit, server_cfg.core_restart_window_s)
@@ -41,8 +42,11 @@ class CoreSlot:
             return []
         return [self.proc.sentinel] + ([self.ready_pipe] if self.ready_pipe is not None else [])
 
-    def spawn(self) -> None:
+    def spawn(self, gated: bool = False) -> None:
+        """Start the core process. gated: it imports torch and the engine, then waits for release() (or
+        is killed by stop_gated()) before it loads the model."""
         ready_r, ready_w = self.mp.Pipe(duplex=False)
+        go_r, self._go = self.mp.Pipe(duplex=False) if gated else (None, None)
         # not daemonic: a daemonic process may not start processes of its own (torch.compile's workers)
         self.proc = self.mp.Process(
             target=_core_main,
@@ -58,11 +62,35 @@ class CoreSlot:
                 self.heartbeat,
                 self.env,
                 self.index,
+                go_r,
             ),
         )
         self.proc.start()
         ready_w.close()  # the core holds the only write end now: its death reads as EOF
+        if go_r is not None:
+            go_r.close()
         self.ready_pipe, self.restart_at = ready_r, None
+        if not gated:
+            self._log_loading()
+
+    def release(self) -> None:
+        """Let a gated core load its model (one that died meanwhile shows as a failed start)."""
+        try:
+            self._go.send(True)
+        except OSError:  # BrokenPipeError: it is gone; started() reads its end
+            pass
+        self._go.close()
+        self._go = None
+        self._log_loading()
+
+    def stop_gated(self) -> None:
+        """Kill a gated core (it has printed nothing yet) and wait for it."""
+        self._go.close()
+        self._go = None
+        self.proc.kill()
+        self.proc.join(10)
+
+    def _log_loading(self) -> None:
         shown = ", ".join(f"{k}={v}" for k, v in self.env.items())
         logger.info("%s: pid %d, loading the model%s", self.name, self.proc.pid, f" ({shown})" if shown else "")
 

@@ -35,12 +35,14 @@ def _core_main(
     heartbeat,
     env: dict[str, str],
     index: int,
+    go=None,
 ) -> None:
     os.environ.update(env)  # its GPU (CUDA_VISIBLE_DEVICES) or thread count, before torch loads
     os.setpgrp()  # terminal signals go to the launcher, which orders the shutdown
     from ttsserve.engine.core.launch import core_process_main
 
-    core_process_main(engine_cfg, address, ready, drain_timeout_s, log_level, parent_pid, f"core{index}", heartbeat)
+    role = f"core{index}"
+    core_process_main(engine_cfg, address, ready, drain_timeout_s, log_level, parent_pid, role, heartbeat, go=go)
 
 
 def _api_server_main(

@@ -58,12 +58,28 @@ def run_serve(args: argparse.Namespace) -> int:
             api_servers = max(api_servers, 1)
         # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
         # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.
-        check_engine_config(engine_cfg)
+        # With API servers the engine check (which imports torch, seconds) runs while the cores import theirs.
+        if api_servers == 0:
+            check_engine_config(engine_cfg)
         sock = bind_socket(host, port, reuse_port=api_servers > 1 and REUSE_PORT_BALANCES)
     except ValueError as e:
         return _config_error(e)
     if api_servers > 0:  # the engine core in its own process, N HTTP/encoding processes (api_servers.py)
-        return run_api_servers(engine_cfg, server_cfg, host, port, log_level, api_servers, sock, core_envs)
+        try:
+            return run_api_servers(
+                engine_cfg,
+                server_cfg,
+                host,
+                port,
+                log_level,
+                api_servers,
+                sock,
+                core_envs,
+                preflight=lambda: check_engine_config(engine_cfg),
+            )
+        except ValueError as e:  # the pre-flight check (the cores it raced were stopped)
+            sock.close()
+            return _config_error(e)
     from ttsserve.engine.core.async_engine import AsyncEngine
     from ttsserve.server.app import create_app
     from ttsserve.server.drain import DrainingServer

@@ -6,7 +6,10 @@ history update. The host fills one pinned int64 array [bucket, 4] (row, position
 padding rows point at the scratch row with slot -1 and so attend to nothing), copies it in one transfer,
 replays, and reads the sampled codes back: one small host sync per step.
 
-Captured largest first so that every smaller graph fits in the memory pool of the larger ones. The attention
+Captured largest first so that every smaller graph fits in the memory pool of the larger ones; with
+`capture(defer=True)` only the largest is captured at once and `capture_next()` takes the others later, largest
+first (the engine does it between served steps: engine/deferred_capture.py), while a batch whose own bucket is
+not captured yet replays the smallest captured bucket above it (more padding rows, the same rows' math). The attention
 is captured with `max_seq_len = max_model_len`: the Triton kernel freezes its split count at capture and reads
 each sequence's length on the device, so one graph serves every context length up to max_model_len.
 Graphs hold the addresses of the runner's persistent tensors; if one of those is reallocated (rows or history
@@ -23,6 +26,8 @@ import numpy as np
 import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention
+from ttsserve.graph_capture import capture
+from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +121,17 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
     return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]
 
 
+class _ZeroAttention:
+    """An attention context whose output is zeros shaped like the real one's ([T, Hq, D], contiguous)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+
+
 def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """body() captured into a new CUDA graph in `pool` (None: a new one) -> (graph, the pool it is in)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        body()
+    capture(graph, body, pool)
     return graph, graph.pool() if pool is None else pool
 
 
@@ -143,7 +154,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
-class DecodeGraphs:
+class DecodeGraphs(BucketedGraphs):
     """Bucketed decode-step graphs of one ModelRunner (CUDA only; `capture()` before `run()`)."""
 
     def __init__(
@@ -155,7 +166,7 @@ class DecodeGraphs:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
         self.runner = runner
         self.ops = DecodeOps(runner.device.type == "cuda" if compile is None else compile) if fused else None
-        self.sizes = sorted(set(sizes))
+        self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
         self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
         self.max_steps = max_steps
@@ -171,8 +182,6 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(max_bs, runner.cfg.num_vq, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(max_bs, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
         self.generation = None
         self.capture_s = 0.0
 
@@ -191,12 +200,10 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
 
-    def bucket(self, batch_size: int) -> int:
-        return next(s for s in self.sizes if s >= batch_size)
-
     # ---- the captured body ---------------------------------------------------------------------------------
-    def _body(self, bs: int) -> None:
-        """One decode step of `bs` rows from the static buffers into self.tokens / self.hidden."""
+    def _body(self, bs: int, zero_attention: bool = False) -> None:
+        """One decode step of `bs` rows from the static buffers into self.tokens / self.hidden (zero_attention:
+        zeros for every attention output, which reads no KV cache: precompile())."""
         r = self.runner
         meta = self.meta[:bs]
         rows, positions = meta[:, _ROW].contiguous(), meta[:, _POS].contiguous()
@@ -227,7 +234,7 @@ class DecodeGraphs:
             hidden = r._forward(x, md, positions).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
         else:
-            ctx = PagedAttention(r.backend, r.kv.layers, md, r.scale)
+            ctx = _ZeroAttention() if zero_attention else PagedAttention(r.backend, r.kv.layers, md, r.scale)
             hidden = fused_gpt_forward(r.model.gpt, self.ops, x, positions, ctx).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", sample_fn=self.ops.sample)
         self.hidden[:bs] = hidden
@@ -241,38 +248,61 @@ class DecodeGraphs:
 
     # ---- capture / replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket (see _capture_all); if the torch.compile'd ops cannot be captured, capture
-        again with the same ops uncompiled."""
-        self._or_uncompiled(self._capture_all, "capturing the compiled decode step")
-
-    def _capture_all(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool. Off CUDA nothing is captured and
-        run() calls the same body eagerly on the static buffers (tests of the padding / indexing logic)."""
-        t0 = time.perf_counter()
-        self.graphs.clear()
-        self.pool = None
-        self.generation = self.runner.generation
-        if self.runner.device.type != "cuda":
-            self.graphs = dict.fromkeys(self.sizes)
+    def precompile(self) -> None:
+        """Run the body once at the largest bucket's padding with zeros for attention, before the runner's KV
+        cache exists: torch.compile traces and loads the ops now (the runner overlaps it with the KV pool's
+        allocation), at the shapes and dtypes the first capture's warm-up then finds compiled."""
+        if self.ops is None or not self.ops.compiled or self.runner.device.type != "cuda":
             return
-        torch.cuda.synchronize()
-        for bs in reversed(self.sizes):
-            self._fill_padding(0, bs)
-            self.meta[:bs].copy_(self.meta_host[:bs])
-            self._warm_up(bs)
-            torch.cuda.synchronize()
-            self.graphs[bs], self.pool = capture_graph(lambda: self._body(bs), self.pool)
-        torch.cuda.synchronize()
+        bs = self.sizes[-1]
+        self._fill_padding(0, bs)
+        self.meta[:bs].copy_(self.meta_host[:bs])
+        self._or_uncompiled(lambda: self._body(bs, zero_attention=True), "torch.compile of the decode step")
+
+    @torch.inference_mode()
+    def capture(self, defer: bool = False) -> None:
+        """Capture every bucket, largest first into one shared memory pool (defer: only the largest now, the
+        rest by capture_next()); if the torch.compile'd ops cannot be captured, capture again with the same
+        ops uncompiled. Off CUDA nothing is captured and run() calls the same body eagerly on the static
+        buffers (tests of the padding / indexing logic)."""
+        self._or_uncompiled(lambda: self._capture_now(defer), "capturing the compiled decode step")
+
+    def _capture_now(self, defer: bool) -> None:
+        t0 = time.perf_counter()
+        now = self._reset_buckets(defer)
         self.generation = self.runner.generation
+        for bs in now:
+            self._capture_bucket(bs)
         self.capture_s = time.perf_counter() - t0
-        logger.info(
-            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
-            len(self.graphs),
-            self.sizes[0],
-            self.sizes[-1],
-            self.capture_s,
-        )
+        if self.runner.device.type == "cuda":
+            logger.info(
+                "captured %d decode CUDA graph%s (batch sizes %d..%d) in %.1f s%s",
+                len(now),
+                "s" if len(now) > 1 else "",
+                now[-1],
+                now[0],
+                self.capture_s,
+                f"; {len(self.pending)} more after start-up, between steps" if self.pending else "",
+            )
+
+    @torch.inference_mode()
+    def _capture_bucket(self, bs: int) -> None:
+        """Warm the body up at `bs` rows of padding, capture it, and replay it once on the padding (a graph's
+        first launch uploads it: not in a served step). Off CUDA: record the eager body."""
+        if self.runner.device.type != "cuda":
+            self._add_graph(bs, None)
+            return
+        torch.cuda.synchronize()  # a step in flight may still copy from the pinned buffer filled next
+        self._fill_padding(0, bs)
+        self.meta[:bs].copy_(self.meta_host[:bs])
+        self._warm_up(bs)
+        graph, self.pool = capture_graph(lambda: self._body(bs), self.pool)
+        graph.replay()  # padding rows only: the scratch row's state, no KV slot
+        torch.cuda.synchronize()
+        self._add_graph(bs, graph)
+
+    def _stale(self) -> bool:
+        return self.generation != self.runner.generation
 
     def _warm_up(self, bs: int) -> None:
         """Run the body once outside the capture (Triton / torch.compile compile, cuBLAS picks its kernels). A
@@ -291,7 +321,7 @@ class DecodeGraphs:
         static buffers, valid until the next replay; a burst returns new tensors."""
         if self.generation != self.runner.generation:
             logger.info("persistent batch tensors were reallocated: re-capturing the decode graphs")
-            self.capture()
+            self.capture(defer=self.deferred)
         if not 1 <= num_steps <= self.max_steps:
             raise ValueError(f"num_steps must be in [1, {self.max_steps}], got {num_steps}")
         b = len(rows)

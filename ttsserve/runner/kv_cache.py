@@ -7,6 +7,9 @@ scale per token and head (ttsserve/layers/quant/kv_fp8.py), each layer an FP8KVC
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -89,15 +92,22 @@ class KVCache:
         check_kv_cache_dtype(spec.kv_cache_dtype, device)
         shape = kv_cache_shape(spec.num_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
         cpu_shape = kv_cache_shape(spec.num_cpu_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
-        pin = device.type == "cuda"
-        # Host blocks are always fully written by a swap-out before they are read: no need to zero them.
+        t0 = time.perf_counter()
+        # Host blocks are always fully written by a swap-out before they are read: no need to zero them. They
+        # are pageable: swap_out / swap_in copy through the temporaries that gathering blocks by index makes,
+        # never from or into the pool itself, so pinning it (page by page, GiBs of it) would only lengthen
+        # the start.
         if spec.kv_cache_dtype == "fp8":
             self.layers = [FP8KVCache.zeros(shape, device) for _ in range(cfg.num_layers)]
-            self.cpu_layers = [FP8KVCache.empty(cpu_shape, "cpu", pin) for _ in range(cfg.num_layers)]
+            t1 = time.perf_counter()
+            self.cpu_layers = [FP8KVCache.empty(cpu_shape, "cpu") for _ in range(cfg.num_layers)]
         else:
             self.layers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-            self.cpu_layers = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(cfg.num_layers)]
+            t1 = time.perf_counter()
+            self.cpu_layers = [torch.empty(cpu_shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.spec = spec
+        # seconds the allocations took (the start-up log reports them): device pool, host swap pool
+        self.alloc_s = (t1 - t0, time.perf_counter() - t1)
 
     @staticmethod
     def _parts(layer: torch.Tensor | FP8KVCache) -> tuple[torch.Tensor, ...]:
@@ -157,3 +167,26 @@ def plan_engine_kv_cache(cfg, model) -> KVCacheSpec:
         need = cfg.max_num_seqs * per_seq * kv_bytes_per_token(model.gpt_config, model.dtype, cfg.kv_cache_dtype)
         budget = min(DEFAULT_CPU_KV_BYTES, need)
     return plan_kv_cache(model.gpt_config, model.dtype, cfg.block_size, budget, swap, kv_cache_dtype=cfg.kv_cache_dtype)
+
+
+def allocate_kv_cache(cfg: GPTConfig, spec: KVCacheSpec, device: torch.device, dtype: torch.dtype) -> Future:
+    """A Future of KVCache(cfg, spec, device, dtype). On CUDA it is built on a helper thread and this returns at
+    once: allocating and zeroing the device pool (most of the GPU) is driver work that releases the GIL, which
+    the runner overlaps with torch.compile's imports. The caller must not
+    capture a CUDA graph before .result() returned (a capture forbids other threads' allocations). Elsewhere
+    the cache is built here."""
+    fut: Future = Future()
+    if device.type != "cuda":
+        fut.set_result(KVCache(cfg, spec, device, dtype))
+        return fut
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def build() -> None:
+        try:
+            with torch.cuda.device(index):  # the current device is per thread
+                fut.set_result(KVCache(cfg, spec, device, dtype))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller (an OOM, say)
+            fut.set_exception(e)
+
+    threading.Thread(target=build, name="ttsserve-kv-alloc", daemon=True).start()
+    return fut

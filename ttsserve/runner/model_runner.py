@@ -15,6 +15,7 @@ The runner never touches a queue; the scheduler never touches a tensor (docs/ARC
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -25,7 +26,7 @@ from ttsserve.attention.backend import AttentionMetadata, PagedAttention, runner
 from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, ScheduledColumns, StepArrays
-from ttsserve.runner.kv_cache import KVCache, KVCacheSpec
+from ttsserve.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from ttsserve.runner.step_inputs import gather_input_rows
 from ttsserve.runner.step_outputs import runner_output
 from ttsserve.runner.step_types import (
@@ -39,6 +40,7 @@ from ttsserve.runner.step_types import (
 from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState
 
+logger = logging.getLogger(__name__)
 DEFAULT_HISTORY_WINDOW = 16
 
 
@@ -49,7 +51,9 @@ def _pick(items: list, idx) -> list:
 
 class ModelRunner:
     """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
-    (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs."""
+    (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs;
+    defer_graph_capture: capture each graph family's largest bucket only, the others later through
+    graph_families() (engine/deferred_capture.py)."""
 
     def __init__(
         self,
@@ -64,11 +68,14 @@ class ModelRunner:
         capture_sizes: list[int] | None = None,
         max_num_batched_tokens: int = 4096,
         num_scheduler_steps: int = 1,
+        defer_graph_capture: bool = False,
     ) -> None:
+        defer = defer_graph_capture
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.cfg = model.gpt_config
-        self.kv = KVCache(self.cfg, kv_spec, self.device, self.dtype)
+        kv = allocate_kv_cache(self.cfg, kv_spec, self.device, self.dtype)  # on CUDA: on a helper thread
+        self.kv = None if self.device.type == "cuda" else kv.result()
         self.block_size = kv_spec.block_size
         self.backend, graphable = runner_backend(self.device, self.cfg.head_dim)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
@@ -92,20 +99,38 @@ class ModelRunner:
         self.prefill_graphs = None  # runner/piecewise_graphs.py: the general path's forward, by token bucket
         self.sampler_graphs = None  # runner/sampler_graphs.py: the general path's code sampling, by row bucket
         if self.device.type == "cuda" and not enforce_eager and graphable:
-            from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
+            self._build_graphs(kv, capture_sizes, max_num_seqs, max_num_batched_tokens, num_scheduler_steps, defer)
+        self.kv = self.kv or kv.result()
 
-            self.graphs = DecodeGraphs(
-                self, capture_sizes or default_capture_sizes(max_num_seqs), max_steps=num_scheduler_steps
-            )
-            self.graphs.capture()
-            from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
+    def _build_graphs(self, kv, sizes, max_num_seqs: int, max_tokens: int, max_steps: int, defer: bool) -> None:
+        """Set up the graph families (DecodeOps' torch.compile set-up imports for seconds while `kv`, a Future of
+        the KV cache, is allocated on its thread), then capture them (with `defer` only the largest buckets)."""
+        from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
+        from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
+        from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
 
-            self.prefill_graphs = PrefillGraphs(self, default_prefill_sizes(max_num_batched_tokens), self.graphs.ops)
-            self.prefill_graphs.capture()
-            from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
+        t0 = time.perf_counter()
+        self.graphs = DecodeGraphs(self, sizes or default_capture_sizes(max_num_seqs), max_steps=max_steps)
+        self.graphs.precompile()
+        t1 = time.perf_counter()
+        self.kv = kv.result()  # before any capture: it would forbid the allocating thread's driver calls
+        logger.info(
+            "runner set-up: KV pool %.1f s, host swap pool %.1f s (on a helper thread) beside %.1f s of "
+            "torch.compile (imports, the decode ops); waited %.1f s for the pools",
+            *self.kv.alloc_s,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+        self.graphs.capture(defer=defer)
+        # after the decode capture: its ops are uncompiled if the compiled ones failed there
+        self.prefill_graphs = PrefillGraphs(self, default_prefill_sizes(max_tokens), self.graphs.ops)
+        self.prefill_graphs.capture(defer=defer)
+        self.sampler_graphs = SamplerGraphs(self, default_sampler_sizes(max_num_seqs), self.graphs.ops)
+        self.sampler_graphs.capture(defer=defer)
 
-            self.sampler_graphs = SamplerGraphs(self, default_sampler_sizes(max_num_seqs), self.graphs.ops)
-            self.sampler_graphs.capture()
+    def graph_families(self) -> list:
+        """The CUDA graph families, in the order their deferred buckets pay: every decode step replays one."""
+        return [g for g in (self.graphs, self.sampler_graphs, self.prefill_graphs) if g is not None]
 
     def _setup_cpu(self, enforce_eager: bool) -> None:
         """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With

@@ -24,6 +24,7 @@ import time
 import torch
 
 from ttsserve.runner.cuda_graphs import DecodeOps, capture_graph, or_uncompiled
+from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ def default_prefill_sizes(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
-class PrefillGraphs:
-    """Bucketed piecewise graphs of one ModelRunner's GPT (`capture()` before `run()`)."""
+class PrefillGraphs(BucketedGraphs):
+    """Bucketed piecewise graphs of one ModelRunner's GPT (`capture()` before `run()`; with defer=True,
+    `capture_next()` captures the other buckets later, largest first: a step's tokens replay the smallest
+    captured bucket that holds them)."""
 
     def __init__(self, runner, sizes: list[int], ops: DecodeOps) -> None:
         if not sizes or min(sizes) < 1:
@@ -47,7 +50,7 @@ class PrefillGraphs:
         self.runner, self.ops = runner, ops
         self.gpt = runner.model.gpt
         cfg, dev, dt = self.gpt.cfg, runner.device, self.gpt.dtype
-        self.sizes = sorted(set(sizes))
+        self._init_buckets(sizes)
         n = self.sizes[-1]
         self.num_layers = cfg.num_layers
         self.x = torch.zeros(n, cfg.hidden_size, dtype=dt, device=dev)
@@ -60,15 +63,10 @@ class PrefillGraphs:
         self.cos = torch.zeros(n, 1, cfg.head_dim, dtype=dt, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.out = torch.zeros_like(self.x)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph | None]] = {}
-        self.pool = None
         self.capture_s = 0.0
 
     def can_run(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
-
-    def bucket(self, num_tokens: int) -> int:
-        return next(s for s in self.sizes if s >= num_tokens)
 
     # ---- the pieces --------------------------------------------------------------------------------------
     def _qkv(self, layer, normed: torch.Tensor, t: int) -> None:
@@ -105,45 +103,58 @@ class PrefillGraphs:
         self.residual[:t].copy_(residual)
         self._qkv(nxt, normed, t)
 
+    def _or_uncompiled(self, fn, what: str) -> None:
+        or_uncompiled(self, fn, what)
+
     # ---- capture / replay --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm and capture every piece of every bucket, largest first, into one memory pool. If the
-        torch.compile'd ops fail at these shapes, capture again with the same ops uncompiled (slower pieces,
-        never wrong), as the decode graphs do."""
-        or_uncompiled(self, self._capture_all, "capturing the piecewise prefill graphs with compiled ops")
+    def capture(self, defer: bool = False) -> None:
+        """Warm and capture every piece of every bucket, largest first, into one memory pool (defer: the
+        largest bucket only; capture_next() takes the rest). If the torch.compile'd ops fail at these shapes,
+        capture again with the same ops uncompiled (slower pieces, never wrong), as the decode graphs do."""
+        fn = self._capture_largest if defer else self._capture_all
+        or_uncompiled(self, fn, "capturing the piecewise prefill graphs with compiled ops")
 
     def _capture_all(self) -> None:
+        self._capture_sizes(self._reset_buckets(defer=False))
+
+    def _capture_largest(self) -> None:
+        self._capture_sizes(self._reset_buckets(defer=True))
+
+    def _capture_sizes(self, sizes: list[int]) -> None:
         t0 = time.perf_counter()
-        self.graphs.clear()
-        self.pool = None
-        if self.runner.device.type != "cuda":
-            self.graphs = {t: [None] * (self.num_layers + 1) for t in self.sizes}
-            return
-        torch.cuda.synchronize()
-        for t in reversed(self.sizes):
-            for i in range(self.num_layers + 1):  # compiles the ops, lets cuBLAS pick its kernels
-                self._piece(i, t)
-            torch.cuda.synchronize()
-            graphs = []
-            for i in range(self.num_layers + 1):
-                g, self.pool = capture_graph(lambda: self._piece(i, t), self.pool)
-                graphs.append(g)
-            self.graphs[t] = graphs
-        torch.cuda.synchronize()
-        for t in self.sizes:  # the first launch of a graph uploads it: not on a live step
-            for g in self.graphs[t]:
-                g.replay()
-        torch.cuda.synchronize()
+        for t in sizes:
+            self._capture_bucket(t)
         self.capture_s = time.perf_counter() - t0
-        logger.info(
-            "captured %d piecewise prefill CUDA graphs (%d token buckets, %d..%d) in %.1f s",
-            sum(len(v) for v in self.graphs.values()),
-            len(self.sizes),
-            self.sizes[0],
-            self.sizes[-1],
-            self.capture_s,
-        )
+        if self.runner.device.type == "cuda":
+            logger.info(
+                "captured %d piecewise prefill CUDA graphs (%d token buckets, %d..%d) in %.1f s%s",
+                len(sizes) * (self.num_layers + 1),
+                len(sizes),
+                sizes[-1],
+                sizes[0],
+                self.capture_s,
+                f"; {len(self.pending)} more buckets after start-up, between steps" if self.pending else "",
+            )
+
+    @torch.inference_mode()
+    def _capture_bucket(self, t: int) -> None:
+        """Warm every piece at t tokens (compiles the ops, lets cuBLAS pick its kernels), capture each, then
+        replay each once: a graph's first launch uploads it, which belongs here, not in a live step."""
+        if self.runner.device.type != "cuda":
+            self._add_graph(t, [None] * (self.num_layers + 1))
+            return
+        torch.cuda.synchronize()  # a step in flight may still read the static buffers the pieces write
+        for i in range(self.num_layers + 1):
+            self._piece(i, t)
+        graphs = []
+        for i in range(self.num_layers + 1):
+            g, self.pool = capture_graph(lambda: self._piece(i, t), self.pool)
+            graphs.append(g)
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+        self._add_graph(t, graphs)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """GPT forward of x [T, H] at positions [T] with attention context ctx -> hidden [T, H] in the GPT

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ttsserve.runner.cuda_graphs import capture_graph, or_uncompiled
+from ttsserve.runner.graph_buckets import BucketedGraphs
 
 _ROW, _STEP = range(2)
 
@@ -23,15 +24,16 @@ def default_sampler_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(1 << i, max_num_seqs) for i in range(7)})
 
 
-class SamplerGraphs:
+class SamplerGraphs(BucketedGraphs):
     """Bucketed graphs of ModelRunner.sample_rows(hidden, rows, steps, "code") (`capture()` before `run()`;
-    off CUDA nothing is captured and `run()` calls the same body on the static buffers)."""
+    with defer=True `capture_next()` captures the smaller buckets later; off CUDA nothing is captured and
+    `run()` calls the same body on the static buffers)."""
 
     def __init__(self, runner, sizes: list[int], ops) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"sampler graph sizes must be positive, got {sizes}")
         self.runner, self.ops = runner, ops
-        self.sizes = sorted(set(sizes))
+        self._init_buckets(sizes)
         n, dev = self.sizes[-1], runner.device
         self.hidden = torch.zeros(n, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
         self.meta = torch.zeros(n, 2, dtype=torch.int64, device=dev)
@@ -39,8 +41,6 @@ class SamplerGraphs:
         self._meta_hosts = [torch.zeros(n, 2, dtype=torch.int64, pin_memory=dev.type == "cuda") for _ in range(2)]
         self._turn = 0
         self.tokens = torch.zeros(n, runner.cfg.num_vq, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
-        self.pool = None
         self.generation = None
 
     def can_run(self, num_rows: int) -> bool:
@@ -59,36 +59,47 @@ class SamplerGraphs:
         m[b:bs, _ROW], m[b:bs, _STEP] = self.runner.sampling.scratch_row, 0
         self.meta[:bs].copy_(self._meta_hosts[self._turn][:bs], non_blocking=True)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, into one pool; with compiled ops that fail, again uncompiled."""
-        or_uncompiled(self, self._capture_all, "capturing the sampler graphs with compiled ops")
+    def _or_uncompiled(self, fn, what: str) -> None:
+        or_uncompiled(self, fn, what)
 
-    def _capture_all(self) -> None:
-        self.graphs.clear()
-        self.pool = None
+    @torch.inference_mode()
+    def capture(self, defer: bool = False) -> None:
+        """Capture every bucket, largest first, into one pool (defer: the largest only, the rest by
+        capture_next()); with compiled ops that fail, again uncompiled."""
+        or_uncompiled(self, lambda: self._capture_now(defer), "capturing the sampler graphs with compiled ops")
+
+    def _capture_now(self, defer: bool) -> None:
+        now = self._reset_buckets(defer)
         self.generation = self.runner.generation
+        for bs in now:
+            self._capture_bucket(bs)
+
+    @torch.inference_mode()
+    def _capture_bucket(self, bs: int) -> None:
+        """Warm the body up on `bs` padding rows (compiles the ops, lets cuBLAS pick its kernels), capture it and
+        replay it once (the first launch uploads a graph: not on a live step)."""
         if self.runner.device.type != "cuda":
-            self.graphs = dict.fromkeys(self.sizes)
+            self._add_graph(bs, None)
             return
         empty = np.empty(0, dtype=np.int64)
+        torch.cuda.synchronize()  # a step in flight may still copy from the pinned buffer filled next
+        self._fill(empty, empty, bs)
+        self._body(bs)
+        graph, self.pool = capture_graph(lambda: self._body(bs), self.pool)
+        graph.replay()
         torch.cuda.synchronize()
-        for bs in reversed(self.sizes):
-            self._fill(empty, empty, bs)
-            self._body(bs)  # compiles the ops, lets cuBLAS pick its kernels
-            torch.cuda.synchronize()
-            self.graphs[bs], self.pool = capture_graph(lambda: self._body(bs), self.pool)
-        for graph in self.graphs.values():  # the first launch uploads a graph: not on a live step
-            graph.replay()
-        torch.cuda.synchronize()
+        self._add_graph(bs, graph)
+
+    def _stale(self) -> bool:
+        return self.generation != self.runner.generation
 
     def run(self, hidden: torch.Tensor, rows: np.ndarray, steps: np.ndarray) -> torch.Tensor:
         """sample_rows for hidden [B, H] fp32 of `rows` at `steps` (int64 [B] host arrays) -> tokens
         [B, num_vq] int64, a view of the static output valid until the next run()."""
         if self.generation != self.runner.generation:
-            self.capture()
+            self.capture(defer=self.deferred)
         b = len(rows)
-        bs = next(s for s in self.sizes if s >= b)
+        bs = self.bucket(b)
         self._fill(rows, steps, bs)
         self.hidden[:b].copy_(hidden)
         graph = self.graphs[bs]

@@ -64,8 +64,14 @@ _ENGINE_GAUGES = {
     ),
     "warm": (
         "ttsserve_engine_warm",
-        "1 once the start-up work left to the background (the CPU server's "
-        "compilation) is done: the steady speed; 0 while it runs",
+        "1 once the start-up work left to the background (the CPU server's compilation, the GPU server's "
+        "deferred CUDA graph captures) is done: the steady speed; 0 while it runs",
+        "gauge",
+    ),
+    "cuda_graphs_pending": (
+        "ttsserve_engine_cuda_graphs_pending",
+        "CUDA graph buckets still to be captured after start-up (between steps); meanwhile their batches "
+        "replay the next larger captured bucket",
         "gauge",
     ),
 }

@@ -70,7 +70,7 @@ class AsyncEngine(LivenessReport):
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        return cls(Engine(cfg))
+        return cls(Engine(cfg.for_serving()))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,6 +182,9 @@ class AsyncEngine(LivenessReport):
             freeze.check()
             self._drain_inbox()
             if not core.busy():
+                if core.background_work(busy=False):  # a deferred graph capture; then the inbox again
+                    self._stats = core.stats()
+                    continue
                 self._stats = core.stats()
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -189,6 +192,8 @@ class AsyncEngine(LivenessReport):
             outputs = core.step(emit=self._deliver_all)  # audio done early leaves in mid-step
             self._stats = core.stats()
             self._deliver_all(outputs)
+            if core.background_work(busy=True):
+                self._stats = core.stats()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -1,14 +1,18 @@
 """EngineCore: the synchronous engine loop's body, with no transport. The in-process client (AsyncEngine) runs
 it on its step thread; the engine-core process (proc.py) runs it behind a ZMQ socket. Everything that guards
 the Engine lives here once: admission (shutting-down check, queue bound, duplicate ids, input errors typed),
-the busy test, and the guarded step, which fails that step's requests on an exception and keeps serving.
+the busy test, the guarded step, which fails that step's requests on an exception and keeps serving, and the
+engine's deferred start-up work (graph captures) between steps.
 
-Not thread-safe: one thread owns an EngineCore, as one thread owns its Engine.
+Not thread-safe: one thread owns an EngineCore, as one thread owns its Engine. The one exception is
+encode_reference_audio (the DVAE encoder, slow), which fronts run on another thread: it never overlaps a
+graph capture, which forbids other threads' device allocations.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -38,6 +42,7 @@ class EngineCore:
         # float16 [hidden] each: random_speaker's statistics (also sent to API servers, which sample locally)
         self.spk_std, self.spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
         self.work = OutstandingWork()  # frames still to deliver: the load data-parallel routing weighs
+        self._device_side_work = threading.Lock()  # held by encode_reference_audio and by a graph capture
 
     # ---- requests ----------------------------------------------------------------------------------
     def add(self, req: SynthesisRequest, segments: list[Segment] | None = None) -> str:
@@ -89,6 +94,21 @@ class EngineCore:
             logger.exception("engine step failed")
             return self.fail_all(f"internal error: {type(e).__name__}: {e}")
 
+    @property
+    def warming(self) -> bool:
+        """Start-up work is left for between steps (deferred graph captures): the loop should not idle."""
+        return self.engine.graphs_pending > 0
+
+    def background_work(self, busy: bool) -> bool:
+        """One deferred graph capture, if one is due (busy: requests are running; they get most of the time)
+        and no encode_reference_audio runs on another thread -> whether one ran. Call between steps only."""
+        if not self.engine.graphs_pending or not self._device_side_work.acquire(blocking=False):
+            return False
+        try:
+            return self.engine.run_deferred(busy)
+        finally:
+            self._device_side_work.release()
+
     def fail_all(self, message: str) -> list[AudioOutput]:
         """Abort every synthesis -> one final error output each."""
         return self._count(self.engine.fail_all(message))
@@ -126,4 +146,5 @@ class EngineCore:
         """A reference recording -> int32 [num_vq, P] audio-code prompt (the DVAE encoder; slow)."""
         from ttsserve.engine.voice_encode import encode_reference
 
-        return encode_reference(self.engine.model, wav, int(sample_rate))
+        with self._device_side_work:  # waits for a graph capture in progress (a fraction of a second)
+            return encode_reference(self.engine.model, wav, int(sample_rate))

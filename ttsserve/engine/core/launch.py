@@ -33,9 +33,14 @@ def core_process_main(
     role: str = "core",
     heartbeat=None,
     death_signal: int = signal.SIGTERM,
+    go=None,
 ) -> None:
     """An engine core's process: dies with its owner (`death_signal`), logs as `role`, sets the OpenMP
-    defaults before torch loads, then runs engine/core/proc.run_engine_core until told to stop."""
+    defaults before torch loads, then runs engine/core/proc.run_engine_core until told to stop.
+
+    go: None, or the read end of a pipe: the core imports torch and the engine's modules (seconds), then
+    waits, silent, for the owner to send True (build the engine) or False / close it (exit 0), so that the
+    owner's own checks of the flags run meanwhile and a bad flag is still its one line of output."""
     from ttsserve.engine.core.parent_death import die_with_parent
 
     die_with_parent(owner_pid, death_signal)
@@ -46,8 +51,29 @@ def core_process_main(
     from ttsserve.engine.core.proc import run_engine_core
     from ttsserve.runner.cpu_threads import log_cpu_step_mode
 
+    if go is not None and not _wait_for_go(go, engine_cfg.device):
+        sys.exit(0)
+
     log_cpu_step_mode(engine_cfg)
     sys.exit(run_engine_core(engine_cfg, address, ready, drain_timeout_s, heartbeat))
+
+
+def _wait_for_go(go, device: str) -> bool:
+    import torch
+
+    import ttsserve.engine.engine  # noqa: F401 - torch and the engine's modules load while the owner checks
+
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        try:  # the CUDA context (the current device's, as the engine's) is made while waiting, not in the load
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the engine's own start reports a broken device, once released
+            pass
+    try:
+        return bool(go.recv())
+    except EOFError:  # the owner is gone or gave up
+        return False
+    finally:
+        go.close()
 
 
 def make_run_dir() -> str:

@@ -8,6 +8,10 @@ is rejected by id with its typed error (ErrorInfo), a failing step fails that st
 keeps serving; a utility call that raises answers its caller with the error. Only the DVAE reference encoder
 (slow, rare) runs off the loop, on a worker thread whose replies come back to the loop over an inproc socket.
 
+Start-up work the engine left for after ready (deferred CUDA graph captures, engine/deferred_capture.py) runs
+on this thread between steps: one capture per turn while idle (the loop polls without sleeping meanwhile, so a
+request waits at most one capture), a share of the time while busy.
+
 Liveness: every turn of the loop (every IDLE_POLL_MS when idle, once per step when busy) stamps the
 launcher's shared heartbeat, and every API server gets a message at least every HEARTBEAT_INTERVAL_S (stats,
 or an empty CoreOutputs), so a loop stuck in a step, or a stopped process, is seen by both although its
@@ -138,10 +142,14 @@ class EngineCoreProc:
                 busy = core.busy()
                 if self._stop_deadline is not None and (not busy or time.monotonic() > self._stop_deadline):
                     break
-                self._receive(0 if busy else IDLE_POLL_MS)
+                warming = core.warming and self._stop_deadline is None
+                self._receive(0 if busy or warming else IDLE_POLL_MS)
                 self._flush()  # admissions and rejections leave before the step
-                if core.busy():
+                stepped = core.busy()
+                if stepped:
                     self._step()
+                if warming and core.background_work(busy=stepped):
+                    self._stats_version += 1  # the pending-graphs gauge changed
                 self._flush()
                 self._freeze.check()
         finally:
@@ -333,7 +341,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
     from ttsserve.engine.engine import Engine
 
     try:
-        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s, heartbeat)
+        core = EngineCoreProc(Engine(cfg.for_serving()), address, drain_timeout_s, heartbeat)
     except Exception as e:  # reported to the launcher, which exits with a one-line reason
         logger.exception("the engine core failed to start")
         ready.send(("error", f"{type(e).__name__}: {e}"))
