@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 headline table in one device call, every figure as JSON under OUT (real-size dummy, bf16):
 #   bash benchmarks/gpu_targets.sh OUT
-# 1. cold start: `ttsserve serve` to /ready with caches warm (COLD_RUNS starts; the first fills the caches
+# 1. cold start: `ttsserve serve` to /ready (and to warm: graphs deferred past /ready captured) with caches warm (COLD_RUNS starts; the first fills the caches
 #    a fresh machine lacks: dummy checkpoint, Triton / inductor, Python bytecode), bench/coldstart.py's JSON;
 # 2. served: one server (`--api-server-count 12` + SERVE_ARGS), then `bench serve` at each SERVE_POINTS item
 #    (format:concurrency or format:qps<rate>), DUR seconds each, 4 client processes;
@@ -21,7 +21,7 @@ MODEL_ARGS="--device cuda --load-format dummy --dummy-size real"
 parts=" ${PARTS:-cold serve offline} "
 
 if [[ $parts == *" cold "* ]]; then
-    timeout 300 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-2}" --label "serve, 12 API servers" -- \
+    timeout 300 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-2}" --until-warm --label "serve, 12 API servers" -- \
         $MODEL_ARGS --api-server-count 12 ${SERVE_ARGS:-} > "$OUT/coldstart.txt" 2>&1
     tail -1 "$OUT/coldstart.txt" > "$OUT/coldstart.json"
     grep -E "^run|cold start" "$OUT/coldstart.txt"
@@ -35,6 +35,12 @@ if [[ $parts == *" serve "* ]]; then
         kill -0 $server 2>/dev/null || break
         sleep 0.5
     done
+    for _ in $(seq 240); do  # graphs deferred past /ready (engine/deferred_capture.py): measure the warm server
+        w=$(curl -s localhost:8000/metrics | grep -E "^ttsserve_engine_warm[{ ]")
+        [ -n "$w" ] && ! grep -qvE " 1(\.0)?$" <<< "$w" && break
+        sleep 0.5
+    done
+    echo "server warm after ${SECONDS}s (script clock)"
     for point in ${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}; do
         IFS=: read -r fmt load <<< "$point"
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
