@@ -237,6 +237,7 @@ class IncrementalAudioStage(StreamingStage):
         """Feed every row, advance its stream, and crop the samples that became final. feeds: hiddens rows
         first, then codes rows (the order of the decoder passes)."""
         assert all(not a.stream.use_codes or b.stream.use_codes for a, b in itertools.pairwise(feeds))
+        self._vocos.flush_resets()  # new streams' overlap-add tails start empty
         kinds = sorted({f.stream.use_codes for f in feeds})
         n = max(f.count for f in feeds)
         if len(kinds) == 1:  # the engine's case: one pipeline, graphed on CUDA
