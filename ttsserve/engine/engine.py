@@ -20,7 +20,7 @@ import torch
 from ttsserve.config import EngineConfig
 from ttsserve.engine.batch_control import BatchSizeController
 from ttsserve.engine.block_manager import KVCacheManager
-from ttsserve.engine.frontend import FrontEnd, Segment, check_room
+from ttsserve.engine.frontend import FrontEnd, Segment, check_room, prompt_items
 from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, make_seq_id
 from ttsserve.engine.request import Mode, Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -163,6 +163,9 @@ class Engine:
         syn = SynthesisRecord(
             rid, req, SynthesisTracker(rid, len(segments), dropped, [s.text for s in segments]), seed, segments
         )
+        syn.prefix_key = req.voice.key + req.code_prompt
+        spk = req.voice.spk_emb
+        syn.spk_emb = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         self.registry.add_synthesis(syn)
         try:
             for seg in segments:
@@ -183,21 +186,18 @@ class Engine:
 
     def _add_sequence(self, syn: SynthesisRecord, seg: int, mode: Mode, ids: torch.Tensor, mask: torch.Tensor) -> None:
         params = syn.req.code_params if mode == "code" else syn.req.refine_params
-        spk = syn.req.voice.spk_emb
-        spk_t = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         # The seed schedule: segment k of a request uses seed + k, so a long text is reproducible.
         seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
         room = check_room(seg, ids.shape[0], self.max_model_len)
-        items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
         req = Request(
             make_seq_id(syn.request_id, seg, mode),
-            items,
+            prompt_items(ids.numpy(), mask.numpy()),
             mode=mode,
             max_new_tokens=min(params.max_new_tokens, room),
-            prefix_key=syn.req.voice.key + syn.req.code_prompt,
+            prefix_key=syn.prefix_key,
             first_audio_frames=self.first_audio_frames if mode == "code" else 0,
         )
-        self.registry.add_sequence(syn, seg, req, SequenceInputs(ids, mask, spk_t, mode, params, seed))
+        self.registry.add_sequence(syn, seg, req, SequenceInputs(ids, mask, syn.spk_emb, mode, params, seed))
 
     def abort(self, rid: str) -> None:
         """Abort a synthesis: its sequences leave the batch and free their blocks at the next step."""
