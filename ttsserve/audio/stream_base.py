@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 from dataclasses import dataclass
+from itertools import accumulate, compress
 from operator import attrgetter
 
 import numpy as np
@@ -47,6 +48,7 @@ class Stream:
 
 
 _USE_CODES, _FINISHED, _SLOT = attrgetter("use_codes"), attrgetter("finished"), attrgetter("slot")
+_REQ_ID, _START, _IS_FINAL = attrgetter("req_id"), attrgetter("start_sample"), attrgetter("is_final")
 
 
 @dataclass
@@ -327,11 +329,12 @@ class StreamingStage:
         if pending.event is not None:
             pending.event.synchronize()
         # a copy: the chunks must not pin the (pinned, pooled) transfer buffer
-        pieces = np.split(pending.flat.numpy().copy(), np.cumsum(pending.sizes)[:-1]) if pending.sizes else []
-        chunks = [AudioChunk(s.req_id, p, s.start_sample, s.is_final) for s, p in zip(pending.specs, pieces)]
+        flat, specs = pending.flat.numpy().copy(), pending.specs
+        ends = list(accumulate(pending.sizes))
+        pieces = map(flat.__getitem__, map(slice, [0, *ends], ends))  # views, by C-level maps (no np.split)
+        chunks = list(map(AudioChunk, map(_REQ_ID, specs), pieces, map(_START, specs), map(_IS_FINAL, specs)))
         chunks += pending.empty_finals
-        for ch in chunks:
-            if ch.is_final:
-                self.abort(ch.req_id)
+        for ch in compress(chunks, map(_IS_FINAL, chunks)):
+            self.abort(ch.req_id)
         self.chunks_total += len(chunks)
         return chunks
