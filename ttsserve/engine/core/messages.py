@@ -239,7 +239,8 @@ class SpanMsg(msgspec.Struct, array_like=True, frozen=True):
 
 
 class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
-    """AudioOutput on the wire; samples: float32 little-endian [n] at the core's sample rate."""
+    """AudioOutput on the wire; samples: float32 little-endian [n] at the core's sample rate (bytes; made by of(),
+    a byte memoryview of the output's array, which encodes the same without a copy of its own)."""
 
     request_id: str
     samples: bytes
@@ -256,14 +257,14 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
         samples = np.ascontiguousarray(out.samples, dtype="<f4")
         return cls(
             out.request_id,
-            samples.tobytes(),
+            memoryview(samples).cast("B"),
             out.finished,
             out.num_frames,
             out.finish_reason,
             list(out.truncated_segments),
             out.error,
             list(out.dropped_chars),
-            [SpanMsg(s.index, s.text, s.start, s.end) for s in out.segments],
+            [SpanMsg(s.index, s.text, s.start, s.end) for s in out.segments] if out.segments else [],
         )
 
     def output(self, request_id: str | None = None) -> AudioOutput:
