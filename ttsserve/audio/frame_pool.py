@@ -36,13 +36,22 @@ class FramePool:
         extra = torch.zeros(s, capacity - c, w, dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data, extra], dim=1)
 
-    def put(self, slots: np.ndarray, positions: np.ndarray, frames: Tensor) -> None:
+    def put(self, slots: np.ndarray, positions: np.ndarray, frames: Tensor, src: np.ndarray | None = None) -> None:
         """data[slots[i], positions[i]] = frames[i] for every i (pairs distinct, positions < capacity): one
-        pinned copy of the flat row index and one index_copy_ (two index tensors cost an index_put_ more)."""
-        assert len(slots) == len(positions) == frames.shape[0], "one (slot, position) per frame"
+        pinned copy of the flat row index and one index_copy_ (two index tensors cost an index_put_ more).
+        src: the rows of frames to write instead (frames[src[i]] goes to pair i), gathered by one index_select;
+        its indices travel in the same copy."""
         dev, (_, cap, width) = self.data.device, self.data.shape
-        flat = to_device(slots * cap + positions, dev)
-        self.data.view(-1, width).index_copy_(0, flat, frames.to(device=dev, dtype=self.data.dtype))
+        dst = slots * cap + positions
+        if src is not None:
+            assert len(slots) == len(positions) == len(src), "one (slot, position) per source row"
+            flat = to_device(np.concatenate([dst, src]), dev)
+            dst_t, src_t = flat[: len(dst)], flat[len(dst) :]
+            frames = frames.to(device=dev).index_select(0, src_t)
+        else:
+            assert len(slots) == len(positions) == frames.shape[0], "one (slot, position) per frame"
+            dst_t = to_device(dst, dev)
+        self.data.view(-1, width).index_copy_(0, dst_t, frames.to(device=dev, dtype=self.data.dtype))
 
     def shift(self, slot: int, src: int, count: int) -> None:
         """Move positions [src, src + count) of a slot to [0, count)."""

@@ -12,7 +12,7 @@ import copy
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, compress
-from operator import attrgetter
+from operator import add, attrgetter
 
 import numpy as np
 import torch
@@ -165,12 +165,15 @@ class StreamingStage:
         pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
         st.num_frames += n
 
-    def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
+    def append_batch(self, req_ids: list[str], frames: Tensor, counts: np.ndarray | None = None) -> None:
         """One frame (frames [len(req_ids), C]) or m frames (frames [m, len(req_ids), C], step-major: a decode
         burst's) for each of many requests, in one device write. C: the hidden size (or 4 codes).
+        counts: int [len(req_ids)], request i takes frames[:counts[i], i] only (0: none, and its id need not be
+        live: a row whose results were dropped); None: all m each.
 
         Called every engine step for every running stream: the per-stream work is C-level maps and one
-        Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put)."""
+        Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put;
+        with counts below m, an index_select of the kept frames too)."""
         n = len(req_ids)
         if frames.dim() == 2:
             frames = frames[None]
@@ -179,33 +182,46 @@ class StreamingStage:
                 f"AudioStage.append_batch: frames must be [{n}, C] or [m, {n}, C], got {tuple(frames.shape)}"
             )
         m = frames.shape[0]
-        if not n or not m:
+        cols = None  # the columns of frames the kept requests are (None: all, in order)
+        if counts is not None and int(counts.min(initial=m)) < m:
+            cols = np.flatnonzero(counts > 0)
+            req_ids, counts = [req_ids[i] for i in cols.tolist()], counts[cols]
+        if not req_ids or not m:
             return
         try:
             streams = list(map(self._streams.__getitem__, req_ids))
         except KeyError as e:
             raise ValueError(f"AudioStage: unknown request {e.args[0]!r}") from None
+        self._check_batch(req_ids, streams, frames[0])
+        pool = self._pools[streams[0].use_codes]
+        num_new = [m] * len(streams) if cols is None else counts.tolist()
+        pos = [st.num_frames - st.base for st in streams]  # pool position of each request's first new frame
+        if max(map(add, pos, num_new)) > pool.capacity:
+            for i, st in enumerate(streams):
+                if pos[i] + num_new[i] > pool.capacity:
+                    self._reserve(st, num_new[i])  # may shift this stream's frames, or grow the pool (positions kept)
+                    pos[i] = st.num_frames - st.base
+        for st, k in zip(streams, num_new):
+            st.num_frames += k
+        slots, first = np.fromiter(map(_SLOT, streams), np.int64, len(streams)), np.array(pos, dtype=np.int64)
+        if cols is not None:  # frame j of kept request i, step-major; its source row j * n + cols[i]
+            j, i = np.nonzero(np.arange(m)[:, None] < counts[None, :])
+            pool.put(slots[i], first[i] + j, frames.reshape(m * n, -1), src=j * n + cols[i])
+        elif m == 1:
+            pool.put(slots, first, frames[0])
+        else:
+            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1), frames.reshape(m * n, -1))
+
+    def _check_batch(self, req_ids: list[str], streams: list[Stream], frame: Tensor) -> None:
+        """Distinct requests of one kind, none finished, and frames of their pool's width and dtype."""
         kind = streams[0].use_codes
+        n = len(streams)
         if len(set(req_ids)) != n or sum(map(_USE_CODES, streams)) != (n if kind else 0):
             raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
         if any(map(_FINISHED, streams)):
             done = next(r for r, st in zip(req_ids, streams) if st.finished)
             raise ValueError(f"AudioStage: request {done!r} is finished; no more frames")
-        self._check_frames(req_ids[0], streams[0], frames[0])
-        pool = self._pools[kind]
-        pos = [st.num_frames - st.base for st in streams]  # pool position of each request's first new frame
-        if max(pos) + m > pool.capacity:
-            for i, st in enumerate(streams):
-                if pos[i] + m > pool.capacity:
-                    self._reserve(st, m)  # may shift this stream's frames, or grow the pool (positions kept)
-                    pos[i] = st.num_frames - st.base
-        for st in streams:
-            st.num_frames += m
-        slots, first = np.fromiter(map(_SLOT, streams), np.int64, n), np.array(pos, dtype=np.int64)
-        if m == 1:
-            pool.put(slots, first, frames[0])
-        else:
-            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1), frames.reshape(m * n, -1))
+        self._check_frames(req_ids[0], streams[0], frame)
 
     def finish(self, req_id: str) -> None:
         """No more frames will come: the next step() flushes the tail and emits the final chunk."""

@@ -26,7 +26,6 @@ from ttsserve.engine.request import Mode, Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.step_stats import EngineCounters, StepTimings, engine_stats, gc_pauses
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
-from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
 from ttsserve.runner.kv_cache import plan_engine_kv_cache
@@ -297,32 +296,16 @@ class Engine:
         return self._collect_audio(chunks) if chunks else []
 
     def _append_frames(self, frames: list, updates: list) -> None:
-        """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches): frame j of
-        a request is accepted when its update appended more than j samples. A pipelined step's rows whose
-        results the scheduler dropped (EOS, abort or preemption while in flight) and a burst's frames past
-        max_new_tokens are not frames."""
+        """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches [m, n, H]): of a
+        request's m frames, as many as its update appended (RequestUpdate.num_new_tokens). Fewer: a burst cut by
+        EOS or max_new_tokens; none: a pipelined step's row whose results the scheduler dropped (EOS, abort or
+        preemption while in flight). One append per batch: the audio stage keeps the counts' frames. A
+        segment's frame count is its sequence's outputs, taken when it leaves (SequenceRegistry.release)."""
         get = dict(zip(map(_ID, updates), map(_NUM_NEW, updates))).get
-        for j, seq_ids, hiddens in frames:
-            m = hiddens.shape[0]
-            if min(map(get, seq_ids, repeat(0))) >= j + m:
-                self._append_accepted(seq_ids, hiddens)
-                continue
-            accepted = [min(max(get(s, 0) - j, 0), m) for s in seq_ids]  # frames of this batch, per row
-            # Some rows end inside this batch (or were dropped): one append per accepted count, so the usual
-            # case (a pipelined step whose batch holds a row the previous step ended) stays one [m, n, H]
-            # append of the other rows, not m appends of every row.
-            for a in sorted(set(accepted) - {0}, reverse=True):
-                keep = [i for i, n in enumerate(accepted) if n == a]
-                # through pinned memory: a pageable copy would wait for the step queued behind this one
-                rows = async_h2d(torch.tensor(keep), hiddens.device)
-                self._append_accepted([seq_ids[i] for i in keep], hiddens[:a, rows])
-
-    def _append_accepted(self, seq_ids: list[str], hiddens) -> None:
-        """hiddens: [n, H] or [m, n, H] (m frames of each). A segment's frame count is its sequence's outputs,
-        taken when it leaves (SequenceRegistry.release), not counted here per row."""
-        self.audio.append_batch(seq_ids, hiddens)
-        m = 1 if hiddens.dim() == 2 else hiddens.shape[0]
-        self.counters.frames += m * len(seq_ids)
+        for seq_ids, hiddens in frames:
+            counts = np.fromiter(map(get, seq_ids, repeat(0)), np.int64, len(seq_ids))
+            self.audio.append_batch(seq_ids, hiddens, None if counts.min() >= hiddens.shape[0] else counts)
+            self.counters.frames += int(counts.sum())
 
     def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
         ms = (time.perf_counter() - t0) * 1e3
