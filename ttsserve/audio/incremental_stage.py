@@ -190,11 +190,12 @@ class IncrementalAudioStage(StreamingStage):
             n = pending if pending >= self._chunk_frames(st.num_chunks) else 0
         return min(n, self.max_call_frames)
 
-    def _plan(self) -> tuple[list[_Feed], list[AudioChunk]]:
+    def _plan(self, streams: dict[str, Stream] | None = None) -> tuple[list[_Feed], list[AudioChunk]]:
+        """The streams due now (of `streams`, default all) -> (their feeds, final chunks of empty streams)."""
         feeds, empty = [], []
         if self._steps % self.cadence and not self._first_chunk_due():
             return feeds, empty  # off-cadence step: due streams wait for the next shared call
-        for req_id, st in self._streams.items():
+        for req_id, st in (self._streams if streams is None else streams).items():
             if st.final_out:
                 continue
             if st.finished and st.num_frames == 0:
@@ -214,18 +215,19 @@ class IncrementalAudioStage(StreamingStage):
 
     def _launch(self) -> Pending | None:
         self._steps += 1
-        specs, sizes, pieces, empty = [], [], [], []
-        while True:  # a burst of frames can need several calls of at most max_call_frames
-            feeds, new_empty = self._plan()
-            empty += new_empty
-            if not feeds:
-                break
+        specs, sizes, pieces = [], [], []
+        feeds, empty = self._plan()
+        while feeds:  # a burst of frames can need several calls of at most max_call_frames
             feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind
             for i in range(0, len(feeds), self.max_windows_per_call):
                 flat, part_specs, part_sizes = self._decode(feeds[i : i + self.max_windows_per_call])
                 pieces.append(flat)
                 specs += part_specs
                 sizes += part_sizes
+            # only a stream fed a full max_call_frames can be due again: the others fed all they had
+            capped = {f.req_id: f.stream for f in feeds if f.count == self.max_call_frames}
+            feeds, new_empty = self._plan(capped) if capped else ([], [])
+            empty += new_empty
         if not specs and not empty:
             return None
         flat, event = self._to_host(pieces)
