@@ -57,6 +57,21 @@ class FramePool:
         """Move positions [src, src + count) of a slot to [0, count)."""
         self.data[slot, :count] = self.data[slot, src : src + count].clone()
 
+    def shift_many(self, slots: list[int], srcs: list[int], counts: list[int]) -> None:
+        """shift() of several slots (distinct) in one gather and one write, with one index copy: positions
+        [srcs[i], srcs[i] + counts[i]) of slots[i] to [0, counts[i])."""
+        counts_np = np.asarray(counts, dtype=np.int64)
+        n = int(counts_np.sum())
+        if not n:
+            return
+        dev, (_, cap, width) = self.data.device, self.data.shape
+        k = np.arange(n) - np.repeat(np.cumsum(counts_np) - counts_np, counts_np)  # position in its slot's run
+        dst = np.repeat(np.asarray(slots, dtype=np.int64) * cap, counts_np) + k
+        src = dst + np.repeat(np.asarray(srcs, dtype=np.int64), counts_np)
+        flat = to_device(np.concatenate([dst, src]), dev)
+        rows = self.data.view(-1, width)
+        rows.index_copy_(0, flat[:n], rows.index_select(0, flat[n:]))
+
     def gather(self, slots: list[int], starts: list[int], lengths: list[int]) -> Tensor:
         """-> [B, max(lengths), width]; row b holds positions starts[b].. of slot b, zero past lengths[b]."""
         dev = self.data.device
