@@ -340,7 +340,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
         return 1
     signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
 
-    freeze_startup_heap("engine core")
+    freeze_startup_heap("engine core", step_loop=True)
     ready.send(("ready", os.getpid()))
     ready.close()
     core.run()
