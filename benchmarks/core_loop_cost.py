@@ -85,6 +85,8 @@ def _served_engine(concurrency: int) -> Engine:
         return torch.randint(0, logits.shape[-1] - 1, logits.shape[:2])
 
     engine.runner._forward = lambda x, md, positions: x.new_zeros(x.shape[0], hidden)
+    num_vq, vocab = engine.model.gpt_config.num_vq, engine.model.gpt_config.num_audio_tokens
+    engine.model.embed.code_logits = lambda h: h.new_zeros(h.shape[0], num_vq, vocab)
     model_runner.sample = sample
     engine.runner.sample_rows.__func__.__defaults__ = (sample,)
     engine.audio.pipeline = lambda kind, x, info, n: torch.zeros(x.shape[0], hop * 2 * n)
