@@ -23,7 +23,6 @@ This module imports torch only inside run_engine_core, after the OpenMP environm
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -217,7 +216,7 @@ class EngineCoreProc:
         rid = msg.request_id
         batch = self._batch(ident)
         try:
-            req = dataclasses.replace(decode_synthesis(msg.request), request_id=rid)
+            req = decode_synthesis(msg.request, rid)
             segments = None if msg.segments is None else [m.segment(i) for i, m in enumerate(msg.segments)]
             self.core.add(req, segments)
         except (ValueError, EngineOverloadedError) as e:  # typed: kind and param cross the wire
