@@ -303,8 +303,8 @@ class Engine:
         segment's frame count is its sequence's outputs, taken when it leaves (SequenceRegistry.release)."""
         get = dict(zip(map(_ID, updates), map(_NUM_NEW, updates))).get
         for seq_ids, hiddens in frames:
-            counts = np.fromiter(map(get, seq_ids, repeat(0)), np.int64, len(seq_ids))
-            self.audio.append_batch(seq_ids, hiddens, None if counts.min() >= hiddens.shape[0] else counts)
+            m, counts = hiddens.shape[0], np.fromiter(map(get, seq_ids, repeat(0)), np.int64, len(seq_ids))
+            self.audio.append_batch(seq_ids, hiddens, None if counts.min(initial=m) >= m else counts)
             self.counters.frames += int(counts.sum())
 
     def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
