@@ -7,6 +7,9 @@ rounds of 50 calls; the pool positions are rewound after each call so it never g
 
 2-core CPU machine, 2026-12-02, tree 0290764 plus the grouped append: all accepted 141-152 us, one row dropped
 210-255 us; before it (frame by frame for every row of such a batch) 190 / 587 us.
+2026-12-03, one append per batch with the rows' counts (FramePool.put gathers the kept frames), 3 runs interleaved
+with 4c38626: all accepted 92-94 us (before 86-89), one row dropped 117-131 us (before 172-179; the runner's own
+split of EOS rows, gone too, is not in this figure).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def best_us(e: Engine, ids: list[str], hidden: torch.Tensor, updates: list, roun
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(calls):
-            e._append_frames([(0, ids, hidden)], updates)
+            e._append_frames([(ids, hidden)], updates)
             for s in ids:  # rewind: the same pool positions again, no growth
                 e.audio._streams[s].num_frames = base[s]
         best = min(best, (time.perf_counter() - t) / calls)

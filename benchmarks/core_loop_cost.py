@@ -2,12 +2,20 @@
 N API servers (ZMQ DEALER sockets in this process, reading what the core sends) keeping C requests in flight.
 CPU, tiny dummy model; the core's own phases are timed around its methods; steady state after a warm-up.
 
+--served models the served H200 path's host work on the CPU: decode bursts of 4, asynchronous scheduling,
+vocoder and admissions every 2nd step, requests of --frames frames (200: ~4.3 s of audio), one thread for torch,
+the start-up heap frozen as the core does; the GPT forward, the sampler, the vocoder networks and the audio crop
+(device work on the H200, not host work) are stubbed, so the step is the host's bookkeeping. It also reports the
+garbage collector's time and longest pause per generation (--gc-thresholds: try others than the core's).
+
 Usage: python3 benchmarks/core_loop_cost.py [--concurrency 128] [--api-servers 8] [--steps 400]
+       python3 benchmarks/core_loop_cost.py --served --concurrency 512 --api-servers 12 --steps 200 --warmup 200
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -21,6 +29,7 @@ import zmq  # noqa: E402
 
 from ttsserve.bench.corpus import select_texts  # noqa: E402
 from ttsserve.config import EngineConfig  # noqa: E402
+from ttsserve.engine.core.heap import freeze_startup_heap  # noqa: E402
 from ttsserve.engine.core.messages import (  # noqa: E402
     AddRequest,
     CoreOutputs,
@@ -48,23 +57,85 @@ def _timed(times: dict, name: str, fn):
     return wrapper
 
 
+def _served_engine(concurrency: int) -> Engine:
+    """The served path's scheduling on the CPU, its device work stubbed (see the module docstring)."""
+    import torch
+
+    import ttsserve.audio.incremental_stage as incremental_stage
+    import ttsserve.runner.model_runner as model_runner
+
+    cfg = EngineConfig(
+        load_format="dummy",
+        dummy_size="tiny",
+        device="cpu",
+        kv_cache_memory=1024 << 20,
+        swap_space=0,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=8192,
+        num_scheduler_steps=4,
+        async_scheduling=True,
+        vocoder_cadence=2,
+        admission_interval=2,
+        cpu_threads=1,
+    )
+    engine = Engine(cfg)
+    hidden, hop = engine.model.gpt_config.hidden_size, engine.audio.vocos.hop_length
+
+    def sample(logits, batch):  # never EOS: the lengths are the requests' min_new_tokens
+        return torch.randint(0, logits.shape[-1] - 1, logits.shape[:2])
+
+    engine.runner._forward = lambda x, md, positions: x.new_zeros(x.shape[0], hidden)
+    num_vq, vocab = engine.model.gpt_config.num_vq, engine.model.gpt_config.num_audio_tokens
+    engine.model.embed.code_logits = lambda h: h.new_zeros(h.shape[0], num_vq, vocab)
+    model_runner.sample = sample
+    engine.runner.sample_rows.__func__.__defaults__ = (sample,)
+    engine.audio.pipeline = lambda kind, x, info, n: torch.zeros(x.shape[0], hop * 2 * n)
+    incremental_stage.crop_rows = lambda wav, starts, sizes: torch.zeros(sum(sizes))
+    return engine
+
+
+class _GcPauses:
+    """Every collection's duration by generation, while on."""
+
+    def __init__(self) -> None:
+        self.on, self._t0, self.pauses = False, 0.0, {0: [], 1: [], 2: []}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.on:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--api-servers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--served", action="store_true", help="the served path's host work (module docstring)")
+    ap.add_argument("--frames", type=int, default=200, help="--served: frames per request")
+    ap.add_argument("--gc-thresholds", default=None, help="--served: e.g. 700,10,10 (default: the core's)")
     a = ap.parse_args()
-    engine = Engine(
-        EngineConfig(
-            load_format="dummy",
-            dummy_size="tiny",
-            device="cpu",
-            kv_cache_memory=512 << 20,
-            swap_space=0,
-            max_num_seqs=2 * a.concurrency,
+    if a.served:
+        engine = _served_engine(a.concurrency)
+        freeze_startup_heap("benchmark", step_loop=True)
+        if a.gc_thresholds:
+            gc.set_threshold(*map(int, a.gc_thresholds.split(",")))
+        params = {"max_new_tokens": a.frames, "min_new_tokens": a.frames}
+    else:
+        engine = Engine(
+            EngineConfig(
+                load_format="dummy",
+                dummy_size="tiny",
+                device="cpu",
+                kv_cache_memory=512 << 20,
+                swap_space=0,
+                max_num_seqs=2 * a.concurrency,
+            )
         )
-    )
+        params = {"max_new_tokens": 96}
     address = f"ipc://{tempfile.mkdtemp()}/core"
     core = EngineCoreProc(engine, address)
     ctx = zmq.Context.instance()
@@ -85,7 +156,7 @@ def main() -> int:
     def add_one() -> None:
         k = counter[0]
         counter[0] += 1
-        req = SynthesisRequest(texts[k % len(texts)], code_params=SamplingParams(seed=k, max_new_tokens=96))
+        req = SynthesisRequest(texts[k % len(texts)], code_params=SamplingParams(seed=k, **params))
         segs = tokenize_segments(req, prepare_segments(req), tok)
         clients[k % len(clients)].send(
             encoder.encode(
@@ -110,12 +181,16 @@ def main() -> int:
     engine.stats = _timed(times, "engine.stats", engine.stats)
     for name in ("_receive", "_step", "_flush"):
         setattr(core, name, _timed(times, name, getattr(core, name)))
+    pauses = _GcPauses()
     for k in range(a.warmup + a.steps):
         if k == a.warmup:
             times.clear()
             engine.reset_stats()  # the step's phase timings below cover the measured steps only
+            pauses.on = True
             t_start = time.perf_counter()
-        while len(in_flight) < a.concurrency:
+        # --served: arrivals ramp up over ~40 steps, so that the streams' ends spread as under served load
+        target = min(a.concurrency, (k + 1) * max(1, a.concurrency // 40)) if a.served else a.concurrency
+        while len(in_flight) < target:
             add_one()
         core._receive(0 if engine.has_unfinished() else 100)
         core._flush()
@@ -127,7 +202,7 @@ def main() -> int:
     step_only = times["_step"] - times["engine.step"] - times["engine.stats"]
     print(
         f"concurrency {a.concurrency}, {a.api_servers} API servers, {n} steps, {wall / n * 1e3:.2f} ms per step "
-        f"(tiny model on the CPU), per step:"
+        f"(tiny model on the CPU{', served path, device work stubbed' if a.served else ''}), per step:"
     )
     for name, t in [
         ("engine.step", times["engine.step"]),
@@ -139,6 +214,13 @@ def main() -> int:
         print(f"  {name:52s} {t / n * 1e3:7.3f} ms")
     for name, ms in engine.timings.as_dict(engine.counters.steps).items():  # inside engine.step
         print(f"    step phase {name:45s} {ms:7.3f} ms")
+    gc_ms = [sum(pauses.pauses[g]) / n * 1e3 for g in range(3)]
+    longest = [max(pauses.pauses[g], default=0.0) * 1e3 for g in range(3)]
+    print(
+        f"  garbage collector (thresholds {gc.get_threshold()}): {sum(gc_ms):.3f} ms per step, by generation "
+        f"{[round(x, 3) for x in gc_ms]} ms, {[len(pauses.pauses[g]) for g in range(3)]} collections, longest "
+        f"{[round(x, 2) for x in longest]} ms"
+    )
     return 0
 
 

@@ -417,3 +417,39 @@ def test_multi_frame_append_batch_equals_frame_by_frame(tiny, stage_cls) -> None
     stage.add_request("x")
     with pytest.raises(ValueError, match=r"\[m, 1, C\]"):
         stage.append_batch(["x"], torch.zeros(2, 2, 64))
+
+
+@pytest.mark.parametrize("stage_cls", STAGES)
+def test_append_batch_counts_keep_each_rows_first_frames(tiny, stage_cls) -> None:
+    """append_batch(ids, [4, n, C], counts): request i gets frames[:counts[i], i] (a burst cut by EOS, a row
+    whose results were dropped: 0, its id not live), the same audio as appending those frames one by one;
+    the rows run past the pool's capacity together, so their slots shift in one batched move."""
+    dec, _, vocos = tiny
+    g = torch.Generator().manual_seed(21)
+    ids = ["x", "y", "z"]
+    bursts = [torch.randn(4, 4, 64, generator=g) for _ in range(60)]  # [m, rows (ids + a dead row), C]
+    counts = [np.array([4, 4 - t % 5 % 4, 4 if t % 7 else 0, 0]) for t in range(60)]
+    out = {}
+    for batched in (True, False):
+        stage = stage_cls(dec, None, vocos)
+        for k in ids:
+            stage.add_request(k)
+        chunks = {k: [] for k in ids}
+        for frames, c in zip(bursts, counts):
+            if batched:
+                stage.append_batch([*ids, "gone"], frames, c)
+            else:
+                for i, k in enumerate(ids):
+                    for j in range(c[i]):
+                        stage.append(k, frames[j, i : i + 1])
+            for ch in stage.step():
+                chunks[ch.req_id].append(ch)
+        for k in ids:
+            stage.finish(k)
+        while stage.num_requests:
+            for ch in stage.step():
+                chunks[ch.req_id].append(ch)
+        out[batched] = {k: joined(v) for k, v in chunks.items()}
+    for k in ids:
+        assert len(out[True][k]) == len(out[False][k]) > 0
+        assert np.array_equal(out[True][k], out[False][k])

@@ -83,3 +83,52 @@ def test_a_step_that_opens_blocks_costs_per_row_work_only_for_those_rows(burst: 
     by_n = {n: _steps(n, burst, pipelined=True) for n in (8, 64)}
     assert [st for _, st in by_n[8]] == [st for _, st in by_n[64]]
     assert not all(st for _, st in by_n[64]), "the steps include rows opening a block"
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_bulk_path_schedules_the_steps_of_the_per_row_path(pipelined: bool) -> None:
+    """The steady rows in bulk, and the rows whose horizon ends for want of a KV block extended in bulk
+    (SteadyRows.extend), schedule exactly what the per-row path schedules step by step: the same rows, chunks,
+    bursts and table lengths, through EOS stops, length limits and staggered admissions."""
+
+    def run(bulk: bool) -> list:
+        s = _scheduler(24, 4)
+        if not bulk:
+            s._schedule_steady = lambda *args: False
+        reqs = list(s.waiting)
+        for i, r in enumerate(reqs):
+            r.max_new_tokens = 37 + 11 * i  # length limits inside and at the edge of a burst
+        stop_at = {r.request_id: 29 + 13 * i for i, r in enumerate(reqs) if i % 3 == 0}
+        log, in_flight = [], None
+        s.max_num_seqs_limit = 8  # admissions staggered: rows start in other phases of their blocks
+        for k in range(140):
+            if k in (9, 23):
+                s.max_num_seqs_limit += 8
+            out = s.schedule()
+            log.append(
+                [
+                    (x.request_id, x.num_computed_tokens, x.num_new_tokens, x.num_steps, x.will_sample)
+                    for x in out.scheduled
+                ]
+                + [(rid, len(s.requests[rid].block_table)) for rid in sorted(s.requests)]
+            )
+            sampled, stop = {}, {}
+            for x in out.scheduled:
+                if not x.will_sample:
+                    continue
+                first = x.num_computed_tokens + x.num_new_tokens - x.num_steps + 1 - x.num_prompt_tokens
+                idx = range(first, first + x.num_steps)
+                end = stop_at.get(x.request_id)
+                if end is not None and end in idx:
+                    stop[x.request_id] = True
+                    idx = range(first, end)
+                frames = [(i % 7, 1, 2, 3) for i in idx]
+                sampled[x.request_id] = tuple(frames) if x.num_steps > 1 else (frames[0] if frames else None)
+            done = in_flight if pipelined else (out, sampled, stop)
+            in_flight = (out, sampled, stop)
+            if done is not None:
+                s.update_from_output(*done)
+        assert not s.requests, "every request ended"
+        return log
+
+    assert run(True) == run(False)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ttsserve.audio.decoder_net import ConvNeXtBlock, ConvNeXtStack
 from ttsserve.audio.vocos import ISTFTHead, Vocos
+from ttsserve.h2d import to_device
 
 NOT_FINISHED = 1 << 40  # the `limit` of a stream whose length is not known yet
 
@@ -153,6 +154,7 @@ class IncrementalVocos:
         self.states = [self.embed, *(s for _, s in self.blocks)]
         self.reach = max(s.lag + 2 * s.r for s in self.states)  # Rows.reach of this pipeline
         self.tails = torch.zeros(0, 2, self.head.n_fft - self.head.hop_length, device=bb.embed.weight.device)
+        self._resets: list[int] = []  # slots whose tails are to be zeroed before the next call
 
     def resize(self, num_slots: int) -> None:
         for s in self.states:
@@ -162,8 +164,16 @@ class IncrementalVocos:
             self.tails = torch.cat([self.tails, self.tails.new_zeros(extra, *self.tails.shape[1:])])
 
     def reset(self, slot: int) -> None:
-        """A new stream in this slot: its overlap-add starts empty (conv caches are masked, no reset needed)."""
-        self.tails[slot].zero_()
+        """A new stream in this slot: its overlap-add starts empty (conv caches are masked, no reset needed).
+        Queued, not written: flush_resets() zeroes the queued slots in one write before the next call (a write
+        per admitted stream was a device op per request on the engine's thread)."""
+        self._resets.append(slot)
+
+    def flush_resets(self) -> None:
+        """Zero the tails of the slots reset since the last flush (before any call reads them)."""
+        if self._resets:
+            self.tails.index_fill_(0, to_device(self._resets, self.tails.device), 0.0)
+            self._resets = []
 
     def __call__(self, mel: Tensor, rows: Rows) -> Tensor:
         """mel: [B, n_mels, width] -> wav [B, hop * width]: position i is the overlap-add at sample

@@ -102,6 +102,7 @@ class IncrementalAudioStage(StreamingStage):
         self.right_context_frames = max(-(-(hop * lag + half) // spf) for lag in self._lag.values())
         self.left_context_frames = 0
         self.max_call_frames = max_chunk_frames + self.right_context_frames
+        self._chunk_table = [self._chunk_frames(k) for k in range(33)]  # by num_chunks; constant from 32 on
         self._num_slots = 0
         self.slot_generation = 0  # changes whenever the state tensors are reallocated (graphs capture them)
         self._free_slots: list[int] = []
@@ -188,28 +189,30 @@ class IncrementalAudioStage(StreamingStage):
         """Frames a stream's first call needs: its first chunk and the right context."""
         return self.first_chunk_frames + self.right_context_frames
 
-    def _feed_count(self, st: Stream) -> int:
-        """Frames to feed this stream now (0: not ready)."""
-        fed, pending = st.num_emitted_frames, st.num_frames - st.num_emitted_frames
-        if st.finished:
-            n = self._frames_to_finish(st) - fed
-        elif fed == 0:
-            n = pending if pending >= self._first_call_frames else 0
-        else:
-            n = pending if pending >= self._chunk_frames(st.num_chunks) else 0
-        return min(n, self.max_call_frames)
-
-    def _plan(self) -> tuple[list[_Feed], list[AudioChunk]]:
+    def _plan(self, streams: dict[str, Stream] | None = None) -> tuple[list[_Feed], list[AudioChunk]]:
+        """The streams due now (of `streams`, default all) -> (their feeds, final chunks of empty streams). A
+        stream is fed all its pending frames (at most max_call_frames) once they make its next chunk (its first:
+        the first chunk and the right context), a finished one what it needs for its last sample to be final.
+        Runs over every stream each vocoder call: the test per stream is inline, no call."""
         feeds, empty = [], []
         if self._steps % self.cadence and not self._first_chunk_due():
             return feeds, empty  # off-cadence step: due streams wait for the next shared call
-        for req_id, st in self._streams.items():
+        first_call, max_call, chunks = self._first_call_frames, self.max_call_frames, self._chunk_table
+        for req_id, st in (self._streams if streams is None else streams).items():
             if st.final_out:
                 continue
-            if st.finished and st.num_frames == 0:
-                empty.append(self._empty_final(req_id, st))
-            elif (n := self._feed_count(st)) > 0:
-                feeds.append(_Feed(req_id, st, n))
+            fed = st.num_emitted_frames
+            if st.finished:
+                if st.num_frames == 0:
+                    empty.append(self._empty_final(req_id, st))
+                    continue
+                n = self._frames_to_finish(st) - fed
+            else:
+                n = st.num_frames - fed
+                if n < (first_call if fed == 0 else chunks[min(st.num_chunks, 32)]):
+                    continue
+            if n > 0:
+                feeds.append(_Feed(req_id, st, min(n, max_call)))
         return feeds, empty
 
     def _first_chunk_due(self) -> bool:
@@ -223,18 +226,19 @@ class IncrementalAudioStage(StreamingStage):
 
     def _launch(self) -> Pending | None:
         self._steps += 1
-        specs, sizes, pieces, empty = [], [], [], []
-        while True:  # a burst of frames can need several calls of at most max_call_frames
-            feeds, new_empty = self._plan()
-            empty += new_empty
-            if not feeds:
-                break
+        specs, sizes, pieces = [], [], []
+        feeds, empty = self._plan()
+        while feeds:  # a burst of frames can need several calls of at most max_call_frames
             feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind
             for i in range(0, len(feeds), self.max_windows_per_call):
                 flat, part_specs, part_sizes = self._decode(feeds[i : i + self.max_windows_per_call])
                 pieces.append(flat)
                 specs += part_specs
                 sizes += part_sizes
+            # only a stream fed a full max_call_frames can be due again: the others fed all they had
+            capped = {f.req_id: f.stream for f in feeds if f.count == self.max_call_frames}
+            feeds, new_empty = self._plan(capped) if capped else ([], [])
+            empty += new_empty
         if not specs and not empty:
             return None
         flat, event = self._to_host(pieces)
@@ -246,6 +250,7 @@ class IncrementalAudioStage(StreamingStage):
         """Feed every row, advance its stream, and crop the samples that became final. feeds: hiddens rows
         first, then codes rows (the order of the decoder passes)."""
         assert all(not a.stream.use_codes or b.stream.use_codes for a, b in itertools.pairwise(feeds))
+        self._vocos.flush_resets()  # new streams' overlap-add tails start empty
         kinds = sorted({f.stream.use_codes for f in feeds})
         n = max(f.count for f in feeds)
         if len(kinds) == 1:  # the engine's case: one pipeline, graphed on CUDA

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 from collections import deque
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import accumulate, compress
+from operator import add, attrgetter
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ class Stream:
 
 
 _USE_CODES, _FINISHED, _SLOT = attrgetter("use_codes"), attrgetter("finished"), attrgetter("slot")
+_REQ_ID, _START, _IS_FINAL = attrgetter("req_id"), attrgetter("start_sample"), attrgetter("is_final")
 
 
 @dataclass
@@ -163,12 +165,15 @@ class StreamingStage:
         pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
         st.num_frames += n
 
-    def append_batch(self, req_ids: list[str], frames: Tensor) -> None:
+    def append_batch(self, req_ids: list[str], frames: Tensor, counts: np.ndarray | None = None) -> None:
         """One frame (frames [len(req_ids), C]) or m frames (frames [m, len(req_ids), C], step-major: a decode
         burst's) for each of many requests, in one device write. C: the hidden size (or 4 codes).
+        counts: int [len(req_ids)], request i takes frames[:counts[i], i] only (0: none, and its id need not be
+        live: a row whose results were dropped); None: all m each.
 
         Called every engine step for every running stream: the per-stream work is C-level maps and one
-        Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put)."""
+        Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put;
+        with counts below m, an index_select of the kept frames too)."""
         n = len(req_ids)
         if frames.dim() == 2:
             frames = frames[None]
@@ -177,33 +182,43 @@ class StreamingStage:
                 f"AudioStage.append_batch: frames must be [{n}, C] or [m, {n}, C], got {tuple(frames.shape)}"
             )
         m = frames.shape[0]
-        if not n or not m:
+        cols = None  # the columns of frames the kept requests are (None: all, in order)
+        if counts is not None and int(counts.min(initial=m)) < m:
+            cols = np.flatnonzero(counts > 0)
+            req_ids, counts = [req_ids[i] for i in cols.tolist()], counts[cols]
+        if not req_ids or not m:
             return
         try:
             streams = list(map(self._streams.__getitem__, req_ids))
         except KeyError as e:
             raise ValueError(f"AudioStage: unknown request {e.args[0]!r}") from None
+        self._check_batch(req_ids, streams, frames[0])
+        pool = self._pools[streams[0].use_codes]
+        num_new = [m] * len(streams) if cols is None else counts.tolist()
+        pos = [st.num_frames - st.base for st in streams]  # pool position of each request's first new frame
+        if max(map(add, pos, num_new)) > pool.capacity:
+            self._reserve_many(pool, streams, pos, num_new)
+        for st, k in zip(streams, num_new):
+            st.num_frames += k
+        slots, first = np.fromiter(map(_SLOT, streams), np.int64, len(streams)), np.array(pos, dtype=np.int64)
+        if cols is not None:  # frame j of kept request i, step-major; its source row j * n + cols[i]
+            j, i = np.nonzero(np.arange(m)[:, None] < counts[None, :])
+            pool.put(slots[i], first[i] + j, frames.reshape(m * n, -1), src=j * n + cols[i])
+        elif m == 1:
+            pool.put(slots, first, frames[0])
+        else:
+            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1), frames.reshape(m * n, -1))
+
+    def _check_batch(self, req_ids: list[str], streams: list[Stream], frame: Tensor) -> None:
+        """Distinct requests of one kind, none finished, and frames of their pool's width and dtype."""
         kind = streams[0].use_codes
+        n = len(streams)
         if len(set(req_ids)) != n or sum(map(_USE_CODES, streams)) != (n if kind else 0):
             raise ValueError("AudioStage.append_batch: requests must be distinct and all of one kind (codes/hiddens)")
         if any(map(_FINISHED, streams)):
             done = next(r for r, st in zip(req_ids, streams) if st.finished)
             raise ValueError(f"AudioStage: request {done!r} is finished; no more frames")
-        self._check_frames(req_ids[0], streams[0], frames[0])
-        pool = self._pools[kind]
-        pos = [st.num_frames - st.base for st in streams]  # pool position of each request's first new frame
-        if max(pos) + m > pool.capacity:
-            for i, st in enumerate(streams):
-                if pos[i] + m > pool.capacity:
-                    self._reserve(st, m)  # may shift this stream's frames, or grow the pool (positions kept)
-                    pos[i] = st.num_frames - st.base
-        for st in streams:
-            st.num_frames += m
-        slots, first = np.fromiter(map(_SLOT, streams), np.int64, n), np.array(pos, dtype=np.int64)
-        if m == 1:
-            pool.put(slots, first, frames[0])
-        else:
-            pool.put(np.tile(slots, m), (first[None, :] + np.arange(m)[:, None]).reshape(-1), frames.reshape(m * n, -1))
+        self._check_frames(req_ids[0], streams[0], frame)
 
     def finish(self, req_id: str) -> None:
         """No more frames will come: the next step() flushes the tail and emits the final chunk."""
@@ -244,6 +259,25 @@ class StreamingStage:
         if need > pool.capacity:
             pool.grow(max(2 * pool.capacity, need))
         return pool
+
+    def _reserve_many(self, pool: FramePool, streams: list[Stream], pos: list[int], num_new: list[int]) -> None:
+        """_reserve() of each stream whose pos[i] + num_new[i] passes the pool's capacity, updating pos: their
+        shifts in one batched move (a stream shifts about once per chunk it emits: a move per stream was two
+        device ops for ~1/16 of the streams every step), then one growth to the largest need if any is short."""
+        short = [i for i in range(len(streams)) if pos[i] + num_new[i] > pool.capacity]
+        moves = []
+        for i in short:
+            st = streams[i]
+            keep_from = max(st.base, self._first_needed_frame(st))
+            if keep_from > st.base:
+                moves.append((st.slot, keep_from - st.base, st.num_frames - keep_from))
+                st.base = keep_from
+            pos[i] = st.num_frames - st.base
+        if moves:
+            pool.shift_many(*map(list, zip(*moves)))
+        need = max(pos[i] + num_new[i] for i in short)
+        if need > pool.capacity:
+            pool.grow(max(2 * pool.capacity, need))  # positions kept
 
     def _first_needed_frame(self, st: Stream) -> int:
         """Frames before this one will never be read again."""
@@ -327,11 +361,12 @@ class StreamingStage:
         if pending.event is not None:
             pending.event.synchronize()
         # a copy: the chunks must not pin the (pinned, pooled) transfer buffer
-        pieces = np.split(pending.flat.numpy().copy(), np.cumsum(pending.sizes)[:-1]) if pending.sizes else []
-        chunks = [AudioChunk(s.req_id, p, s.start_sample, s.is_final) for s, p in zip(pending.specs, pieces)]
+        flat, specs = pending.flat.numpy().copy(), pending.specs
+        ends = list(accumulate(pending.sizes))
+        pieces = map(flat.__getitem__, map(slice, [0, *ends], ends))  # views, by C-level maps (no np.split)
+        chunks = list(map(AudioChunk, map(_REQ_ID, specs), pieces, map(_START, specs), map(_IS_FINAL, specs)))
         chunks += pending.empty_finals
-        for ch in chunks:
-            if ch.is_final:
-                self.abort(ch.req_id)
+        for ch in compress(chunks, map(_IS_FINAL, chunks)):
+            self.abort(ch.req_id)
         self.chunks_total += len(chunks)
         return chunks

@@ -22,13 +22,12 @@ from ttsserve.engine.audio_setup import build_audio_stage
 from ttsserve.engine.batch_control import BatchSizeController
 from ttsserve.engine.block_manager import KVCacheManager
 from ttsserve.engine.deferred_capture import DeferredCapture
-from ttsserve.engine.frontend import FrontEnd, Segment, check_room
+from ttsserve.engine.frontend import FrontEnd, Segment, check_room, prompt_items
 from ttsserve.engine.registry import SequenceRegistry, SynthesisRecord, make_seq_id
 from ttsserve.engine.request import Mode, Request
 from ttsserve.engine.scheduler import Scheduler, SchedulerConfig
 from ttsserve.engine.step_stats import EngineCounters, StepTimings, engine_stats, gc_pauses
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
-from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
 from ttsserve.runner.kv_cache import plan_engine_batch
@@ -166,6 +165,9 @@ class Engine:
         syn = SynthesisRecord(
             rid, req, SynthesisTracker(rid, len(segments), dropped, [s.text for s in segments]), seed, segments
         )
+        syn.prefix_key = req.voice.key + req.code_prompt
+        spk = req.voice.spk_emb
+        syn.spk_emb = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         self.registry.add_synthesis(syn)
         try:
             for seg in segments:
@@ -186,21 +188,18 @@ class Engine:
 
     def _add_sequence(self, syn: SynthesisRecord, seg: int, mode: Mode, ids: torch.Tensor, mask: torch.Tensor) -> None:
         params = syn.req.code_params if mode == "code" else syn.req.refine_params
-        spk = syn.req.voice.spk_emb
-        spk_t = None if spk is None else torch.as_tensor(np.asarray(spk, dtype=np.float16))
         # The seed schedule: segment k of a request uses seed + k, so a long text is reproducible.
         seed = (syn.seed + seg + (0 if mode == "code" else 1 << 40)) % (1 << 62)
         room = check_room(seg, ids.shape[0], self.max_model_len)
-        items = [int(r[0]) if m else tuple(int(c) for c in r) for r, m in zip(ids.tolist(), mask.tolist())]
         req = Request(
             make_seq_id(syn.request_id, seg, mode),
-            items,
+            prompt_items(ids.numpy(), mask.numpy()),
             mode=mode,
             max_new_tokens=min(params.max_new_tokens, room),
-            prefix_key=syn.req.voice.key + syn.req.code_prompt,
+            prefix_key=syn.prefix_key,
             first_audio_frames=self.first_audio_frames if mode == "code" else 0,
         )
-        self.registry.add_sequence(syn, seg, req, SequenceInputs(ids, mask, spk_t, mode, params, seed))
+        self.registry.add_sequence(syn, seg, req, SequenceInputs(ids, mask, syn.spk_emb, mode, params, seed))
 
     def abort(self, rid: str) -> None:
         """Abort a synthesis: its sequences leave the batch and free their blocks at the next step."""
@@ -300,32 +299,16 @@ class Engine:
         return self._collect_audio(chunks) if chunks else []
 
     def _append_frames(self, frames: list, updates: list) -> None:
-        """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches): frame j of
-        a request is accepted when its update appended more than j samples. A pipelined step's rows whose
-        results the scheduler dropped (EOS, abort or preemption while in flight) and a burst's frames past
-        max_new_tokens are not frames."""
+        """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches [m, n, H]): of a
+        request's m frames, as many as its update appended (RequestUpdate.num_new_tokens). Fewer: a burst cut by
+        EOS or max_new_tokens; none: a pipelined step's row whose results the scheduler dropped (EOS, abort or
+        preemption while in flight). One append per batch: the audio stage keeps the counts' frames. A
+        segment's frame count is its sequence's outputs, taken when it leaves (SequenceRegistry.release)."""
         get = dict(zip(map(_ID, updates), map(_NUM_NEW, updates))).get
-        for j, seq_ids, hiddens in frames:
-            m = hiddens.shape[0]
-            if min(map(get, seq_ids, repeat(0))) >= j + m:
-                self._append_accepted(seq_ids, hiddens)
-                continue
-            accepted = [min(max(get(s, 0) - j, 0), m) for s in seq_ids]  # frames of this batch, per row
-            # Some rows end inside this batch (or were dropped): one append per accepted count, so the usual
-            # case (a pipelined step whose batch holds a row the previous step ended) stays one [m, n, H]
-            # append of the other rows, not m appends of every row.
-            for a in sorted(set(accepted) - {0}, reverse=True):
-                keep = [i for i, n in enumerate(accepted) if n == a]
-                # through pinned memory: a pageable copy would wait for the step queued behind this one
-                rows = async_h2d(torch.tensor(keep), hiddens.device)
-                self._append_accepted([seq_ids[i] for i in keep], hiddens[:a, rows])
-
-    def _append_accepted(self, seq_ids: list[str], hiddens) -> None:
-        """hiddens: [n, H] or [m, n, H] (m frames of each). A segment's frame count is its sequence's outputs,
-        taken when it leaves (SequenceRegistry.release), not counted here per row."""
-        self.audio.append_batch(seq_ids, hiddens)
-        m = 1 if hiddens.dim() == 2 else hiddens.shape[0]
-        self.counters.frames += m * len(seq_ids)
+        for seq_ids, hiddens in frames:
+            m, counts = hiddens.shape[0], np.fromiter(map(get, seq_ids, repeat(0)), np.int64, len(seq_ids))
+            self.audio.append_batch(seq_ids, hiddens, None if counts.min(initial=m) >= m else counts)
+            self.counters.frames += int(counts.sum())
 
     def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
         ms = (time.perf_counter() - t0) * 1e3

@@ -8,7 +8,7 @@ import torch
 from ttsserve.params import SynthesisRequest, Voice
 from ttsserve.text.segments import Segment, prepare_segments, warm_up_text_path
 
-__all__ = ["FrontEnd", "Segment", "check_room", "prepare_segments"]
+__all__ = ["FrontEnd", "Segment", "check_room", "prepare_segments", "prompt_items"]
 
 
 def check_room(seg: int, positions: int, max_model_len: int) -> int:
@@ -20,6 +20,17 @@ def check_room(seg: int, positions: int, max_model_len: int) -> int:
             f"{max_model_len}; shorten the text or enable splitting"
         )
     return room
+
+
+def prompt_items(ids: np.ndarray, mask: np.ndarray) -> list:
+    """The scheduler's items of a prompt (ids [P, num_vq], text_mask [P]): a text position's id (an int), an
+    audio-prompt position's codes (a tuple); by columns, a Python step per audio position only."""
+    items = ids[:, 0].tolist()
+    if not mask.all():
+        audio = np.flatnonzero(~mask)
+        for i, codes in zip(audio.tolist(), map(tuple, ids[audio].tolist())):
+            items[i] = codes
+    return items
 
 
 class FrontEnd:

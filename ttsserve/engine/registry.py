@@ -46,6 +46,10 @@ class SynthesisRecord:
     seed: int
     segments: list[Segment]
     seqs: dict[SeqId, SequenceRecord] = field(default_factory=dict)  # its live sequences
+    # what every sequence of it shares, made once: the voice's prefix-cache key (Voice.key + the code prompt) and
+    # its speaker vector (fp16 tensor [H] or None)
+    prefix_key: str = ""
+    spk_emb: object = None
     arrived: float = field(default_factory=time.monotonic)
     heard: bool = False  # its first audio left
     scheduled: bool = False  # one of its sequences was scheduled: its wait in the queue is over

@@ -146,8 +146,8 @@ class Scheduler(OutputCommitter):
         st = _Step(budget=self.config.max_num_batched_tokens)
         self._num_steps += 1
         admit = not self.running or self._num_steps % self.config.admission_interval == 0
-        self._steady.expire(self._num_steps)
-        if not (self._steady.horizon and self._schedule_steady(st, out)):
+        expired = self._steady.expire(self._num_steps)
+        if not ((self._steady.horizon or expired) and self._schedule_steady(st, out, expired)):
             self._schedule_running(list(self.running), st, out)
         if not out.preempted_ids:  # admitting now would only take back the blocks just freed
             self._schedule_swapped(st, out)
@@ -159,15 +159,22 @@ class Scheduler(OutputCommitter):
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - st.budget
         return out
 
-    def _schedule_steady(self, st: _Step, out: SchedulerOutput) -> bool:
+    def _schedule_steady(self, st: _Step, out: SchedulerOutput, expired: list[Request]) -> bool:
         """The steady rows in bulk (engine/steady.py), then the other running rows one by one. Only when the
         budget and the free blocks cover what every other row could ask for: then no row is short of budget or
-        preempted, in any order, so the steps equal the per-row path's (False: nothing was done)."""
+        preempted, in any order, so the steps equal the per-row path's (False: nothing was done). expired: the
+        rows whose horizon ended last step; those that only lack a block get it here and stay steady."""
         running, steady = self.running, self._steady
         rows = steady.rows_in(running)
         others = list(filterfalse(steady.horizon.__contains__, running)) if len(rows) < len(running) else []
         budget = st.budget - steady.num_steps * len(rows)
-        if not rows or not self._covers(others, budget):
+        if not self._covers(others, budget):
+            return False
+        if expired and steady.extend(expired, self._num_steps, self.block_manager, self.token_limit):
+            rows = steady.rows_in(running)
+            others = list(filterfalse(steady.horizon.__contains__, running)) if len(rows) < len(running) else []
+            budget = st.budget - steady.num_steps * len(rows)
+        if not rows:
             return False
         st.budget, st.steady_rows = budget, rows
         st.steady_ids, st.steady_scheduled = schedule_burst(rows, steady.num_steps)

@@ -9,10 +9,11 @@ advances the in-flight counters (sys.setprofile sees a fixed number of events pe
 tests/engine/test_steady_host_work.py counts them). The per-row path this replaces cost ~1.0 us (schedule) and
 ~0.35 us (update) per row per step on a shared CPU core; this path ~0.65 us and ~0.3 us (N = 256, burst 1).
 
-A row leaves early when it finishes, is aborted or preempted (Scheduler._finish / _preempt discard it). The
-per-row path keeps everything else: prefill, the first decode, a burst that opens a KV block (every
-block_size / burst steps of a row: amortised O(1)) or nears a length limit, text rows, and any step whose
-budget or free blocks are short for the other rows.
+A row leaves early when it finishes, is aborted or preempted (Scheduler._finish / _preempt discard it). A row
+whose horizon ends because its next burst opens a KV block (every block_size / burst steps of a row) gets that
+block from the bulk path's step (SteadyRows.extend: one allocate_slots, the per-row path's, and no per-row
+scheduling or commit) and stays. The per-row path keeps everything else: prefill, the first decode, a burst
+that nears a length limit, text rows, and any step whose budget or free blocks are short for the other rows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import deque
 from itertools import compress, repeat
 from operator import add, attrgetter, getitem, is_, itemgetter, sub
 
+from ttsserve.engine.block_manager import KVCacheManager
 from ttsserve.engine.outputs import RequestUpdate, ScheduledRequest
 from ttsserve.engine.request import Request, RequestStatus
 
@@ -60,11 +62,35 @@ class SteadyRows:
     def discard(self, req: Request) -> None:
         self.horizon.pop(req, None)
 
-    def expire(self, step: int) -> None:
-        """Rows whose horizon was the step before `step` leave (an entry re-entered since keeps its new one)."""
+    def expire(self, step: int) -> list[Request]:
+        """Rows whose horizon was the step before `step` leave (an entry re-entered since keeps its new one)
+        -> those rows."""
+        gone = []
         for req in self._expiry.pop(step, ()):
             if self.horizon.get(req) == step - 1:
                 del self.horizon[req]
+                gone.append(req)
+        return gone
+
+    def extend(self, expired: list[Request], step: int, bm: KVCacheManager, token_limit: int) -> bool:
+        """Rows whose horizon ended (expire) because their next burst opens a KV block, their length limits still
+        a burst away: allocate that block now, as the per-row path would (allocate_slots), and let them stay
+        steady, so a row leaves the bulk path near its length limits only, not every block_size / burst steps.
+        The caller checked that the free blocks cover them (Scheduler._covers). -> whether any was extended."""
+        b, extended = self.num_steps, False
+        for req in expired:
+            if req.status is not _RUNNING:
+                continue
+            num_outputs = len(req.output_token_ids) + req.num_inflight_outputs
+            room = min(req.max_new_tokens, token_limit - len(req.prompt_token_ids))
+            if num_outputs + b >= room:
+                continue  # a length limit is within the next burst: the per-row path finishes it
+            ok = bm.allocate_slots(req, req.num_inflight_tokens + b)
+            assert ok, "the caller counted this row's next block"
+            # as if it had entered last step with this block: the horizon the per-row path would give it now
+            self.enter(req, step - 1, req.num_computed_tokens + req.num_inflight_tokens, num_outputs, room)
+            extended = True
+        return extended
 
     def rows_in(self, running: list[Request]) -> list[Request]:
         """The steady rows, in running order (C-level filter)."""

@@ -99,6 +99,16 @@ class SynthesisTracker:
         """Audio that may leave now, and the final output once every segment finished."""
         if self.done:
             return []
+        seg = self.segments[self.current]
+        streaming = not seg.finished and self.tail is None and self.error is None and not self.held.size
+        if streaming and len(seg.chunks) == 1:
+            # a segment streaming with nothing held back for a fade: its one new chunk leaves as it is (what the
+            # general path below gives, without its two copies)
+            out = AudioOutput(self.request_id, seg.chunks[0], False)
+            seg.chunks = []
+            if self.spans:
+                out.segments, self.spans = self.spans, []
+            return [out]
         out: list[np.ndarray] = []
         while self.current < len(self.segments):
             seg = self.segments[self.current]

@@ -102,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app.state.public_url = public_url(host, port)  # and, once ready, the playground's and the docs' URLs
     from ttsserve.engine.core.heap import freeze_startup_heap
 
-    freeze_startup_heap("server")
+    freeze_startup_heap("server", step_loop=True)  # the engine steps on a thread of this process
     # SIGTERM drains (server/drain.py: new requests get 503 while accepted ones finish, up to the drain timeout)
     # and the exit status is 0, as under the launcher.
     config = uvicorn_config(app, server_cfg, log_level)

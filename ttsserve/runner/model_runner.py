@@ -42,6 +42,7 @@ from ttsserve.sample.state import SamplingState
 
 logger = logging.getLogger(__name__)
 DEFAULT_HISTORY_WINDOW = 16
+_MAX_SPEAKERS = 256  # normalized speaker vectors kept (fp32 [768]: 3 KB each)
 
 
 def _pick(items: list, idx) -> list:
@@ -90,6 +91,7 @@ class ModelRunner:
         )
         self.sampling = SamplingState(max_num_seqs, self.cfg.num_vq, DEFAULT_HISTORY_WINDOW, self.device)
         self.states: dict[str, SequenceState] = {}
+        self._speakers: dict[tuple, torch.Tensor] = {}  # (dtype, bytes of spk_emb) -> normalized vector
         self.timings = RunnerTimings()
         # Pipelined (the engine's async_scheduling): decode rows may continue from a token the host has not
         # seen yet, so they always take the decode path (which reads last_tokens on the device), and a
@@ -178,11 +180,23 @@ class ModelRunner:
         mask = inputs.text_mask.numpy().astype(bool, copy=False)
         spk, spk_rows = None, np.empty(0, dtype=np.int64)
         if inputs.spk_emb is not None:
-            spk = self.model.embed.normalize_speaker(inputs.spk_emb.cpu())
+            spk = self._speaker(inputs.spk_emb.cpu())
             spk_rows = np.flatnonzero(ids[:, 0] == self.spk_emb_id)
         if inputs.params.repetition_window > self.sampling.window:
             self.sampling.grow(window=inputs.params.repetition_window)  # graphs re-capture on next use
         self.states[req_id] = SequenceState(ids, mask, spk, spk_rows, inputs.mode, inputs.params, inputs.seed)
+
+    def _speaker(self, spk_emb: torch.Tensor) -> torch.Tensor:
+        """The normalized speaker vector of spk_emb [H] (host), shared read-only by every sequence of that vector: a
+        served voice repeats across requests, and normalizing it (torch ops on the step thread) costs more than the
+        lookup. The cache is bounded: a server of many voices clears it now and then."""
+        key = (spk_emb.dtype, spk_emb.contiguous().view(torch.uint8).numpy().tobytes())
+        spk = self._speakers.get(key)
+        if spk is None:
+            if len(self._speakers) >= _MAX_SPEAKERS:
+                self._speakers.clear()
+            spk = self._speakers[key] = self.model.embed.normalize_speaker(spk_emb)
+        return spk
 
     def remove_sequence(self, req_id: str) -> None:
         """Forget a sequence (its batch row and prompt state); an unknown id is ignored."""

@@ -54,14 +54,16 @@ class RunnerOutput:
     """sampled[req_id]: for requests that sampled this step, a 4-tuple of codes (code) or a token id (text);
     for a decode burst (ScheduledRequest.num_steps > 1) the sequence (a tuple) of its frames before the first EOS.
     stopped[req_id]: the sampled row is EOS (any codebook for code), or the burst reached one.
-    frames: the hidden states of the non-EOS frames, the Decoder's input (MODEL.md §4.5), as (j, req_ids, hidden
-    [m, len(req_ids), H] fp32 on the device) batches: frames j .. j + m - 1 of this step for each listed
-    request (m, j > 0 only in decode bursts). Valid until the next execute().
+    frames: the hidden states of every code frame sampled, the Decoder's input (MODEL.md §4.5), as one (req_ids,
+    hidden [m, len(req_ids), H] fp32 on the device) batch per code group: the m frames of this step of each listed
+    request (m > 1 in decode bursts), EOS frames and those after them included. Which are real audio frames is
+    the scheduler's to say: a request's first RequestUpdate.num_new_tokens (none for a row without an update).
+    Valid until the next execute().
     """
 
     sampled: dict[str, object] = field(default_factory=dict)
     stopped: dict[str, bool] = field(default_factory=dict)
-    frames: list[tuple[int, list[str], torch.Tensor]] = field(default_factory=list)
+    frames: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass

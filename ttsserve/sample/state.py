@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ttsserve.h2d import async_h2d
@@ -77,32 +78,45 @@ class SamplingState:
 
         outputs[i]: request i's generated items so far (4-tuples for code, ints for text); the ring gets the
         last `repetition_window` of them and last_tokens the final one.
-        """
-        if not rows:
+
+        Built in numpy by columns (one Python pass per row only for rows with outputs: a resumed request), sent
+        in two copies (the float64 table; the row indices, int64 table, ring and last rows back to back)."""
+        n = len(rows)
+        if not n:
             return
         q, w = self.num_vq, self.window
-        fp = torch.empty(len(rows), 2 + q, dtype=torch.float64)
-        ip = torch.empty(len(rows), 5, dtype=torch.int64)
-        ring = torch.full((len(rows), q, w), -1, dtype=torch.int64)
-        last = torch.zeros(len(rows), q, dtype=torch.int64)
-        for i, (p, seed, mode, outs) in enumerate(zip(params, seeds, modes, outputs)):
-            width = q if mode == "code" else 1
-            temps = p.temperatures(width)
-            # fp32 first: the temperature of the batch is fp32 (exactly what torch.tensor(float32) rounds to)
-            fp[i, 2 : 2 + width] = torch.tensor(temps, dtype=torch.float32).double()
-            fp[i, _TOP_P], fp[i, _PENALTY] = p.top_p, float(torch.tensor(p.repetition_penalty, dtype=torch.float32))
-            ip[i] = torch.tensor([p.top_k, int(p.greedy), seed, p.min_new_tokens, p.repetition_window])
-            g = len(outs)
-            for j in range(max(0, g - p.repetition_window), g):
-                ring[i, :width, j % p.repetition_window] = torch.as_tensor(outs[j]).reshape(-1)[:width]
-            if g:
-                last[i, :width] = torch.as_tensor(outs[-1]).reshape(-1)[:width]
+        fp = np.empty((n, 2 + q), dtype=np.float64)
+        # fp32 first: the temperature of the batch is fp32 (exactly what torch.tensor(float32) rounds to). A text
+        # row reads column 2 only; temperatures(q)[0] equals its temperatures(1)[0].
+        fp[:, 2:] = np.array([p.temperatures(q) for p in params], dtype=np.float32)
+        fp[:, _TOP_P] = [p.top_p for p in params]
+        fp[:, _PENALTY] = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        # int64 back to back, each part contiguous: row index [n] | iparams [n, 5] | ring [n, q, w] | last [n, q]
+        sizes = [n, n * 5, n * q * w, n * q]
+        ints = np.empty(sum(sizes), dtype=np.int64)
+        idx, ip, ring, last = np.split(ints, np.cumsum(sizes[:-1]))
+        idx[:] = rows
+        ip.reshape(n, 5)[:] = [
+            (p.top_k, int(p.greedy), s, p.min_new_tokens, p.repetition_window) for p, s in zip(params, seeds)
+        ]
+        ring[:], last[:] = -1, 0
+        ring, last = ring.reshape(n, q, w), last.reshape(n, q)
+        for i in [i for i, outs in enumerate(outputs) if len(outs)]:
+            self._history_row(ring[i], last[i], params[i].repetition_window, modes[i], outputs[i])
         dev = self.device
-        idx = async_h2d(torch.tensor(list(rows), dtype=torch.int64), dev)
-        self.fparams.index_copy_(0, idx, async_h2d(fp, dev))
-        self.iparams.index_copy_(0, idx, async_h2d(ip, dev))
-        self.ring.index_copy_(0, idx, async_h2d(ring, dev))
-        self.last_tokens.index_copy_(0, idx, async_h2d(last, dev))
+        idx_t, ip_t, ring_t, last_t = async_h2d(torch.from_numpy(ints), dev).split(sizes)
+        self.fparams.index_copy_(0, idx_t, async_h2d(torch.from_numpy(fp), dev))
+        self.iparams.index_copy_(0, idx_t, ip_t.view(n, 5))
+        self.ring.index_copy_(0, idx_t, ring_t.view(n, q, w))
+        self.last_tokens.index_copy_(0, idx_t, last_t.view(n, q))
+
+    def _history_row(self, ring: np.ndarray, last: np.ndarray, window: int, mode: str, outs: Sequence) -> None:
+        """ring [q, W] and last [q] of one row from its outputs: the last `window` of them at column g % window."""
+        width = self.num_vq if mode == "code" else 1
+        g = len(outs)
+        for j in range(max(0, g - window), g):
+            ring[:width, j % window] = np.asarray(outs[j]).reshape(-1)[:width]
+        last[:width] = np.asarray(outs[-1]).reshape(-1)[:width]
 
     # ---- device side: graph-capturable ---------------------------------------------------------------------
     def batch(self, rows: torch.Tensor, steps: torch.Tensor, num_rows: int, eos_id: int) -> SamplingBatch:

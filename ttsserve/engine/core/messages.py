@@ -128,8 +128,8 @@ class SynthesisMsg(msgspec.Struct, frozen=True):
             req.request_id,
         )
 
-    def request(self) -> SynthesisRequest:
-        """ValueError for a request the engine's dataclasses reject."""
+    def request(self, request_id: str | None = None) -> SynthesisRequest:
+        """ValueError for a request the engine's dataclasses reject. request_id: in place of the message's."""
         v = self.voice
         voice = Voice(
             None if v.spk_emb is None else v.spk_emb.array(),
@@ -148,7 +148,7 @@ class SynthesisMsg(msgspec.Struct, frozen=True):
             self.normalize,
             self.split,
             self.raw_text,
-            self.request_id,
+            self.request_id if request_id is None else request_id,
         )
 
 
@@ -239,7 +239,8 @@ class SpanMsg(msgspec.Struct, array_like=True, frozen=True):
 
 
 class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
-    """AudioOutput on the wire; samples: float32 little-endian [n] at the core's sample rate."""
+    """AudioOutput on the wire; samples: float32 little-endian [n] at the core's sample rate (bytes; made by of(),
+    a byte memoryview of the output's array, which encodes the same without a copy of its own)."""
 
     request_id: str
     samples: bytes
@@ -256,14 +257,14 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
         samples = np.ascontiguousarray(out.samples, dtype="<f4")
         return cls(
             out.request_id,
-            samples.tobytes(),
+            memoryview(samples).cast("B"),
             out.finished,
             out.num_frames,
             out.finish_reason,
             list(out.truncated_segments),
             out.error,
             list(out.dropped_chars),
-            [SpanMsg(s.index, s.text, s.start, s.end) for s in out.segments],
+            [SpanMsg(s.index, s.text, s.start, s.end) for s in out.segments] if out.segments else [],
         )
 
     def output(self, request_id: str | None = None) -> AudioOutput:
@@ -303,9 +304,10 @@ core_decoder = msgspec.msgpack.Decoder(CoreMessage)
 synthesis_decoder = msgspec.msgpack.Decoder(SynthesisMsg)
 
 
-def decode_synthesis(raw: msgspec.Raw | bytes) -> SynthesisRequest:
-    """An AddRequest's payload -> SynthesisRequest; ValueError (with the reason) for anything malformed."""
+def decode_synthesis(raw: msgspec.Raw | bytes, request_id: str | None = None) -> SynthesisRequest:
+    """An AddRequest's payload -> SynthesisRequest (request_id: in place of the payload's); ValueError (with the
+    reason) for anything malformed."""
     try:
-        return synthesis_decoder.decode(raw).request()
+        return synthesis_decoder.decode(raw).request(request_id)
     except (msgspec.ValidationError, TypeError) as e:
         raise ValueError(str(e)) from None

@@ -27,7 +27,6 @@ This module imports torch only inside run_engine_core, after the OpenMP environm
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -225,7 +224,7 @@ class EngineCoreProc:
         rid = msg.request_id
         batch = self._batch(ident)
         try:
-            req = dataclasses.replace(decode_synthesis(msg.request), request_id=rid)
+            req = decode_synthesis(msg.request, rid)
             segments = None if msg.segments is None else [m.segment(i) for i, m in enumerate(msg.segments)]
             self.core.add(req, segments)
         except (ValueError, EngineOverloadedError) as e:  # typed: kind and param cross the wire
@@ -348,7 +347,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
         return 1
     signal.signal(signal.SIGTERM, lambda *_: core.request_stop())
 
-    freeze_startup_heap("engine core")
+    freeze_startup_heap("engine core", step_loop=True)
     ready.send(("ready", os.getpid()))
     ready.close()
     core.run()
