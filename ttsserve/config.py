@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -91,9 +90,9 @@ class EngineConfig:
     background_graph_capture: on CUDA, capture only each CUDA-graph family's largest bucket while the engine
         starts and the others after it is ready, between served steps (engine/deferred_capture.py): ready
         in seconds instead of tens of seconds; until a batch's own bucket is captured it replays the next
-        larger one. False: every graph before ready (the first requests run at full speed). None: on where a
-        serving loop drives the engine (`ttsserve serve`, Ray replicas: for_serving()), off for an Engine
-        driven directly (offline runs, benchmarks), which would never capture the rest.
+        larger one; only a serving loop (`ttsserve serve`, Ray replicas) captures the rest, an Engine driven
+        directly does so in wait_warm(). Opt-in (None / False: every graph before ready, full speed from the
+        first request): docs/DEPLOY.md's cold start says what it was measured to give.
     """
 
     model: str | None = None
@@ -177,13 +176,6 @@ class EngineConfig:
         if self.max_num_seqs is not None:
             return self.max_num_seqs
         return 512 if device_type == "cuda" else 256
-
-    def for_serving(self) -> EngineConfig:
-        """This config for an engine a serving loop drives (the engine core, AsyncEngine): an unset
-        background_graph_capture is on, since that loop captures the deferred graphs between steps."""
-        if self.background_graph_capture is not None:
-            return self
-        return dataclasses.replace(self, background_graph_capture=True)
 
     def step_intervals(self, device_type: str) -> tuple[int, int]:
         """(vocoder_cadence, admission_interval) with the defaults of `device_type` filled in (in engine steps:

@@ -161,11 +161,8 @@ def test_engine_core_process_loop_runs_the_deferred_captures_while_idle(tiny_mod
     assert not loop.is_alive()
 
 
-def test_background_graph_capture_defaults_on_for_serving_only():
-    cfg = EngineConfig(device="cpu")
-    assert cfg.background_graph_capture is None and cfg.for_serving().background_graph_capture is True
-    off = EngineConfig(device="cpu", background_graph_capture=False)
-    assert off.for_serving() is off
+def test_background_graph_capture_is_opt_in():
+    assert not EngineConfig(device="cpu").background_graph_capture
     parser = argparse.ArgumentParser()
     add_engine_args(parser, env=True)
     assert "background_graph_capture" not in engine_kwargs(parser.parse_args([]), env={})

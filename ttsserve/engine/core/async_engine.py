@@ -70,7 +70,7 @@ class AsyncEngine(LivenessReport):
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        return cls(Engine(cfg.for_serving()))
+        return cls(Engine(cfg))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:

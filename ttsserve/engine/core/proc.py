@@ -340,7 +340,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
     from ttsserve.engine.engine import Engine
 
     try:
-        core = EngineCoreProc(Engine(cfg.for_serving()), address, drain_timeout_s, heartbeat)
+        core = EngineCoreProc(Engine(cfg), address, drain_timeout_s, heartbeat)
     except Exception as e:  # reported to the launcher, which exits with a one-line reason
         logger.exception("the engine core failed to start")
         ready.send(("error", f"{type(e).__name__}: {e}"))
