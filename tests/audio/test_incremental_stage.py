@@ -91,6 +91,19 @@ def test_a_reused_slot_starts_clean(tiny) -> None:  # noqa: F811
     assert np.abs(joined(chunks) - one_shot(dec, vocos, frames)).max() < 1e-5
 
 
+def test_each_chunk_owns_its_samples(tiny) -> None:  # noqa: F811
+    """The chunks of one call are copies, not views of the call's transfer buffer: an output that passes a chunk's
+    samples on (SynthesisTracker's streaming path) must not keep the buffer or the other streams' audio alive."""
+    dec, _, vocos = tiny
+    stage = IncrementalAudioStage(dec, None, vocos)
+    for k in "abc":
+        stage.add_request(k)
+    stage.append_batch(list("abc"), torch.randn(60, 3, 64, generator=torch.Generator().manual_seed(12)))
+    chunks = [c for c in stage.step() if c.samples.size]
+    assert len(chunks) == 3 and stage.calls_total == 1
+    assert all(c.samples.flags.owndata and c.samples.base is None for c in chunks)
+
+
 def test_a_burst_is_decoded_in_bounded_calls_within_one_step(tiny) -> None:  # noqa: F811
     dec, _, vocos = tiny
     stage = IncrementalAudioStage(dec, None, vocos)

@@ -360,10 +360,12 @@ class StreamingStage:
         self.collects_total += 1
         if pending.event is not None:
             pending.event.synchronize()
-        # a copy: the chunks must not pin the (pinned, pooled) transfer buffer
-        flat, specs = pending.flat.numpy().copy(), pending.specs
+        # a copy per chunk, by C-level maps: a chunk (and the output that passes its samples on) must keep neither
+        # the (pinned, pooled) transfer buffer nor its call's other chunks alive; an output may wait long in a
+        # slow client's queue
+        flat, specs = pending.flat.numpy(), pending.specs
         ends = list(accumulate(pending.sizes))
-        pieces = map(flat.__getitem__, map(slice, [0, *ends], ends))  # views, by C-level maps (no np.split)
+        pieces = map(np.ndarray.copy, map(flat.__getitem__, map(slice, [0, *ends], ends)))
         chunks = list(map(AudioChunk, map(_REQ_ID, specs), pieces, map(_START, specs), map(_IS_FINAL, specs)))
         chunks += pending.empty_finals
         for ch in compress(chunks, map(_IS_FINAL, chunks)):

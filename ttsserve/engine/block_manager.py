@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 from ttsserve.constants import FRAMES_PER_SECOND
 from ttsserve.engine.request import Request
@@ -107,8 +108,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             self._pending_stats[request.request_id] = (request.num_tokens, 0)
             return 0
-        hashes = self._chain_hashes(request, (request.num_tokens - 1) // self.block_size)
-        for h in hashes:
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        for h in islice(self._chain_hashes(request, num_blocks), num_blocks):
             bid = self.cached_blocks.get(h)
             if bid is None:
                 break
@@ -244,7 +245,8 @@ class KVCacheManager:
         self._num_registered[rid] = num_full
 
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        """Chain hashes of the first num_blocks full blocks (computed lazily, kept per request)."""
+        """The request's kept chain hashes, computed up to its first num_blocks full blocks (lazily): the list
+        itself, maybe longer (not a copy per call: a decode that fills a block calls this)."""
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
         extra = (request.prefix_key, request.mode)
@@ -253,7 +255,7 @@ class KVCacheManager:
             tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
             parent = hashes[-1][0] if hashes else None
             hashes.append((hash((parent, tokens, extra)), tokens))
-        return hashes[:num_blocks]
+        return hashes
 
 
 # ---- sizing --------------------------------------------------------------------------------------------

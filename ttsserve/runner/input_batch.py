@@ -142,7 +142,6 @@ class InputBatch:
         self._staging = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2 if self.mirror else 0)]
         self._staging_np = [t.numpy() for t in self._staging]
         self._dirty_lo, self._dirty_hi = max_rows + 1, 0  # rows [lo, hi) were written since the last flush
-        self._dirty_cols = 0  # ... in columns [0, cols) (a table fills from column 0; most of it is unused)
 
     @property
     def max_rows(self) -> int:
@@ -258,25 +257,22 @@ class InputBatch:
             self._dirty_lo = row
         if row >= self._dirty_hi:
             self._dirty_hi = row + 1
-        if n > self._dirty_cols:
-            self._dirty_cols = n
 
     def flush_block_tables(self) -> None:
         """Bring the device table up to date: one asynchronous copy of the host rows [lo, hi) written since
-        the last flush (rows are handed out lowest first, so that is about the running rows), in the columns
-        those writes reached (a row holds max_model_len / block_size columns, a stream uses the first few); none
-        when no table changed or without a mirror."""
-        lo, hi, cols = self._dirty_lo, self._dirty_hi, self._dirty_cols
+        the last flush (rows are handed out lowest first, so that is about the running rows), none when no
+        table changed or without a mirror."""
+        lo, hi = self._dirty_lo, self._dirty_hi
         if lo >= hi:
             return
-        self._dirty_lo, self._dirty_hi, self._dirty_cols = self.max_rows + 1, 0, 0
+        self._dirty_lo, self._dirty_hi = self.max_rows + 1, 0
         if not self.mirror:
             return
         i = self._next_staging
         self._next_staging = 1 - i
         self._staging_writable(i)
-        self._staging_np[i][lo:hi, :cols] = self.block_table_np[lo:hi, :cols]
-        self.block_table[lo:hi, :cols].copy_(self._staging[i][lo:hi, :cols], non_blocking=True)
+        self._staging_np[i][lo:hi] = self.block_table_np[lo:hi]
+        self.block_table[lo:hi].copy_(self._staging[i][lo:hi], non_blocking=True)
         if self._copied[i] is not None:
             self._copied[i].record(self._stream)
             self._copy_pending[i] = True
