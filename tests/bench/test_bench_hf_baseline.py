@@ -105,10 +105,11 @@ def test_baseline_greedy_equals_engine_tiny() -> None:
         for rid, row in out.sampled.items():
             if not out.stopped.get(rid):
                 frames.setdefault(rid, []).append(list(row))
-        for _, ids, h in out.frames:  # h: [m, len(ids), H], m frames of each
+        for ids, h in out.frames:  # h: [m, len(ids), H], every frame sampled (m = 1 here), EOS frames included
             for frame in h:
                 for i, rid in enumerate(ids):
-                    hiddens.setdefault(rid, []).append(frame[i].float().cpu())
+                    if not out.stopped.get(rid):
+                        hiddens.setdefault(rid, []).append(frame[i].float().cpu())
         return out
 
     setattr(engine.runner, name, spy)
