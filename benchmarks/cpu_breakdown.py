@@ -132,6 +132,9 @@ def main() -> None:
         f" RTF {wall / (a.frames / 46.875):.2f}"
     )
     print(f"ms per step ({a.clock} clock):", report(steps, a.frames))
+    mon = engine._threads
+    if mon is not None and mon.active:
+        print(f"thread monitor: {mon.current} of {mon.full} threads now, {mon.switches} switches")
 
 
 if __name__ == "__main__":

@@ -188,10 +188,12 @@ def test_plan_precedence_and_validation() -> None:
 
 
 def test_openmp_env_defaults_never_override() -> None:
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert openmp_env_defaults(env) == {} and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(mine)
+        assert openmp_env_defaults(env) == {} and env == mine  # any wait setting of the user's: none of ours
     env = {}
     assert openmp_env_defaults(env) == cpu_threads.OPENMP_ENV_DEFAULTS == env
+    assert int(env["GOMP_SPINCOUNT"]) > 0  # a bounded spin, not PASSIVE (0) nor libgomp's default (300000)
 
 
 def test_configure_applies_to_torch(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""The CPU thread policy: how many threads the engine's torch ops use, decided once at start-up.
+"""The CPU thread policy: how many threads the engine's torch ops use, and how idle OpenMP threads wait.
 
 A CPU decode step is ~200 small parallel regions (80 linears, 20 attention gathers and SDPAs, norms,
 softmaxes). Each region needs EVERY thread of the OpenMP team to run, so a thread more than the cores
@@ -10,9 +10,14 @@ Hence:
 - one inter-op thread: the engine never uses inter-op parallelism (no torch.jit.fork);
 - the engine thread runs the GPT and the audio stage one after the other, so they share one team and
   never oversubscribe each other; other threads of the process should not run heavy torch ops;
-- `openmp_env_defaults()` sets OMP_WAIT_POLICY=PASSIVE (when unset) before torch is imported: a waiting
-  thread sleeps instead of spinning, so a team on a busy machine does not burn the cycles its other
-  threads need. It must run before `import torch` (the OpenMP runtime reads it once, when it loads).
+- `openmp_env_defaults()` sets GOMP_SPINCOUNT=20000 (and KMP_BLOCKTIME=1 for Intel's runtime) before torch
+  is imported, unless OMP_WAIT_POLICY or those are set: a thread done with a parallel region spins ~0.25 ms
+  (20,000 pause loops of ~12 ns on the development VM) for the next one, then sleeps. The GEMMs of a decode
+  step come tens of microseconds apart, so the team stays awake through the GPT and sleeps between steps;
+  waking a sleeping thread cost ~100 us per GEMM on that VM (PASSIVE: 2 threads no faster than 1), spinning
+  forever (ACTIVE, or libgomp's default of ~4 ms there) starves other processes. On a machine whose cores
+  other work also uses, spinning teams stall each other: runner/cpu_contention.py then drops to 1 thread.
+  It must run before `import torch` (the OpenMP runtime reads it once, when it loads).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-OPENMP_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}
+# a user's choice of any of these keeps all of OPENMP_ENV_DEFAULTS out
+WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 @dataclass(frozen=True)
@@ -127,10 +134,10 @@ def configure_cpu_threads(num_threads: int | None = None) -> CpuThreadPolicy:
 
 
 def openmp_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set OPENMP_ENV_DEFAULTS where the user has not set them; returns what was set. A no-op (with a
-    warning) once torch is imported: the OpenMP runtime has read its environment by then."""
+    """Set OPENMP_ENV_DEFAULTS unless the user has set a wait policy (WAIT_ENV); returns what was set. A no-op
+    (with a warning) once torch is imported: the OpenMP runtime has read its environment by then."""
     env = os.environ if environ is None else environ
-    todo = {k: v for k, v in OPENMP_ENV_DEFAULTS.items() if k not in env}
+    todo = {} if any(k in env for k in WAIT_ENV) else dict(OPENMP_ENV_DEFAULTS)
     if not todo:
         return {}
     if environ is None and "torch" in sys.modules:
