@@ -118,6 +118,10 @@ class Engine:
         self._ids = itertools.count()
         if self.model.device.type == "cuda" and not cfg.enforce_eager:
             self.warm_up()
+        elif self.model.device.type == "cpu":
+            from ttsserve.engine.warm_up import warm_up_cpu
+
+            warm_up_cpu(self)
         logger.info(self.memory_report())
 
     def warm_up(self) -> None:

@@ -53,6 +53,7 @@ class ThreadMonitor:
         self._last: tuple[float, float, float] | None = None  # (monotonic, busy s, own CPU s)
         self._next = 0.0
         self.switches = 0
+        self.tick()  # the first reading: the start-up's work (seconds of it) is the first window
 
     def tick(self) -> None:
         if not self.active:
