@@ -334,12 +334,13 @@ class IncrementalAudioStage(StreamingStage):
         kept = wav if len(rows) == len(feeds) else wav[to_device(rows, wav.device)]
         return crop_rows(kept, starts, sizes), specs, sizes
 
-    def warm_chunk_shapes(self) -> None:
-        """One call of one row per call size a single stream makes (its first call, then each chunk size), in
-        scratch slots, counters untouched: a call of a new length pays the convolutions' first use (oneDNN)."""
+    def warm_chunk_shapes(self, rows: int = 1) -> None:
+        """One call of `rows` rows per call size streams started together make (their first call, then each
+        chunk size), in scratch slots, counters untouched: a call of a new shape pays the convolutions' first
+        use (oneDNN)."""
         sizes = {self._first_call_frames} | {self._chunk_frames(k) for k in range(1, 33)}
         for n in sorted(sizes):
-            self._scratch_call(1, n)
+            self._scratch_call(rows, n)
 
     @torch.no_grad()
     def profile_max_call(self, num_windows: int | None = None) -> None:

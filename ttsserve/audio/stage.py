@@ -149,9 +149,9 @@ class AudioStage(StreamingStage):
         window) on random frames: for memory profiling, and as a warm-up of the convolution kernels."""
         self._scratch_call(num_windows or self.max_windows_per_call, self.max_window_frames)
 
-    def warm_chunk_shapes(self) -> None:
-        """One call of one window per window length a single stream's chunks make (they grow with the left
-        context until it is full): a call of a new length pays the convolutions' first use (oneDNN)."""
+    def warm_chunk_shapes(self, rows: int = 1) -> None:
+        """One call of `rows` windows per window length the chunks of streams started together make (they grow
+        with the left context until it is full): a call of a new shape pays the convolutions' first use."""
         sizes, a = set(), 0
         for k in range(33):
             c = self._chunk_frames(k)
@@ -160,7 +160,7 @@ class AudioStage(StreamingStage):
             if a >= self.left_context_frames and c == self.max_chunk_frames:
                 break
         for n in sorted(sizes):
-            self._scratch_call(1, n)
+            self._scratch_call(rows, n)
 
     @torch.no_grad()
     def _scratch_call(self, b: int, n: int) -> None:

@@ -283,7 +283,7 @@ void decode_attention(const void *qkv, int qkv_bf16, const float *cos, const flo
        fewer sequences than threads. A parallel region wakes the other threads: only for enough work. */
     int64_t chunks = B >= threads ? 1 : threads, kv_per_chunk = (Hkv + chunks - 1) / chunks;
     chunks = (Hkv + kv_per_chunk - 1) / kv_per_chunk;
-#pragma omp parallel for schedule(static) if (work * Hq * D > (1 << 18))
+#pragma omp parallel for schedule(static) if (work * Hq * D > (1 << 14))
     for (int64_t task = 0; task < B * chunks; task++) {
         int64_t b = task / chunks, kv0 = (task % chunks) * kv_per_chunk;
         int64_t kv1 = kv0 + kv_per_chunk < Hkv ? kv0 + kv_per_chunk : Hkv, h0 = kv0 * group, nh = (kv1 - kv0) * group;
