@@ -47,15 +47,16 @@ def test_add_rms_norm_and_silu_mul_match_torch(dtype: torch.dtype) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("d16", [16, 64])  # 64: a bf16 model's query-key products by bf16 pairs (AVX512_BF16)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "lens,heads,block_size", [([37], (4, 4), 16), ([5, 33, 17, 1], (4, 2), 8), ([70, 3], (2, 1), 32)]
 )
-def test_decode_attention_matches_float64(lens, heads, block_size, dtype) -> None:
-    """RoPE with cos = 1, sin = 0 (the identity) isolates the KV write and the attention."""
+def test_decode_attention_matches_float64(lens, heads, block_size, dtype, d16) -> None:
+    """RoPE with cos = 1, sin = 0 (the identity) isolates the KV write and the attention. The kernel works in
+    16-float vectors: the shared case's head dim (8) is padded with zeros to d16."""
     cache, md, q, k, v, contexts = _decode_case(lens, *heads, block_size, dtype, seed=len(lens))
     b, hq, d = q.shape
-    d16 = 16  # the kernel works in 16-float vectors: pad the head dim of the shared case (8) with zeros
     cache16 = torch.zeros(*cache.shape[:-1], d16, dtype=dtype)
     cache16[..., :d] = cache
     qkv = torch.zeros(b, hq + 2 * heads[1], d16, dtype=dtype)
