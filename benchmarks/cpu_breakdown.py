@@ -56,7 +56,7 @@ def instrument(engine) -> None:
     runner._forward = timed("gpt", runner._forward)
     if runner.cpu_graph is not None:
         runner.cpu_graph.run = timed("gpt", runner.cpu_graph.run)
-    fused = runner.cpu_fused
+    fused = getattr(runner, "cpu_fused", None)
     if fused is not None:  # runner/cpu_decode.py calls the packed GEMMs directly
         fused.run = timed("gpt", fused.run)
         fused.k.decode_attention = timed("attention", fused.k.decode_attention)
@@ -132,7 +132,7 @@ def main() -> None:
         f" RTF {wall / (a.frames / 46.875):.2f}"
     )
     print(f"ms per step ({a.clock} clock):", report(steps, a.frames))
-    mon = engine._threads
+    mon = getattr(engine, "_threads", None)
     if mon is not None and mon.active:
         print(f"thread monitor: {mon.current} of {mon.full} threads now, {mon.switches} switches")
 
