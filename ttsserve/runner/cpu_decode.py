@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ttsserve.attention.backend import AttentionMetadata
-from ttsserve.layers.cpu.kernels import KERNEL_DTYPES, CpuDecodeKernels, fits, load
+from ttsserve.layers.cpu.kernels import KERNEL_DTYPES, CpuDecodeKernels, attention_scratch, fits, load
 from ttsserve.model.cpu_linear import NO_TORCH_FUNCTION, DynamicInt8Linear, PackedLinear
 
 
@@ -56,6 +56,7 @@ class CpuFusedDecode:
         ]
         self.final_norm = gpt.norm.weight.detach()
         self._buffers: dict[tuple[int, str, torch.dtype], Tensor] = {}
+        self._scores: Tensor | None = None  # the attention kernel's scratch (layers/cpu/kernels.py)
 
     @classmethod
     def create(cls, gpt: nn.Module, kv_layers: list[Tensor], scale: float) -> CpuFusedDecode | None:
@@ -95,6 +96,7 @@ class CpuFusedDecode:
         tables = md.block_tables.to(torch.int32).contiguous()
         seq_lens = md.seq_lens.to(torch.int32).contiguous()
         q_width, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+        scores = self._scores = attention_scratch(self._scores, self.num_heads, md.max_seq_len)
         delta = None
         for (w_in, qkv, o, w_post, gate_up, down), cache in zip(self.layers, self.kv_layers):
             xn = self._buffer(b, "xn", cfg.hidden_size, qkv[1])
@@ -102,7 +104,7 @@ class CpuFusedDecode:
             attn = self._buffer(b, "attn", q_width, o[1])
             k.decode_attention(
                 qkv[0](xn), cos, sin, cache, slots, tables, seq_lens, md.max_seq_len, self.num_heads, self.scale,
-                attn, self.round_bf16,
+                attn, self.round_bf16, scores,
             )  # fmt: skip
             xn = self._buffer(b, "xn2", cfg.hidden_size, gate_up[1])
             k.add_rms_norm(h, o[0](attn).contiguous(), w_post, self.eps, xn)

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +35,7 @@ ENV = "TTSSERVE_CPU_KERNELS"  # "0": never build or use the kernels
 FLAGS = [
     "-O3",
     "-march=native",
-    "-mprefer-vector-width=512",  # where the CPU has AVX-512: the kernels are vector code, 16 floats a register
+    *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),  # 16-float vectors
     "-ffp-contract=off",  # no FMA: torch rounds a * b and + c separately
     "-fno-trapping-math",  # (no effect on results) lets floorf / selects vectorize
     "-fno-math-errno",
@@ -107,9 +108,20 @@ def _is_bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
 
+def attention_scratch(scores: torch.Tensor | None, num_heads: int, max_seq_len: int) -> torch.Tensor:
+    """`scores` if it fits, else a bigger one: [threads, >= num_heads * max_seq_len] fp32, a row of attention
+    scores (heads x context) per OpenMP thread. Its owner keeps it (one per engine: calls must not share it)."""
+    rows, length = torch.get_num_threads(), num_heads * max_seq_len
+    if scores is not None and scores.shape[0] >= rows and scores.shape[1] >= length:
+        return scores
+    old_rows, old_len = (0, 0) if scores is None else scores.shape
+    return torch.empty(max(rows, old_rows), max(length, 1 << 14, 2 * old_len))
+
+
 class CpuDecodeKernels:
-    """Typed wrappers of the library's three functions. Every tensor must be contiguous, on the CPU, fp32 or
-    bf16 (checked by the callers once per step, not here: these run ~80 times a step)."""
+    """Typed wrappers of the library's three functions (stateless: shared by every engine of the process).
+    Every tensor must be contiguous, on the CPU, fp32 or bf16 (checked by the callers once per step, not here:
+    these run ~80 times a step)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, argtypes in _SIGNATURES.items():
@@ -117,7 +129,6 @@ class CpuDecodeKernels:
             fn.argtypes, fn.restype = argtypes, None
         self._add_rms_norm, self._silu_mul = lib.add_rms_norm, lib.silu_mul
         self._attention = lib.decode_attention
-        self._scores: torch.Tensor | None = None
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor
@@ -159,14 +170,14 @@ class CpuDecodeKernels:
         scale: float,
         out: torch.Tensor,
         round_bf16: bool,
+        scores: torch.Tensor,
     ) -> torch.Tensor:
         """RoPE, the KV write and one-token attention of B sequences (attention/torch_ref.py's decode path).
 
         qkv: [B, (Hq + 2 Hkv) D]; cos / sin: [B, D] fp32; kv_cache: [2, num_blocks, block_size, Hkv, D] (fp32 /
         bf16), written at slots [B] int64; block_tables: [B, W] int32; seq_lens: [B] int32 (context incl. the
-        new token, <= max_seq_len); out: [B, Hq D]."""
+        new token); out: [B, Hq D]; scores: attention_scratch(.., num_heads, max(seq_lens))."""
         _, num_blocks, block_size, hkv, d = kv_cache.shape
-        scores = self._scratch(num_heads * max_seq_len)
         self._attention(
             _ptr(qkv),
             _is_bf16(qkv),
@@ -192,12 +203,3 @@ class CpuDecodeKernels:
             scores.stride(0),
         )
         return out
-
-    def _scratch(self, length: int) -> torch.Tensor:
-        """[threads, >= length] fp32: one row of attention scores (heads x context) per OpenMP thread."""
-        rows = torch.get_num_threads()
-        s = self._scores
-        if s is None or s.shape[0] < rows or s.shape[1] < length:
-            old_rows, old_len = (0, 0) if s is None else s.shape
-            s = self._scores = torch.empty(max(rows, old_rows), max(length, 1 << 14, 2 * old_len))
-        return s
