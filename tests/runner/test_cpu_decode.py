@@ -64,7 +64,7 @@ def test_decode_attention_matches_float64(lens, heads, block_size, dtype, d16) -
     ones, zeros = torch.ones(b, d16), torch.zeros(b, d16)
     out = torch.empty(b, hq * d16, dtype=dtype)
     K.decode_attention(
-        qkv.reshape(b, -1), ones, zeros, cache16, md.slot_mapping, md.block_tables, md.seq_lens, md.max_seq_len,
+        qkv.reshape(b, -1), ones, zeros, cache16, md.slot_mapping, md.block_tables, md.seq_lens,
         hq, d**-0.5, out, dtype == torch.bfloat16, kernels.attention_scratch(None, hq, md.max_seq_len),
     )  # fmt: skip
     write_kv(cache, k, v, md.slot_mapping)  # what the torch path stores

@@ -103,7 +103,7 @@ class CpuFusedDecode:
             k.add_rms_norm(h, delta, w_in, self.eps, xn)
             attn = self._buffer(b, "attn", q_width, o[1])
             k.decode_attention(
-                qkv[0](xn), cos, sin, cache, slots, tables, seq_lens, md.max_seq_len, self.num_heads, self.scale,
+                qkv[0](xn), cos, sin, cache, slots, tables, seq_lens, self.num_heads, self.scale,
                 attn, self.round_bf16, scores,
             )  # fmt: skip
             xn = self._buffer(b, "xn2", cfg.hidden_size, gate_up[1])

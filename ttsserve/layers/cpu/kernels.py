@@ -165,7 +165,6 @@ class CpuDecodeKernels:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        max_seq_len: int,
         num_heads: int,
         scale: float,
         out: torch.Tensor,
