@@ -7,8 +7,9 @@ attention's gathered fp32 copies of the context. Here each piece between two GEM
 microseconds, and the attention reads the paged cache in place.
 
 The library is compiled with `$CC` (default `cc`) at `-O3 -march=native` into $TTSSERVE_CACHE (default
-~/.cache/ttsserve)/cpu_kernels/, keyed by the source, the flags and the compiler, so only a machine's first start
-pays the ~0.5 s. OpenMP comes from the libgomp torch has already loaded (same soname), so the attention's
+~/.cache/ttsserve)/cpu_kernels/, keyed by the source, the flags, the compiler and the CPU's model and flags (a
+cache shared by machines must never hand one a library built for another's instructions), so only a machine's
+first start pays the ~0.5 s. OpenMP comes from the libgomp torch has already loaded (same soname), so the attention's
 parallel loop shares torch's thread team. No compiler, a failed build, or $TTSSERVE_CPU_KERNELS=0: `load()`
 returns None and the caller keeps the torch path.
 """
@@ -24,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -63,18 +65,31 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TTSSERVE_CACHE") or Path.home() / ".cache" / "ttsserve") / "cpu_kernels"
 
 
+def _cpu_identity() -> str:
+    """The first CPU's model name and instruction-set flags (-march=native targets them), or the platform's
+    description where /proc/cpuinfo is missing."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU part")  # x86, then arm
+    return "\n".join(dict.fromkeys(ln for ln in lines if ln.split(":")[0].strip() in wanted))
+
+
 def _build(cc: str) -> Path:
-    """Compile (or find) the library for this source, compiler and flag set; returns its path."""
+    """Compile (or find) the library for this source, compiler, flag set and CPU; returns its path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"decode_kernels-{key}.so"
+    parts = [SOURCE.read_text(), version, _cpu_identity(), *FLAGS]
+    lib = _cache_dir() / f"decode_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, rename: concurrent starts are safe
         out = Path(tmp) / lib.name
         subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(out, lib)
+    logger.info("CPU decode kernels built in %.1f s: %s", time.perf_counter() - t0, lib)
     return lib
 
 
@@ -90,11 +105,11 @@ def load() -> CpuDecodeKernels | None:
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
+        stderr = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
         logger.warning(
-            "CPU decode kernels: build failed (%s %s); the decode step runs as torch ops",
+            "CPU decode kernels: build failed (%s: %s); the decode step runs as torch ops",
             type(e).__name__,
-            detail.decode(errors="replace").strip().splitlines()[:1] or str(e),
+            stderr[0] if stderr else e,
         )
         return None
     return CpuDecodeKernels(lib)
