@@ -52,11 +52,11 @@ def fits(num_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 512 and num_heads <= 64 and num_heads * head_dim <= 4096
 
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _B: the C `int` flags
 _SIGNATURES = {
-    "add_rms_norm": [_P, _I, _P, _I, _P, _I, _I, _F, _P, _I],
-    "silu_mul": [_P, _I, _I, _I, _P, _I, _I],
-    "decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _P, _I],
+    "add_rms_norm": [_P, _B, _P, _B, _P, _I, _I, _F, _P, _B],
+    "silu_mul": [_P, _B, _I, _I, _P, _B, _B],
+    "decode_attention": [_P, _B, _P, _P, _P, _P, _B, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _B, _B, _P, _I],
 }
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
