@@ -11,7 +11,8 @@ Hence:
 - the engine thread runs the GPT and the audio stage one after the other, so they share one team and
   never oversubscribe each other; other threads of the process should not run heavy torch ops;
 - `openmp_env_defaults()` sets GOMP_SPINCOUNT=20000 (and KMP_BLOCKTIME=1 for Intel's runtime) before torch
-  is imported, unless OMP_WAIT_POLICY or those are set: a thread done with a parallel region spins ~0.25 ms
+  is imported when the engine will run on the CPU (OMP_WAIT_POLICY=PASSIVE for a GPU engine), unless
+  OMP_WAIT_POLICY or those are set: a thread done with a parallel region spins ~0.25 ms
   (20,000 pause loops of ~12 ns on the development VM) for the next one, then sleeps. The GEMMs of a decode
   step come tens of microseconds apart, so the team stays awake through the GPT and sleeps between steps;
   waking a sleeping thread cost ~100 us per GEMM on that VM (PASSIVE: 2 threads no faster than 1), spinning
@@ -32,8 +33,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-OPENMP_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}
-# a user's choice of any of these keeps all of OPENMP_ENV_DEFAULTS out
+OPENMP_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}  # a CPU engine's process
+# a GPU engine's process: its torch work is on the GPU, and a team of one thread per core spinning after the
+# rare host-side parallel op would only take cycles from the API servers
+GPU_OPENMP_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# a user's choice of any of these keeps all of the defaults out
 WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
@@ -133,11 +137,30 @@ def configure_cpu_threads(num_threads: int | None = None) -> CpuThreadPolicy:
     return policy
 
 
-def openmp_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set OPENMP_ENV_DEFAULTS unless the user has set a wait policy (WAIT_ENV); returns what was set. A no-op
-    (with a warning) once torch is imported: the OpenMP runtime has read its environment by then."""
+def runs_on_cpu(argv: list[str] | None = None, environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether this process's engine will run on the CPU, decided before torch loads (so without asking it):
+    `--device cpu` (or $TTSSERVE_DEVICE), else `--device cuda...`, else whether an NVIDIA device is visible."""
+    argv, env = sys.argv if argv is None else argv, os.environ if environ is None else environ
+    device = env.get("TTSSERVE_DEVICE", "auto")
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            device = argv[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    if device != "auto":
+        return device == "cpu"
+    if env.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return True
+    return not Path("/dev/nvidiactl").exists()
+
+
+def openmp_env_defaults(environ: MutableMapping[str, str] | None = None, on_cpu: bool | None = None) -> dict[str, str]:
+    """Set OPENMP_ENV_DEFAULTS (GPU_OPENMP_ENV_DEFAULTS when the engine runs on a GPU: runs_on_cpu) unless the
+    user has set a wait policy (WAIT_ENV); returns what was set. A no-op (with a warning) once torch is
+    imported: the OpenMP runtime has read its environment by then."""
     env = os.environ if environ is None else environ
-    todo = {} if any(k in env for k in WAIT_ENV) else dict(OPENMP_ENV_DEFAULTS)
+    cpu = runs_on_cpu(environ=env) if on_cpu is None else on_cpu
+    todo = {} if any(k in env for k in WAIT_ENV) else dict(OPENMP_ENV_DEFAULTS if cpu else GPU_OPENMP_ENV_DEFAULTS)
     if not todo:
         return {}
     if environ is None and "torch" in sys.modules:
