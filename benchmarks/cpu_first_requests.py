@@ -5,6 +5,7 @@ short text (100 frames, about 2.1 s of audio), one after the other (wall time, t
     python benchmarks/cpu_first_requests.py --mode background --cold-cache --log /tmp/s.log -- --device cpu ...
     python benchmarks/cpu_first_requests.py --mode warm --cold-cache --log /tmp/s.log -- --device cpu ...
 
+--concurrency N: each of the requests is N streams sent at once (one JSON object per stream, in a list).
 --mode eager: $TTSSERVE_CPU_COMPILE=0 (no compile). --mode background: $TTSSERVE_CPU_COMPILE=1 (the compile runs
 after /ready, the eager path serves meanwhile); requests go at /ready. --mode warm: the same server, but the first
 request waits for the log line that says the compile landed: what a compile before /ready gives. One JSON line
@@ -75,10 +76,19 @@ def one_request(client: httpx.Client, seed: int) -> dict:
     return {"wall_s": round(wall, 2), "ttfb_s": round(first or wall, 2), "audio_s": round(audio, 2)}
 
 
+def concurrent_requests(client: httpx.Client, n: int) -> list[dict]:
+    """n streams at once (seeds 1234 + i), each with its own timings."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: one_request(client, seed=1234 + i), range(n)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("background", "warm", "eager"), required=True)
     ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=1, help="streams sent at once per request")
     ap.add_argument("--log", required=True, help="the server's log (read for the compile's line)")
     ap.add_argument("--cold-cache", action="store_true", help="a fresh inductor cache (a first start, not a restart)")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
@@ -102,7 +112,11 @@ def main() -> int:
                 if a.mode == "warm":
                     warm = wait_for(lambda: COMPILED in open(a.log).read(), proc, 900)
                     out["warm_s"] = round(warm - t0, 1)
-                out["requests"] = [one_request(c, seed=1234) for _ in range(a.requests)]
+                if a.concurrency == 1:
+                    out["requests"] = [one_request(c, seed=1234) for _ in range(a.requests)]
+                else:
+                    out["concurrency"] = a.concurrency
+                    out["requests"] = [concurrent_requests(c, a.concurrency) for _ in range(a.requests)]
                 if a.mode == "background":
                     out["warm_after_requests"] = COMPILED in open(a.log).read()
         finally:

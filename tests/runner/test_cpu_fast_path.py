@@ -188,10 +188,22 @@ def test_plan_precedence_and_validation() -> None:
 
 
 def test_openmp_env_defaults_never_override() -> None:
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert openmp_env_defaults(env) == {} and env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(mine)
+        assert openmp_env_defaults(env, on_cpu=True) == {} and env == mine  # a user's wait setting: none of ours
     env = {}
-    assert openmp_env_defaults(env) == cpu_threads.OPENMP_ENV_DEFAULTS == env
+    assert openmp_env_defaults(env, on_cpu=True) == cpu_threads.OPENMP_ENV_DEFAULTS == env
+    assert int(env["GOMP_SPINCOUNT"]) > 0  # a bounded spin, not PASSIVE (0) nor libgomp's default (300000)
+    env = {}
+    assert openmp_env_defaults(env, on_cpu=False) == {"OMP_WAIT_POLICY": "PASSIVE"} == env
+
+
+def test_runs_on_cpu_is_decided_without_torch() -> None:
+    assert cpu_threads.runs_on_cpu(["serve", "--device", "cpu"], {})
+    assert cpu_threads.runs_on_cpu(["serve", "--device=cpu"], {"CUDA_VISIBLE_DEVICES": "0"})
+    assert not cpu_threads.runs_on_cpu(["serve", "--device", "cuda:1"], {})
+    assert cpu_threads.runs_on_cpu(["serve"], {"TTSSERVE_DEVICE": "cpu"})
+    assert cpu_threads.runs_on_cpu(["serve"], {"CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_configure_applies_to_torch(monkeypatch) -> None:

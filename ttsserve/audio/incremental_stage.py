@@ -348,11 +348,23 @@ class IncrementalAudioStage(StreamingStage):
         kept = wav if len(rows) == len(feeds) else wav[to_device(rows, wav.device)]
         return crop_rows(kept, starts, sizes), specs, sizes
 
+    def warm_chunk_shapes(self, rows: int = 1) -> None:
+        """One call of `rows` rows per call size streams started together make (their first call, then each
+        chunk size), in scratch slots, counters untouched: a call of a new shape pays the convolutions' first
+        use (oneDNN)."""
+        sizes = {self._first_call_frames} | {self._chunk_frames(k) for k in range(1, 33)}
+        for n in sorted(sizes):
+            self._scratch_call(rows, n)
+
     @torch.no_grad()
     def profile_max_call(self, num_windows: int | None = None) -> None:
         """Run the largest call this stage makes (max_windows_per_call rows of max_call_frames new frames) in
         scratch slots: for memory profiling, and as a warm-up of the convolution kernels. Counters untouched."""
-        b, n = num_windows or self.max_windows_per_call, self.max_call_frames
+        self._scratch_call(num_windows or self.max_windows_per_call, self.max_call_frames)
+
+    @torch.no_grad()
+    def _scratch_call(self, b: int, n: int) -> None:
+        """b rows of n new frames (whatever the pool slots hold) in scratch streams, counters untouched."""
         counters = self.calls_total, self.frames_decoded_total, self.frames_padded_total
         for kind in self._decoders:
             ids = [f"__profile_{int(kind)}_{i}" for i in range(b)]

@@ -144,11 +144,27 @@ class AudioStage(StreamingStage):
     def max_window_frames(self) -> int:
         return self.left_context_frames + self.max_chunk_frames + self.right_context_frames
 
-    @torch.no_grad()
     def profile_max_call(self, num_windows: int | None = None) -> None:
         """Run the largest batched call this stage makes (max_windows_per_call windows of the longest
         window) on random frames: for memory profiling, and as a warm-up of the convolution kernels."""
-        b, n = num_windows or self.max_windows_per_call, self.max_window_frames
+        self._scratch_call(num_windows or self.max_windows_per_call, self.max_window_frames)
+
+    def warm_chunk_shapes(self, rows: int = 1) -> None:
+        """One call of `rows` windows per window length the chunks of streams started together make (they grow
+        with the left context until it is full): a call of a new shape pays the convolutions' first use."""
+        sizes, a = set(), 0
+        for k in range(33):
+            c = self._chunk_frames(k)
+            sizes.add(min(a, self.left_context_frames) + c + self.right_context_frames)
+            a += c
+            if a >= self.left_context_frames and c == self.max_chunk_frames:
+                break
+        for n in sorted(sizes):
+            self._scratch_call(rows, n)
+
+    @torch.no_grad()
+    def _scratch_call(self, b: int, n: int) -> None:
+        """b windows of n random frames through the networks (no stream state: windows have none)."""
         lens = to_device([n] * b, self.device)
         mels = []
         if self.decoder is not None:

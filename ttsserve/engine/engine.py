@@ -44,10 +44,13 @@ _NUM_STEPS = attrgetter("num_steps")
 class Engine:
     def __init__(self, cfg: EngineConfig, model: ChatTTSModel | None = None) -> None:
         self.cfg = cfg
+        self._threads = None  # runner/cpu_contention.py: the OpenMP team adapted to other work on its cores
         if resolve_device(cfg.device).type == "cpu":
+            from ttsserve.runner.cpu_contention import ThreadMonitor
             from ttsserve.runner.cpu_threads import configure_cpu_threads
 
-            configure_cpu_threads(cfg.cpu_threads)  # threads = physical cores: oversubscribed OpenMP teams stall
+            policy = configure_cpu_threads(cfg.cpu_threads)  # threads = physical cores: oversubscribed teams stall
+            self._threads = ThreadMonitor(policy.intra_op_threads, explicit=policy.source != "physical cores")
         self.model = model or load_model(cfg)
         tok = self.model.tokenizer
         self.frontend = FrontEnd(tok, self.model.gpt_config.num_vq)
@@ -103,6 +106,10 @@ class Engine:
         self._ids = itertools.count()
         if cuda_graphs:
             self.warm_up()
+        elif self.model.device.type == "cpu":
+            from ttsserve.engine.warm_up import warm_up_cpu
+
+            warm_up_cpu(self)
         families = self.runner.graph_families() + getattr(self.audio, "graph_families", list)()
         # the graphs' buckets left to capture between served steps (engine/deferred_capture.py)
         self.deferred = DeferredCapture(families, torch.cuda.synchronize) if defer else None
@@ -239,6 +246,8 @@ class Engine:
         then (poll_audio), so they can leave before this step's end; the rest are returned."""
         tm, clock = self.timings, time.perf_counter
         t0, gc_s = clock(), self._gc.total_s()
+        if self._threads is not None:
+            self._threads.tick()
         vocoder0 = (self.audio.calls_total, self.audio.frames_decoded_total)
         self.scheduler.max_num_seqs_limit = self.controller.limit
         failed = self.registry.num_failed

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ttsserve.runner.cpu_threads import openmp_env_defaults
 
-    openmp_env_defaults()  # before torch loads: sleeping (not spinning) OpenMP waits on a busy machine
+    openmp_env_defaults()  # before torch loads: how idle OpenMP threads wait (runner/cpu_threads.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = build_parser().parse_args(argv)
     if a.command == "say":

@@ -1,4 +1,4 @@
-"""The CPU thread policy: how many threads the engine's torch ops use, decided once at start-up.
+"""The CPU thread policy: how many threads the engine's torch ops use, and how idle OpenMP threads wait.
 
 A CPU decode step is ~200 small parallel regions (80 linears, 20 attention gathers and SDPAs, norms,
 softmaxes). Each region needs EVERY thread of the OpenMP team to run, so a thread more than the cores
@@ -10,9 +10,15 @@ Hence:
 - one inter-op thread: the engine never uses inter-op parallelism (no torch.jit.fork);
 - the engine thread runs the GPT and the audio stage one after the other, so they share one team and
   never oversubscribe each other; other threads of the process should not run heavy torch ops;
-- `openmp_env_defaults()` sets OMP_WAIT_POLICY=PASSIVE (when unset) before torch is imported: a waiting
-  thread sleeps instead of spinning, so a team on a busy machine does not burn the cycles its other
-  threads need. It must run before `import torch` (the OpenMP runtime reads it once, when it loads).
+- `openmp_env_defaults()` sets GOMP_SPINCOUNT=20000 (and KMP_BLOCKTIME=1 for Intel's runtime) before torch
+  is imported when the engine will run on the CPU (OMP_WAIT_POLICY=PASSIVE for a GPU engine), unless
+  OMP_WAIT_POLICY or those are set: a thread done with a parallel region spins ~0.25 ms
+  (20,000 pause loops of ~12 ns on the development VM) for the next one, then sleeps. The GEMMs of a decode
+  step come tens of microseconds apart, so the team stays awake through the GPT and sleeps between steps;
+  waking a sleeping thread cost ~100 us per GEMM on that VM (PASSIVE: 2 threads no faster than 1), spinning
+  forever (ACTIVE, or libgomp's default of ~4 ms there) starves other processes. On a machine whose cores
+  other work also uses, spinning teams stall each other: runner/cpu_contention.py then drops to 1 thread.
+  It must run before `import torch` (the OpenMP runtime reads it once, when it loads).
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-OPENMP_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}  # a CPU engine's process
+# a GPU engine's process: its torch work is on the GPU, and a team of one thread per core spinning after the
+# rare host-side parallel op would only take cycles from the API servers
+GPU_OPENMP_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# a user's choice of any of these keeps all of the defaults out
+WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 @dataclass(frozen=True)
@@ -45,8 +56,8 @@ class CpuThreadPolicy:
         quota = "" if self.cpu_quota is None else f", cgroup quota {self.cpu_quota:g} CPUs"
         return (
             f"CPU threads: {self.intra_op_threads} intra-op ({self.source}), {self.inter_op_threads} "
-            f"inter-op; {self.physical_cores} physical cores available{quota}; OMP_WAIT_POLICY="
-            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+            f"inter-op; {self.physical_cores} physical cores available{quota}; "
+            + ", ".join(f"{k}={os.environ.get(k, 'unset')}" for k in WAIT_ENV[:2])
         )
 
 
@@ -126,11 +137,30 @@ def configure_cpu_threads(num_threads: int | None = None) -> CpuThreadPolicy:
     return policy
 
 
-def openmp_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set OPENMP_ENV_DEFAULTS where the user has not set them; returns what was set. A no-op (with a
-    warning) once torch is imported: the OpenMP runtime has read its environment by then."""
+def runs_on_cpu(argv: list[str] | None = None, environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether this process's engine will run on the CPU, decided before torch loads (so without asking it):
+    `--device cpu` (or $TTSSERVE_DEVICE), else `--device cuda...`, else whether an NVIDIA device is visible."""
+    argv, env = sys.argv if argv is None else argv, os.environ if environ is None else environ
+    device = env.get("TTSSERVE_DEVICE", "auto")
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            device = argv[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    if device != "auto":
+        return device == "cpu"
+    if env.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return True
+    return not Path("/dev/nvidiactl").exists()
+
+
+def openmp_env_defaults(environ: MutableMapping[str, str] | None = None, on_cpu: bool | None = None) -> dict[str, str]:
+    """Set OPENMP_ENV_DEFAULTS (GPU_OPENMP_ENV_DEFAULTS when the engine runs on a GPU: runs_on_cpu) unless the
+    user has set a wait policy (WAIT_ENV); returns what was set. A no-op (with a warning) once torch is
+    imported: the OpenMP runtime has read its environment by then."""
     env = os.environ if environ is None else environ
-    todo = {k: v for k, v in OPENMP_ENV_DEFAULTS.items() if k not in env}
+    cpu = runs_on_cpu(environ=env) if on_cpu is None else on_cpu
+    todo = {} if any(k in env for k in WAIT_ENV) else dict(OPENMP_ENV_DEFAULTS if cpu else GPU_OPENMP_ENV_DEFAULTS)
     if not todo:
         return {}
     if environ is None and "torch" in sys.modules:
@@ -138,6 +168,30 @@ def openmp_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict
         return {}
     env.update(todo)
     return todo
+
+
+_OPENMP_LIBS = ("libgomp.so.1", "libiomp5.so")  # the runtimes torch builds link; only an already loaded one is used
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's idle OpenMP worker threads (OpenMP 5's omp_pause_resource_all); the thread
+    gets a new team if it runs parallel work again. Call it on a thread that is done with torch work when
+    another thread takes the engine over: libgomp lets waiting threads spin only while the process holds no
+    more OpenMP threads than it has CPUs, so the start-up thread's idle team put the engine thread's to sleep
+    after every region (a batch-1 step 25 ms on the engine thread against 15 ms on the start-up thread, 2 cores).
+    Returns whether a runtime took the call (False without a loaded OpenMP runtime that has it)."""
+    import ctypes
+
+    for name in _OPENMP_LIBS:
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        fn = getattr(lib, "omp_pause_resource_all", None)
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn(1) == 0  # omp_pause_soft: libgomp frees the pool either way
+    return False
 
 
 def log_cpu_step_mode(engine_cfg) -> None:

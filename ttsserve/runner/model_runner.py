@@ -81,6 +81,7 @@ class ModelRunner:
         self.backend, graphable = runner_backend(self.device, self.cfg.head_dim)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.cpu_graph = None
+        self.cpu_fused = None  # runner/cpu_decode.py: the eager decode step through the fused CPU kernels
         if self.device.type == "cpu":
             self._setup_cpu(enforce_eager)
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
@@ -140,9 +141,11 @@ class ModelRunner:
         compile in one thread before this returns (a minute on 2 cores with a cold inductor cache)."""
         from ttsserve.attention.torch_ref import compile_level
         from ttsserve.model.cpu_linear import pack_linears_
+        from ttsserve.runner.cpu_decode import CpuFusedDecode
         from ttsserve.runner.cpu_graph import CpuDecodeGraph
 
         pack_linears_(self.model.gpt)
+        self.cpu_fused = CpuFusedDecode.create(self.model.gpt, self.kv.layers, self.scale)
         if enforce_eager:
             self.backend.compile_decode = False
         if self.backend.compile_decode and compile_level() == "1":
@@ -354,6 +357,8 @@ class ModelRunner:
         rows_t = async_h2d(torch.from_numpy(rows), self.device)
         x = self.model.embed.embed_codes(self.sampling.last_tokens[rows_t])
         hidden = None if self.cpu_graph is None else self.cpu_graph.run(x, positions, md)
+        if hidden is None and self.cpu_fused is not None:
+            hidden = self.cpu_fused.run(x, positions, md)
         hidden = (self._forward(x, md, positions) if hidden is None else hidden).float()
         return self.sample_rows(hidden, rows_t, async_h2d(torch.from_numpy(steps), self.device), "code"), hidden
 

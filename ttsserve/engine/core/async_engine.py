@@ -78,6 +78,10 @@ class AsyncEngine(LivenessReport):
             self.processor.warm_up()
             self.liveness.sign()
             self.liveness.watching = True
+            if self.engine.model.device.type == "cpu":
+                from ttsserve.runner.cpu_threads import release_openmp_pool
+
+                release_openmp_pool()  # this thread built the engine; its idle team would stop the engine's spinning
             self._thread = threading.Thread(target=self._run, name="ttsserve-engine", daemon=True)
             self._thread.start()
 

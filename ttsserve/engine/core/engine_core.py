@@ -146,5 +146,11 @@ class EngineCore:
         """A reference recording -> int32 [num_vq, P] audio-code prompt (the DVAE encoder; slow)."""
         from ttsserve.engine.voice_encode import encode_reference
 
-        with self._device_side_work:  # waits for a graph capture in progress (a fraction of a second)
-            return encode_reference(self.engine.model, wav, int(sample_rate))
+        try:
+            with self._device_side_work:  # waits for a graph capture in progress (a fraction of a second)
+                return encode_reference(self.engine.model, wav, int(sample_rate))
+        finally:
+            if self.engine.model.device.type == "cpu":  # called from a worker thread: let its OpenMP team go
+                from ttsserve.runner.cpu_threads import release_openmp_pool
+
+                release_openmp_pool()

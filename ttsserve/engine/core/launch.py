@@ -47,7 +47,7 @@ def core_process_main(
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT.format(role=role), stream=sys.stderr)
     from ttsserve.runner.cpu_threads import openmp_env_defaults
 
-    openmp_env_defaults()  # before torch loads (the next imports): idle OpenMP threads must sleep, not spin
+    openmp_env_defaults()  # before torch loads (the next imports): how idle OpenMP threads wait
     from ttsserve.engine.core.proc import run_engine_core
     from ttsserve.runner.cpu_threads import log_cpu_step_mode
 

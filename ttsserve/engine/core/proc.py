@@ -336,7 +336,7 @@ def run_engine_core(cfg, address: str, ready: Connection, drain_timeout_s: float
     from ttsserve.runner.cpu_threads import openmp_env_defaults
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    openmp_env_defaults()  # before torch loads: spinning OpenMP waits starve the API servers' cores
+    openmp_env_defaults()  # before torch loads: how idle OpenMP threads wait (runner/cpu_threads.py)
     from ttsserve.engine.engine import Engine
 
     try:

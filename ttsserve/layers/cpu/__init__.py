@@ -1,0 +1,1 @@
+"""CPU kernels compiled at run time (see kernels.py)."""
