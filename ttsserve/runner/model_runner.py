@@ -15,7 +15,6 @@ The runner never touches a queue; the scheduler never touches a tensor (docs/ARC
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -27,6 +26,7 @@ from ttsserve.h2d import async_h2d
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, ScheduledColumns, StepArrays
 from ttsserve.runner.kv_cache import KVCacheSpec, allocate_kv_cache
+from ttsserve.runner.runner_setup import build_cuda_graphs, setup_cpu
 from ttsserve.runner.step_inputs import gather_input_rows
 from ttsserve.runner.step_outputs import runner_output
 from ttsserve.runner.step_types import (
@@ -40,7 +40,6 @@ from ttsserve.runner.step_types import (
 from ttsserve.sample.sampler import sample
 from ttsserve.sample.state import SamplingState
 
-logger = logging.getLogger(__name__)
 DEFAULT_HISTORY_WINDOW = 16
 _MAX_SPEAKERS = 256  # normalized speaker vectors kept (fp32 [768]: 3 KB each)
 
@@ -83,7 +82,7 @@ class ModelRunner:
         self.cpu_graph = None
         self.cpu_fused = None  # runner/cpu_decode.py: the eager decode step through the fused CPU kernels
         if self.device.type == "cpu":
-            self._setup_cpu(enforce_eager)
+            setup_cpu(self, enforce_eager)
         self.spk_emb_id, self.text_eos_id = spk_emb_id, text_eos_id
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -102,66 +101,12 @@ class ModelRunner:
         self.prefill_graphs = None  # runner/piecewise_graphs.py: the general path's forward, by token bucket
         self.sampler_graphs = None  # runner/sampler_graphs.py: the general path's code sampling, by row bucket
         if self.device.type == "cuda" and not enforce_eager and graphable:
-            self._build_graphs(kv, capture_sizes, max_num_seqs, max_num_batched_tokens, num_scheduler_steps, defer)
+            build_cuda_graphs(self, kv, capture_sizes, max_num_seqs, max_num_batched_tokens, num_scheduler_steps, defer)
         self.kv = self.kv or kv.result()
-
-    def _build_graphs(self, kv, sizes, max_num_seqs: int, max_tokens: int, max_steps: int, defer: bool) -> None:
-        """Set up the graph families (DecodeOps' torch.compile set-up imports for seconds while `kv`, a Future of
-        the KV cache, is allocated on its thread), then capture them (with `defer` only the largest buckets)."""
-        from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
-        from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
-        from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
-
-        t0 = time.perf_counter()
-        self.graphs = DecodeGraphs(self, sizes or default_capture_sizes(max_num_seqs), max_steps=max_steps)
-        self.graphs.precompile()
-        t1 = time.perf_counter()
-        self.kv = kv.result()  # before any capture: it would forbid the allocating thread's driver calls
-        logger.info(
-            "runner set-up: KV pool %.1f s, host swap pool %.1f s (on a helper thread) beside %.1f s of "
-            "torch.compile (imports, the decode ops); waited %.1f s for the pools",
-            *self.kv.alloc_s,
-            t1 - t0,
-            time.perf_counter() - t1,
-        )
-        self.graphs.capture(defer=defer)
-        # after the decode capture: its ops are uncompiled if the compiled ones failed there
-        self.prefill_graphs = PrefillGraphs(self, default_prefill_sizes(max_tokens), self.graphs.ops)
-        self.prefill_graphs.capture(defer=defer)
-        self.sampler_graphs = SamplerGraphs(self, default_sampler_sizes(max_num_seqs), self.graphs.ops)
-        self.sampler_graphs.capture(defer=defer)
 
     def graph_families(self) -> list:
         """The CUDA graph families, in the order their deferred buckets pay: every decode step replays one."""
         return [g for g in (self.graphs, self.sampler_graphs, self.prefill_graphs) if g is not None]
-
-    def _setup_cpu(self, enforce_eager: bool) -> None:
-        """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With
-        $TTSSERVE_CPU_COMPILE=1 the decode attention, then the whole decode step (runner/cpu_graph.py),
-        compile in one thread before this returns (a minute on 2 cores with a cold inductor cache)."""
-        from ttsserve.attention.torch_ref import compile_level
-        from ttsserve.model.cpu_linear import pack_linears_
-        from ttsserve.runner.cpu_decode import CpuFusedDecode
-        from ttsserve.runner.cpu_graph import CpuDecodeGraph
-
-        pack_linears_(self.model.gpt)
-        self.cpu_fused = CpuFusedDecode.create(self.model.gpt, self.kv.layers, self.scale)
-        if enforce_eager:
-            self.backend.compile_decode = False
-        if self.backend.compile_decode and compile_level() == "1":
-            self.cpu_graph = CpuDecodeGraph(self.model.gpt, self.kv.layers, self.scale)
-        # one thread compiles both, one after the other (the graph after the quicker attention kernel)
-        graph = self.cpu_graph
-        self.backend.warmup(
-            self.kv.layers[0],
-            self.cfg.num_heads,
-            background=True,
-            then=None if graph is None else lambda: graph.start(background=False),
-        )
-        # and waited for: the engine is ready once compiled. Compiling beside served steps made them up to 8x
-        # slower on 2 cores, and the tracer patches nn.Module.__call__ process-wide, which broke an eager step
-        # running meanwhile (BENCHMARKS.md, CPU first requests)
-        self.wait_warm()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until start-up work left to the background (the CPU compilations) is done."""
