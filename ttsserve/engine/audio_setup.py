@@ -9,21 +9,11 @@ def build_audio_stage(cfg: EngineConfig, model, cadence: int, cuda_graphs: bool,
     """The StreamingStage of `model` (a ChatTTSModel) for `cfg`, deferred (its calls read back later) on CUDA.
     cuda_graphs: capture the exact stage's call graphs (defer: the largest bucket only; graph_families() hold
     the rest for the engine's deferred captures)."""
-    from ttsserve.audio.incremental_stage import make_audio_stage, vocoder_net_dtype
+    from ttsserve.audio.incremental_stage import vocoder_net_dtype
+    from ttsserve.audio.stage_factory import model_audio_stage
 
     cuda = model.device.type == "cuda"
-    stage = make_audio_stage(
-        model.decoder,
-        None,
-        model.vocos,
-        first_chunk_frames=cfg.first_chunk_frames,
-        max_chunk_frames=cfg.max_chunk_frames,
-        lookahead_frames=cfg.lookahead_frames,
-        cadence=cadence,
-        device=model.device,
-        deferred=cuda,
-        net_dtype=vocoder_net_dtype(model),
-    )
+    stage = model_audio_stage(model, cfg, cadence=cadence, deferred=cuda, net_dtype=vocoder_net_dtype(model))
     if cuda_graphs and hasattr(stage, "enable_cuda_graphs"):
         # every (rows, frames) bucket of the engine's calls has a graph (the largest at least): the eager
         # call, which a warm-up would prepare, never runs

@@ -109,19 +109,9 @@ def _profile_sampler(model, cfg: EngineConfig, h: torch.Tensor) -> None:
 
 
 def _profile_vocoder(model, cfg: EngineConfig, net_dtype: torch.dtype | None = None) -> None:
-    from ttsserve.audio.incremental_stage import make_audio_stage
+    from ttsserve.audio.stage_factory import model_audio_stage
 
-    stage = make_audio_stage(
-        model.decoder,
-        None,
-        model.vocos,
-        first_chunk_frames=cfg.first_chunk_frames,
-        max_chunk_frames=cfg.max_chunk_frames,
-        lookahead_frames=cfg.lookahead_frames,
-        device=model.device,
-        deferred=False,
-        net_dtype=net_dtype,
-    )
+    stage = model_audio_stage(model, cfg, deferred=False, net_dtype=net_dtype)
     stage.profile_max_call()
 
 
