@@ -109,11 +109,14 @@ def _assert_identical(reqs, got, ref) -> None:
     (rec, audio), (rec_ref, audio_ref) = got, ref
     for r in reqs:
         seq = f"{r.request_id}/0/code"
+        f, f_ref = rec.frames[seq], rec_ref.frames[seq]
+        bad = [i for i, (a, b) in enumerate(zip(f, f_ref)) if repr(a) != repr(b)]
+        where = f"frame {bad[0]}: {f[bad[0]]!r} != {f_ref[bad[0]]!r}" if bad else "the common prefix agrees"
+        assert f == f_ref, f"{seq}: {len(f)} vs {len(f_ref)} frame records; {where}"
         h, h_ref = rec.hidden(seq), rec_ref.hidden(seq)
-        n = min(len(h), len(h_ref))
-        bad = np.flatnonzero((h[:n] != h_ref[:n]).reshape(n, -1).any(1))
-        first = f"first differing hidden frame {bad[0]} of {n}, max diff {np.abs(h[:n] - h_ref[:n]).max():.3g}"
-        assert rec.frames[seq] == rec_ref.frames[seq] and not len(bad), f"{seq}: {first if len(bad) else 'codes'}"
+        assert h.shape == h_ref.shape, f"{seq}: hidden {h.shape} vs {h_ref.shape}"
+        bad_h = np.flatnonzero((h != h_ref).reshape(len(h), -1).any(1))
+        assert not len(bad_h), f"{seq}: hidden frame {bad_h[:1]} differs first, max {np.abs(h - h_ref).max():.3g}"
         np.testing.assert_array_equal(audio[r.request_id], audio_ref[r.request_id], err_msg=r.request_id)
 
 

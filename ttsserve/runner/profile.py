@@ -26,8 +26,12 @@ GRAPH_RESERVE_BYTES = 256 << 20  # decode graphs' pool (measured ~100 MiB at 256
 
 def kv_budget_after_profiling(model, cfg: EngineConfig) -> int:
     """Bytes the KV pool may take on model.device after a profiled max-size step (raises ValueError when
-    nothing is left)."""
+    nothing is left). cfg.max_num_seqs unset: the device's default rows are profiled (the engine may then
+    lower them to what the pool holds, never raise them)."""
+    from dataclasses import replace
+
     dev = model.device
+    cfg = replace(cfg, max_num_seqs=cfg.default_max_num_seqs(dev.type))
     gc.collect()
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
