@@ -16,6 +16,8 @@ leaves such frames out).
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +98,29 @@ class ConvState:
         return F.conv1d(buf, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups), buf
 
 
+# On CUDA a block runs as two Triton kernels around its GEMMs (audio/triton_convnext.py); "0" keeps the torch path
+FUSED_BLOCKS = os.environ.get("TTSSERVE_VOCODER_TRITON", "1") != "0"
+
+
+@functools.cache
+def _fused_block():
+    """triton_convnext.convnext_block, or None where triton does not import."""
+    try:
+        from ttsserve.audio.triton_convnext import convnext_block
+    except ImportError:
+        return None
+    return convnext_block
+
+
 def _block(block: ConvNeXtBlock, state: ConvState, x: Tensor, rows: Rows) -> Tensor:
-    """ConvNeXtBlock.forward, incrementally: the residual is the buffer at the conv's output frames."""
+    """ConvNeXtBlock.forward, incrementally: the fused kernels on CUDA, else `block_torch`."""
+    if x.is_cuda and FUSED_BLOCKS and (fused := _fused_block()) is not None:
+        return fused(block, state, x, rows)
+    return block_torch(block, state, x, rows)
+
+
+def block_torch(block: ConvNeXtBlock, state: ConvState, x: Tensor, rows: Rows) -> Tensor:
+    """ConvNeXtBlock.forward, incrementally, in torch ops: the residual is the buffer at the conv's output frames."""
     y, buf = state(x, rows)
     y = block.pwconv2(F.gelu(block.pwconv1(block.norm(y.transpose(1, 2)))))
     r = state.r

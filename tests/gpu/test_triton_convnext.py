@@ -1,0 +1,148 @@
+"""The fused incremental ConvNeXt block (audio/triton_convnext.py) against the torch path (`block_torch`).
+
+Runs on CUDA (fp16, as the engine runs the vocoder). Without CUDA it is skipped, unless TRITON_INTERPRET=1 and
+triton is installed: then the block tests run small fp32 shapes through Triton's CPU interpreter (slow; a
+development aid, not CI). Both paths start from the same cache; the outputs and the caches after the call must
+agree, junk positions past a row's count included (both compute them by the same formula).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from ttsserve.audio import incremental  # noqa: E402
+from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402
+from ttsserve.audio.incremental import NOT_FINISHED, ConvState, Rows, block_torch  # noqa: E402
+from ttsserve.audio.triton_convnext import convnext_block  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
+# relative Frobenius error allowed: fp32 differs by summation order only; fp16 rounds at other points
+REL_TOL = {torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+def _random_block(dim: int, dilation: int, scale_name: str, seed: int) -> ConvNeXtBlock:
+    block = ConvNeXtBlock(dim, 2 * dim, 7, dilation, scale_name)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.ndim > 1 else 0.3) + (1.0 if p.ndim == 1 else 0))
+    return block.to(DEVICE, DTYPE).eval()
+
+
+def _rows(starts, counts, limits, slots, width: int, reach: int) -> Rows:
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)
+    return Rows(t(slots), t(starts), t(counts), t(limits), width, reach)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+# (dim, dilation, scale name, width, rows as (slot, start, count, limit)); lag 9, so a row's buffer holds frames
+# start - 9 - 2r .. start - 9 + width - 1. Rows at the stream start (frames < 0 masked, in the cache and in x),
+# finished ones (frames >= limit masked, from inside the cached part or inside x; start past limit: fed past the
+# end), rows narrower than the width (count 0 included), slots in no order, several frame and channel tiles
+CASES = {
+    "decoder": (24, 2, "weight", 11, [(3, 0, 11, NOT_FINISHED), (0, 40, 5, 25), (5, 17, 9, NOT_FINISHED)]),
+    "vocos": (24, 1, "gamma", 11, [(2, 2, 3, NOT_FINISHED), (4, 30, 11, 28), (1, 60, 0, 50), (0, 8, 7, 5)]),
+    "tiles": (80, 2, "weight", 40, [(1, 5, 40, NOT_FINISHED), (3, 100, 33, 120), (0, 0, 17, NOT_FINISHED)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@torch.no_grad()
+def test_fused_block_equals_torch_block(name: str, layout: str) -> None:
+    dim, dilation, scale_name, width, spec = CASES[name]
+    block = _random_block(dim, dilation, scale_name, seed=len(name) + dilation)
+    lag = 9
+    ref_state, state = ConvState(block.dwconv, lag), ConvState(block.dwconv, lag)
+    ref_state.resize(6)
+    g = torch.Generator().manual_seed(3)
+    ref_state.cache.copy_(torch.randn(ref_state.cache.shape, generator=g))
+    state.cache = ref_state.cache.clone()
+    slots, starts, counts, limits = (list(v) for v in zip(*spec))
+    rows = _rows(starts, counts, limits, slots, width, reach=lag + 2 * ref_state.r + 3)
+    x = torch.randn(len(spec), dim, width, generator=g).to(DEVICE, DTYPE)
+    if layout == "transposed":  # the Vocos' first block reads LN(x^T)^T: channels are the contiguous axis
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    ref = block_torch(block, ref_state, x, rows)
+    out = convnext_block(block, state, x, rows)
+    assert out.shape == ref.shape and out.is_contiguous()
+    assert _rel(out, ref) < REL_TOL[DTYPE], _rel(out, ref)
+    assert _rel(state.cache, ref_state.cache) < REL_TOL[DTYPE]
+    if DTYPE == torch.float32:  # the tail is a copy of masked inputs: exact
+        assert torch.equal(state.cache, ref_state.cache)
+    untouched = [s for s in range(6) if s not in slots]
+    assert torch.equal(state.cache[untouched], ref_state.cache[untouched])
+
+
+@torch.no_grad()
+def test_masked_inputs_do_not_reach_the_output() -> None:
+    """NaN in the cache at frames before the stream start and in x past a finished stream's limit: the torch path
+    multiplies them by 0 (NaN), the fused one never loads them; both agree where the torch path is finite."""
+    block = _random_block(16, 2, "weight", seed=7)
+    state = ConvState(block.dwconv, 0)
+    state.resize(2)
+    state.cache.fill_(float("nan"))
+    width = 8
+    x = torch.randn(1, 16, width, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
+    x[:, :, 5:] = float("nan")  # frames 5.. (limit 5)
+    rows = _rows([0], [width], [5], [1], width, reach=2 * state.r)
+    out = convnext_block(block, state, x, rows)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(state.cache[1]).all()
+
+
+@pytest.fixture
+def real_nets():
+    if DEVICE.type != "cuda":
+        pytest.skip("real-size pipeline: CUDA only")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audio"))
+    from test_audio_stage import random_nets
+
+    dec, _, vocos = random_nets(11, hidden=768, dec_dim=512, dec_layers=12, voc_dim=512, voc_layers=8)
+    return dec.cuda(), vocos.cuda()
+
+
+SPECS = [(200, 0, 1), (61, 3, 1), (140, 5, 2), (90, 9, 1), (33, 14, 3), (170, 20, 1)]  # (frames, start, burst)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_pipeline_fused_equals_unfused(real_nets, graphs: bool, monkeypatch) -> None:
+    """Decoder + Vocos streamed by the incremental stage in fp16: the fused blocks (eager, and inside the captured
+    vocoder graphs) give the torch blocks' audio within fp16 rounding."""
+    from test_audio_stage import run_schedule
+
+    from ttsserve.audio.incremental_stage import IncrementalAudioStage
+
+    def stage(fused: bool, captured: bool) -> IncrementalAudioStage:
+        monkeypatch.setattr(incremental, "FUSED_BLOCKS", fused)
+        s = IncrementalAudioStage(real_nets[0], None, real_nets[1], net_dtype=torch.float16, deferred=True)
+        if captured:
+            s.enable_cuda_graphs(max_streams=8)
+        return s
+
+    unfused = run_schedule(stage(False, False), SPECS, seed=4, width=768)
+    fused_stage = stage(True, graphs)
+    fused = run_schedule(fused_stage, SPECS, seed=4, width=768)
+    if graphs:
+        assert fused_stage.graphs[False].replays == fused_stage.calls_total > 5
+    for i in unfused:
+        a, b = unfused[i][0], fused[i][0]
+        assert a.shape == b.shape
+        assert np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-9) < 3e-3, f"stream {i}"

@@ -1,0 +1,216 @@
+"""One incremental ConvNeXt block (audio/incremental.py `_block`) as two Triton kernels around the two GEMMs.
+
+CUDA only (imported by incremental.py when a block runs on CUDA and triton imports). The torch path is a dozen
+small kernels per block (cache gather, cat, mask, tail gather and scatter, a slow depthwise conv, transposes,
+LayerNorm, GELU, scale, residual add); on a GPU they cost more than the block's GEMMs. Here a block is:
+
+1. `_front_kernel`, per (row, tile of output frames), all channels: the buffer (the slot's cached 2r frames, then
+   the new frames) masked by absolute frame as `Rows.frame_mask` does, the dilated depthwise conv and the
+   LayerNorm over channels -> h [B * W, C] row-major, the first GEMM's input;
+2. Linear1 + bias (cuBLAS), exact-erf GELU in place, Linear2 + bias (cuBLAS);
+3. `_back_kernel`, per (row, frame tile, channel tile): out [B, C, W] = buffer at the conv's output frames (the
+   residual) + scale * y, and the row's new cache tail (the buffer's positions count .. count + 2r - 1).
+
+The tail is written in the back kernel because the front kernel's programs of one row all read the old cache:
+writing it there would race with them. In the back kernel only frame tile 0 reads the cache (BLOCK_W >= r), and
+that program reads everything it needs before its barrier and its stores.
+
+Exactness: every buffer position outside [0, limit) reads as 0 (a masked load, where the torch path multiplies
+by the 0/1 mask), the conv output is rounded to the activation dtype before the LayerNorm as the torch path's
+conv output is, and the LayerNorm, the scale and the residual add run in fp32 and round once; in fp32 the result
+equals the torch path up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ttsserve.audio.decoder_net import ConvNeXtBlock
+
+
+@triton.jit
+def _buffer_tile(x_row, cache_row, c, p, cm, first, limit, W, stride_xc, stride_xw, R2: tl.constexpr):
+    """[BLOCK_C, BLOCK_P] fp32: buffer positions p (position 0 is frame `first`) of channels c, zero where the
+    frame lies outside [0, limit) or p is past the buffer (2r + W positions: 2r cached, then W new)."""
+    frame = first + p
+    ok = (frame >= 0) & (frame < limit) & (p < R2 + W)
+    cached = p < R2
+    from_cache = tl.load(cache_row + c[:, None] * R2 + p[None, :], mask=cm[:, None] & (ok & cached)[None, :], other=0.0)
+    xp = x_row + c[:, None].to(tl.int64) * stride_xc + (p - R2)[None, :].to(tl.int64) * stride_xw
+    from_x = tl.load(xp, mask=cm[:, None] & (ok & ~cached)[None, :], other=0.0)
+    return from_cache.to(tl.float32) + from_x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["W", "lag"])
+def _front_kernel(
+    x_ptr,
+    cache_ptr,
+    slots_ptr,
+    start_ptr,
+    limit_ptr,
+    conv_w_ptr,
+    conv_b_ptr,
+    ln_w_ptr,
+    ln_b_ptr,
+    h_ptr,
+    C,
+    W,
+    lag,
+    eps,
+    stride_xb,
+    stride_xc,
+    stride_xw,
+    stride_cache,
+    R2: tl.constexpr,
+    KSIZE: tl.constexpr,
+    DIL: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """Grid (B, cdiv(W, BLOCK_W)); BLOCK_C >= C. h[b * W + k, :] = LN(dwconv(buffer)[k]) for output frames k of
+    this tile; output k is centred on buffer position r + k (frame start - lag - r + k)."""
+    b = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < C
+    slot = tl.load(slots_ptr + b)
+    first = tl.load(start_ptr + b) - lag - R2
+    limit = tl.load(limit_ptr + b)
+    x_row = x_ptr + b.to(tl.int64) * stride_xb
+    cache_row = cache_ptr + slot * stride_cache
+    acc = tl.zeros([BLOCK_C, BLOCK_W], dtype=tl.float32)
+    for t in tl.static_range(KSIZE):
+        v = _buffer_tile(x_row, cache_row, c, k + t * DIL, cm, first, limit, W, stride_xc, stride_xw, R2)
+        wt = tl.load(conv_w_ptr + c * KSIZE + t, mask=cm, other=0.0).to(tl.float32)
+        acc += wt[:, None] * v
+    acc += tl.load(conv_b_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
+    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the torch path's conv writes the activation dtype
+    mean = tl.sum(acc, axis=0) / C  # padded channels hold exact zeros
+    diff = tl.where(cm[:, None], acc - mean[None, :], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / C + eps)
+    ln_w = tl.load(ln_w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    ln_b = tl.load(ln_b_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    h = diff * rstd[None, :] * ln_w[:, None] + ln_b[:, None]
+    rows = (b * W + k).to(tl.int64)
+    tl.store(h_ptr + rows[None, :] * C + c[:, None], h.to(h_ptr.dtype.element_ty), mask=cm[:, None] & (k < W)[None, :])
+
+
+@triton.jit(do_not_specialize=["W", "lag"])
+def _back_kernel(
+    x_ptr,
+    cache_ptr,
+    slots_ptr,
+    start_ptr,
+    count_ptr,
+    limit_ptr,
+    y_ptr,
+    scale_ptr,
+    out_ptr,
+    C,
+    W,
+    lag,
+    stride_xb,
+    stride_xc,
+    stride_xw,
+    stride_cache,
+    R: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """Grid (B, cdiv(W, BLOCK_W), cdiv(C, BLOCK_C)); BLOCK_W >= R, TAIL >= 2R. y: [B * W, C] row-major
+    (Linear2's output) -> out [B, C, W] contiguous = buffer[:, r + k] + scale * y[b * W + k]; frame tile 0
+    also writes cache[slot, c, j] = buffer[c, count + j] for j < 2r."""
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    k = tile * BLOCK_W + tl.arange(0, BLOCK_W)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    km = k < W
+    slot = tl.load(slots_ptr + b)
+    first = tl.load(start_ptr + b) - lag - 2 * R
+    limit = tl.load(limit_ptr + b)
+    x_row = x_ptr + b.to(tl.int64) * stride_xb
+    cache_row = cache_ptr + slot * stride_cache
+    res = _buffer_tile(x_row, cache_row, c, k + R, cm, first, limit, W, stride_xc, stride_xw, 2 * R)
+    rows = (b * W + k).to(tl.int64)
+    y = tl.load(y_ptr + rows[None, :] * C + c[:, None], mask=cm[:, None] & km[None, :], other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    out = res + scale[:, None] * y
+    out_row = out_ptr + b.to(tl.int64) * C * W
+    tl.store(out_row + c[:, None] * W + k[None, :], out.to(out_ptr.dtype.element_ty), mask=cm[:, None] & km[None, :])
+    if tile == 0:
+        j = tl.arange(0, TAIL)
+        count = tl.load(count_ptr + b)
+        tail = _buffer_tile(x_row, cache_row, c, count + j, cm, first, limit, W, stride_xc, stride_xw, 2 * R)
+        tl.debug_barrier()  # every thread of this program has read the old cache (res, tail) before any store
+        tail_mask = cm[:, None] & (j < 2 * R)[None, :]
+        tl.store(cache_row + c[:, None] * (2 * R) + j[None, :], tail.to(cache_ptr.dtype.element_ty), mask=tail_mask)
+
+
+def convnext_block(block: ConvNeXtBlock, state, x: Tensor, rows) -> Tensor:
+    """`_block(block, state, x, rows)` fused: x [B, C, W] (any strides) -> [B, C, W] contiguous, and
+    state.cache[rows.slots] advanced to each row's last 2r masked input frames. No host sync, no allocation
+    but h, Linear1's output (GELU runs in place), Linear2's and out: graph-capturable."""
+    b, c, w = x.shape
+    r, conv, cache = state.r, state.conv, state.cache
+    assert rows.reach - state.lag - 2 * r >= 0, "a conv reaches further back than the pipeline planned"
+    assert cache.is_contiguous() and cache.shape[1:] == (c, 2 * r) and r > 0
+    ksize, dil = conv.kernel_size[0], conv.dilation[0]
+    block_c = triton.next_power_of_2(c)
+    block_w = max(1, min(16, 8192 // block_c))
+    h = torch.empty(b * w, c, dtype=x.dtype, device=x.device)
+    _front_kernel[(b, triton.cdiv(w, block_w))](
+        x,
+        cache,
+        rows.slots,
+        rows.start,
+        rows.limit,
+        conv.weight,
+        conv.bias,
+        block.norm.weight,
+        block.norm.bias,
+        h,
+        c,
+        w,
+        state.lag,
+        block.norm.eps,
+        *x.stride(),
+        cache.stride(0),
+        R2=2 * r,
+        KSIZE=ksize,
+        DIL=dil,
+        BLOCK_C=block_c,
+        BLOCK_W=block_w,
+        num_warps=8 if block_c * block_w >= 4096 else 4,
+    )
+    y = torch.ops.aten.gelu_(F.linear(h, block.pwconv1.weight, block.pwconv1.bias))  # exact erf GELU
+    y = F.linear(y, block.pwconv2.weight, block.pwconv2.bias)
+    out = torch.empty(b, c, w, dtype=x.dtype, device=x.device)
+    back_w = max(32, triton.next_power_of_2(r))
+    _back_kernel[(b, triton.cdiv(w, back_w), triton.cdiv(c, 64))](
+        x,
+        cache,
+        rows.slots,
+        rows.start,
+        rows.count,
+        rows.limit,
+        y,
+        getattr(block, block.scale_name),
+        out,
+        c,
+        w,
+        state.lag,
+        *x.stride(),
+        cache.stride(0),
+        R=r,
+        TAIL=triton.next_power_of_2(2 * r),
+        BLOCK_C=64,
+        BLOCK_W=back_w,
+        num_warps=4,
+    )
+    return out
