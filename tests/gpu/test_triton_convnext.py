@@ -1,4 +1,5 @@
-"""The fused incremental ConvNeXt block (audio/triton_convnext.py) against the torch path (`block_torch`).
+"""The Triton vocoder kernels (audio/triton_convnext.py) against the torch path: the fused incremental ConvNeXt
+block against `block_torch`, the conv buffer against ConvState's torch buffer.
 
 Runs on CUDA (fp16, as the engine runs the vocoder). Without CUDA it is skipped, unless TRITON_INTERPRET=1 and
 triton is installed: then the block tests run small fp32 shapes through Triton's CPU interpreter (slow; a
@@ -26,7 +27,7 @@ pytest.importorskip("triton")
 from ttsserve.audio import incremental  # noqa: E402
 from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402
 from ttsserve.audio.incremental import NOT_FINISHED, ConvState, Rows, block_torch  # noqa: E402
-from ttsserve.audio.triton_convnext import convnext_block  # noqa: E402
+from ttsserve.audio.triton_convnext import convnext_block, masked_buffer  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
@@ -63,23 +64,30 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-@torch.no_grad()
-def test_fused_block_equals_torch_block(name: str, layout: str) -> None:
-    dim, dilation, scale_name, width, spec = CASES[name]
-    block = _random_block(dim, dilation, scale_name, seed=len(name) + dilation)
-    lag = 9
-    ref_state, state = ConvState(block.dwconv, lag), ConvState(block.dwconv, lag)
+def _setup(conv: torch.nn.Conv1d, spec, width: int, layout: str, lag: int = 9):
+    """Two ConvStates of `conv` with the same random cache (6 slots), the rows of `spec`, random x [B, C_in, W]."""
+    ref_state, state = ConvState(conv, lag), ConvState(conv, lag)
     ref_state.resize(6)
     g = torch.Generator().manual_seed(3)
     ref_state.cache.copy_(torch.randn(ref_state.cache.shape, generator=g))
     state.cache = ref_state.cache.clone()
     slots, starts, counts, limits = (list(v) for v in zip(*spec))
     rows = _rows(starts, counts, limits, slots, width, reach=lag + 2 * ref_state.r + 3)
-    x = torch.randn(len(spec), dim, width, generator=g).to(DEVICE, DTYPE)
+    x = torch.randn(len(spec), conv.in_channels, width, generator=g).to(DEVICE, DTYPE)
     if layout == "transposed":  # the Vocos' first block reads LN(x^T)^T: channels are the contiguous axis
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    return ref_state, state, rows, x
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@torch.no_grad()
+def test_fused_block_equals_torch_block(name: str, layout: str, monkeypatch) -> None:
+    dim, dilation, scale_name, width, spec = CASES[name]
+    block = _random_block(dim, dilation, scale_name, seed=len(name) + dilation)
+    ref_state, state, rows, x = _setup(block.dwconv, spec, width, layout)
+    slots = [row[0] for row in spec]
+    monkeypatch.setattr(incremental, "USE_TRITON", False)  # the reference: torch ops only, on CUDA too
     ref = block_torch(block, ref_state, x, rows)
     out = convnext_block(block, state, x, rows)
     assert out.shape == ref.shape and out.is_contiguous()
@@ -89,6 +97,28 @@ def test_fused_block_equals_torch_block(name: str, layout: str) -> None:
         assert torch.equal(state.cache, ref_state.cache)
     untouched = [s for s in range(6) if s not in slots]
     assert torch.equal(state.cache[untouched], ref_state.cache[untouched])
+
+
+@pytest.mark.parametrize("kernel", [3, 7])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@torch.no_grad()
+def test_buffer_kernel_equals_torch_buffer(kernel: int, layout: str, monkeypatch) -> None:
+    """The dense convs' buffer (conv_in, out_conv: kernel 3; the Vocos embed: 7), 40 channels (two channel
+    tiles), 70 frames (two position tiles): the buffer and the cache after the call are exact copies."""
+    conv = torch.nn.Conv1d(40, 24, kernel, padding=kernel // 2).to(DEVICE, DTYPE)
+    spec = [(4, 0, 70, NOT_FINISHED), (0, 90, 51, 100), (2, 20, 0, 12), (5, 7, 66, NOT_FINISHED)]
+    ref_state, state, rows, x = _setup(conv, spec, 70, layout)
+    old_cache = state.cache.clone()
+    monkeypatch.setattr(incremental, "USE_TRITON", False)
+    ref_out, ref_buf = ref_state(x, rows)
+    buf = masked_buffer(state, x, rows)
+    assert torch.equal(buf, ref_buf)
+    assert torch.equal(state.cache, ref_state.cache)
+    if DEVICE.type == "cuda":  # ConvState dispatches to the kernel on CUDA
+        monkeypatch.setattr(incremental, "USE_TRITON", True)
+        state.cache.copy_(old_cache)
+        out, _ = state(x, rows)
+        assert _rel(out, ref_out) < REL_TOL[DTYPE]
 
 
 @torch.no_grad()
@@ -106,6 +136,51 @@ def test_masked_inputs_do_not_reach_the_output() -> None:
     out = convnext_block(block, state, x, rows)
     assert torch.isfinite(out).all()
     assert torch.isfinite(state.cache[1]).all()
+
+
+@torch.no_grad()
+def test_interpreted_pipeline_equals_one_shot(monkeypatch) -> None:
+    """Under the interpreter, every conv buffer and block of the streaming stage forced through the kernels (as
+    on CUDA): staggered streams of the tiny golden nets, hidden states and DVAE codes, equal the one-shot decode
+    (frames < 0 and past the end masked at every conv, the Vocos' transposed first-block input, the lags)."""
+    if DEVICE.type == "cuda":
+        pytest.skip("interpreter only: on CUDA the stage runs the kernels anyway (test_audio_stage_device)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audio"))
+    from safetensors.torch import load_file
+    from test_audio_stage import ASSET, joined, one_shot
+
+    from ttsserve.audio import triton_convnext
+    from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
+    from ttsserve.audio.incremental_stage import IncrementalAudioStage
+    from ttsserve.audio.vocos import Vocos
+
+    monkeypatch.setattr(incremental, "triton_kernels", lambda x: triton_convnext)
+    dec, dvae, vocos = (
+        cls.from_state_dict(load_file(ASSET / f"{name}.safetensors"))
+        for cls, name in ((HiddenDecoder, "Decoder"), (DVAE, "DVAE"), (Vocos, "Vocos"))
+    )
+    stage = IncrementalAudioStage(dec, dvae, vocos, first_chunk_frames=4, max_chunk_frames=8)
+    g = torch.Generator().manual_seed(5)
+    inputs = {
+        "h0": torch.randn(23, 64, generator=g),
+        "h1": torch.randn(9, 64, generator=g),
+        "c0": torch.randint(0, 625, (14, 4), generator=g),
+    }
+    starts = {"h0": 0, "h1": 3, "c0": 1}
+    got = {k: [] for k in inputs}
+    for t in range(60):
+        for k, frames in inputs.items():
+            if t == starts[k]:
+                stage.add_request(k, use_codes=k.startswith("c"))
+            if 0 <= t - starts[k] < len(frames):
+                stage.append(k, frames[t - starts[k] : t - starts[k] + 1])
+            elif t - starts[k] == len(frames):
+                stage.finish(k)
+        for ch in stage.step():
+            got[ch.req_id].append(ch)
+    for k, frames in inputs.items():
+        ref = one_shot(dvae if k.startswith("c") else dec, vocos, frames, codes=k.startswith("c"))
+        assert np.abs(joined(got[k]) - ref).max() < 1e-5, k
 
 
 @pytest.fixture
@@ -131,7 +206,7 @@ def test_pipeline_fused_equals_unfused(real_nets, graphs: bool, monkeypatch) -> 
     from ttsserve.audio.incremental_stage import IncrementalAudioStage
 
     def stage(fused: bool, captured: bool) -> IncrementalAudioStage:
-        monkeypatch.setattr(incremental, "FUSED_BLOCKS", fused)
+        monkeypatch.setattr(incremental, "USE_TRITON", fused)
         s = IncrementalAudioStage(real_nets[0], None, real_nets[1], net_dtype=torch.float16, deferred=True)
         if captured:
             s.enable_cuda_graphs(max_streams=8)

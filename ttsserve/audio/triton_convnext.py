@@ -1,4 +1,5 @@
-"""One incremental ConvNeXt block (audio/incremental.py `_block`) as two Triton kernels around the two GEMMs.
+"""One incremental ConvNeXt block (audio/incremental.py `_block`) as two Triton kernels around the two GEMMs,
+and the masked input buffer of the pipeline's other convs as one.
 
 CUDA only (imported by incremental.py when a block runs on CUDA and triton imports). The torch path is a dozen
 small kernels per block (cache gather, cat, mask, tail gather and scatter, a slow depthwise conv, transposes,
@@ -19,6 +20,9 @@ Exactness: every buffer position outside [0, limit) reads as 0 (a masked load, w
 by the 0/1 mask), the conv output is rounded to the activation dtype before the LayerNorm as the torch path's
 conv output is, and the LayerNorm, the scale and the residual add run in fp32 and round once; in fp32 the result
 equals the torch path up to summation order.
+
+The other convs (conv_in, out_conv, the Vocos embed: dense, cuDNN's) keep F.conv1d; `_buffer_kernel` replaces
+their cache gather, cat, mask, tail gather and scatter with one launch that writes the buffer and the tail.
 """
 
 from __future__ import annotations
@@ -150,6 +154,85 @@ def _back_kernel(
         tl.debug_barrier()  # every thread of this program has read the old cache (res, tail) before any store
         tail_mask = cm[:, None] & (j < 2 * R)[None, :]
         tl.store(cache_row + c[:, None] * (2 * R) + j[None, :], tail.to(cache_ptr.dtype.element_ty), mask=tail_mask)
+
+
+@triton.jit(do_not_specialize=["W", "lag"])
+def _buffer_kernel(
+    x_ptr,
+    cache_ptr,
+    slots_ptr,
+    start_ptr,
+    count_ptr,
+    limit_ptr,
+    buf_ptr,
+    C,
+    W,
+    lag,
+    stride_xb,
+    stride_xc,
+    stride_xw,
+    stride_cache,
+    R2: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Grid (B, cdiv(C, BLOCK_C)); TAIL >= R2 > 0. buf [B, C, R2 + W] contiguous = the masked buffer; then
+    cache[slot, c, j] = buf[c, count + j] for j < R2. One program owns its (row, channels): it reads the old
+    cache before its barrier and its cache stores."""
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    slot = tl.load(slots_ptr + b)
+    first = tl.load(start_ptr + b) - lag - R2
+    limit = tl.load(limit_ptr + b)
+    x_row = x_ptr + b.to(tl.int64) * stride_xb
+    cache_row = cache_ptr + slot * stride_cache
+    buf_row = buf_ptr + b.to(tl.int64) * C * (R2 + W)
+    for p0 in range(0, R2 + W, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        v = _buffer_tile(x_row, cache_row, c, p, cm, first, limit, W, stride_xc, stride_xw, R2)
+        mask = cm[:, None] & (p < R2 + W)[None, :]
+        tl.store(buf_row + c[:, None] * (R2 + W) + p[None, :], v.to(buf_ptr.dtype.element_ty), mask=mask)
+    j = tl.arange(0, TAIL)
+    count = tl.load(count_ptr + b)
+    tail = _buffer_tile(x_row, cache_row, c, count + j, cm, first, limit, W, stride_xc, stride_xw, R2)
+    tl.debug_barrier()
+    tl.store(
+        cache_row + c[:, None] * R2 + j[None, :],
+        tail.to(cache_ptr.dtype.element_ty),
+        mask=cm[:, None] & (j < R2)[None, :],
+    )
+
+
+def masked_buffer(state, x: Tensor, rows) -> Tensor:
+    """ConvState's buffer: x [B, C, W] (any strides) -> [B, C, 2r + W] contiguous, position 0 = frame
+    start - lag - 2r, zero outside [0, limit); state.cache[rows.slots] advanced as the torch path does. r > 0."""
+    b, c, w = x.shape
+    r2, cache = 2 * state.r, state.cache
+    assert rows.reach - state.lag - r2 >= 0, "a conv reaches further back than the pipeline planned"
+    assert cache.is_contiguous() and cache.shape[1:] == (c, r2) and r2 > 0
+    buf = torch.empty(b, c, r2 + w, dtype=x.dtype, device=x.device)
+    _buffer_kernel[(b, triton.cdiv(c, 32))](
+        x,
+        cache,
+        rows.slots,
+        rows.start,
+        rows.count,
+        rows.limit,
+        buf,
+        c,
+        w,
+        state.lag,
+        *x.stride(),
+        cache.stride(0),
+        R2=r2,
+        TAIL=triton.next_power_of_2(r2),
+        BLOCK_C=32,
+        BLOCK_P=64,
+        num_warps=4,
+    )
+    return buf
 
 
 def convnext_block(block: ConvNeXtBlock, state, x: Tensor, rows) -> Tensor:
