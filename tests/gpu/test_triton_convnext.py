@@ -90,7 +90,7 @@ def test_fused_block_equals_torch_block(name: str, layout: str, monkeypatch) -> 
     monkeypatch.setattr(incremental, "USE_TRITON", False)  # the reference: torch ops only, on CUDA too
     ref = block_torch(block, ref_state, x, rows)
     out = convnext_block(block, state, x, rows)
-    assert out.shape == ref.shape and out.is_contiguous()
+    assert out.shape == ref.shape and out.stride(1) == 1  # channels contiguous
     assert _rel(out, ref) < REL_TOL[DTYPE], _rel(out, ref)
     assert _rel(state.cache, ref_state.cache) < REL_TOL[DTYPE]
     if DTYPE == torch.float32:  # the tail is a copy of masked inputs: exact
