@@ -92,9 +92,7 @@ def test_fused_block_equals_torch_block(name: str, layout: str, monkeypatch) -> 
     out = convnext_block(block, state, x, rows)
     assert out.shape == ref.shape and out.stride(1) == 1  # channels contiguous
     assert _rel(out, ref) < REL_TOL[DTYPE], _rel(out, ref)
-    assert _rel(state.cache, ref_state.cache) < REL_TOL[DTYPE]
-    if DTYPE == torch.float32:  # the tail is a copy of masked inputs: exact
-        assert torch.equal(state.cache, ref_state.cache)
+    assert torch.equal(state.cache, ref_state.cache)  # the tail is a copy of masked inputs: exact
     untouched = [s for s in range(6) if s not in slots]
     assert torch.equal(state.cache[untouched], ref_state.cache[untouched])
 
@@ -199,25 +197,30 @@ SPECS = [(200, 0, 1), (61, 3, 1), (140, 5, 2), (90, 9, 1), (33, 14, 3), (170, 20
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_pipeline_fused_equals_unfused(real_nets, graphs: bool, monkeypatch) -> None:
-    """Decoder + Vocos streamed by the incremental stage in fp16: the fused blocks (eager, and inside the captured
-    vocoder graphs) give the torch blocks' audio within fp16 rounding."""
+    """Decoder + Vocos streamed by the incremental stage in fp16: the fused kernels (eager, and inside the captured
+    vocoder graphs) give the torch path's audio within fp16 rounding, and are no further than it from the fp32
+    torch path's."""
     from test_audio_stage import run_schedule
 
     from ttsserve.audio.incremental_stage import IncrementalAudioStage
 
-    def stage(fused: bool, captured: bool) -> IncrementalAudioStage:
-        monkeypatch.setattr(incremental, "USE_TRITON", fused)
-        s = IncrementalAudioStage(real_nets[0], None, real_nets[1], net_dtype=torch.float16, deferred=True)
-        if captured:
-            s.enable_cuda_graphs(max_streams=8)
-        return s
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
-    unfused = run_schedule(stage(False, False), SPECS, seed=4, width=768)
-    fused_stage = stage(True, graphs)
-    fused = run_schedule(fused_stage, SPECS, seed=4, width=768)
-    if graphs:
-        assert fused_stage.graphs[False].replays == fused_stage.calls_total > 5
-    for i in unfused:
-        a, b = unfused[i][0], fused[i][0]
-        assert a.shape == b.shape
-        assert np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-9) < 3e-3, f"stream {i}"
+    def audio(fused: bool, dtype: torch.dtype, captured: bool = False) -> dict:
+        monkeypatch.setattr(incremental, "USE_TRITON", fused)
+        stage = IncrementalAudioStage(real_nets[0], None, real_nets[1], net_dtype=dtype, deferred=True)
+        if captured:
+            stage.enable_cuda_graphs(max_streams=8)
+        out = run_schedule(stage, SPECS, seed=4, width=768)
+        if captured:
+            assert stage.graphs[False].replays == stage.calls_total > 5
+        return {i: v[0] for i, v in out.items()}
+
+    rel = lambda a, b: np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-9)
+    exact = audio(False, torch.float32)
+    unfused = audio(False, torch.float16)
+    fused = audio(True, torch.float16, captured=graphs)
+    for i in exact:
+        assert fused[i].shape == unfused[i].shape == exact[i].shape
+        assert rel(fused[i], unfused[i]) < 5e-3, f"stream {i}"
+        assert rel(fused[i], exact[i]) < max(1.5 * rel(unfused[i], exact[i]), 1e-3), f"stream {i}"
