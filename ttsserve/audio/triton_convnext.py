@@ -207,6 +207,7 @@ def masked_buffer(state, x: Tensor, rows) -> Tensor:
     r2, cache = 2 * state.r, state.cache
     assert rows.reach - state.lag - r2 >= 0, "a conv reaches further back than the pipeline planned"
     assert cache.is_contiguous() and cache.shape[1:] == (c, r2) and r2 > 0
+    assert cache.dtype == x.dtype, "one load reads the cache and x: one dtype"
     buf = torch.empty(b, c, r2 + w, dtype=x.dtype, device=x.device)
     _buffer_kernel[(b, triton.cdiv(c, 32))](
         x,
@@ -238,9 +239,10 @@ def convnext_block(block: ConvNeXtBlock, state, x: Tensor, rows) -> Tensor:
     r, conv, cache = state.r, state.conv, state.cache
     assert rows.reach - state.lag - 2 * r >= 0, "a conv reaches further back than the pipeline planned"
     assert cache.is_contiguous() and cache.shape[1:] == (c, 2 * r) and r > 0
+    assert cache.dtype == x.dtype, "one load reads the cache and x: one dtype"
     ksize, dil = conv.kernel_size[0], conv.dilation[0]
     block_c = triton.next_power_of_2(c)
-    block_w = max(1, min(16, 4096 // block_c))  # sm_90: 8 x 512 at 8 warps is ~100 registers, no spills
+    block_w = max(1, min(16, 4096 // block_c))  # sm_90: 8 x 512 at 8 warps: 128 registers, no spills
     h = torch.empty(b * w, c, dtype=x.dtype, device=x.device)
     _front_kernel[(b, triton.cdiv(w, block_w))](
         x,
