@@ -12,10 +12,15 @@ the right padding), so each output frame in [0, T) sees exactly the inputs it se
 of a batch may carry fewer new frames than the widest row; their extra positions hold junk that only ever
 reaches positions past the row's own, which are never kept (tails are gathered per row, and the overlap-add
 leaves such frames out).
+
+On CUDA (with triton) the conv buffers and the ConvNeXt blocks run as Triton kernels (audio/triton_convnext.py)
+with the same masking, equal to this torch path within fp16 rounding; the CPU runs the torch path.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +50,7 @@ class Rows:
     reach: int  # frames before `start` that some conv buffer of the pipeline covers (its `reach` attribute)
 
     def __post_init__(self) -> None:
-        dev = self.start.device
-        frame = self.start[:, None] - self.reach + torch.arange(self.reach + self.width, device=dev)
-        self._in_range = ((frame >= 0) & (frame < self.limit[:, None]))[:, None, :]  # [B, 1, reach + width]
-        self._masks: dict[torch.dtype, Tensor] = {}
+        self._masks: dict[torch.dtype, Tensor] = {}  # built on first use: the Triton path needs none
         self._tails: dict[int, Tensor] = {}
 
     def frame_mask(self, lag: int, cached: int, dtype: torch.dtype) -> Tensor:
@@ -56,8 +58,10 @@ class Rows:
         holds frame start - lag - cached."""
         offset = self.reach - lag - cached
         assert offset >= 0, "a conv reaches further back than the pipeline planned"
-        if dtype not in self._masks:  # one cast per call, not one per conv: the GPU path is launch-bound
-            self._masks[dtype] = self._in_range.to(dtype)
+        if dtype not in self._masks:  # one mask per call, not one per conv: the GPU path is launch-bound
+            frame = self.start[:, None] - self.reach + torch.arange(self.reach + self.width, device=self.start.device)
+            in_range = (frame >= 0) & (frame < self.limit[:, None])  # [B, reach + width]
+            self._masks[dtype] = in_range[:, None, :].to(dtype)
         return self._masks[dtype][..., offset : offset + cached + self.width]
 
     def tail_index(self, size: int) -> Tensor:
@@ -88,6 +92,10 @@ class ConvState:
         """x: [B, C_in, width] new input frames -> (output [B, C_out, width], whose position k is frame
         start - lag - r + k; the masked input buffer [B, C_in, 2r + width], position 0 = frame start - lag - 2r)."""
         c = 2 * self.r
+        if c and (kernels := triton_kernels(x)) is not None:
+            buf = kernels.masked_buffer(self, x, rows)
+            conv = self.conv
+            return F.conv1d(buf, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups), buf
         buf = torch.cat([self.cache.index_select(0, rows.slots), x], dim=2) * rows.frame_mask(self.lag, c, x.dtype)
         if c:
             tail = buf.gather(2, rows.tail_index(c).expand(-1, buf.shape[1], -1))
@@ -96,8 +104,34 @@ class ConvState:
         return F.conv1d(buf, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups), buf
 
 
+# On CUDA the conv buffers and the ConvNeXt blocks run as Triton kernels (audio/triton_convnext.py); "0" keeps
+# the torch path there too (the CPU always runs it)
+USE_TRITON = os.environ.get("TTSSERVE_VOCODER_TRITON", "1") != "0"
+
+
+def triton_kernels(x: Tensor):
+    """The audio.triton_convnext module for x's device, or None: off CUDA, USE_TRITON off, triton missing."""
+    return _import_triton_kernels() if x.is_cuda and USE_TRITON else None
+
+
+@functools.cache
+def _import_triton_kernels():
+    try:
+        from ttsserve.audio import triton_convnext
+    except ImportError:
+        return None
+    return triton_convnext
+
+
 def _block(block: ConvNeXtBlock, state: ConvState, x: Tensor, rows: Rows) -> Tensor:
-    """ConvNeXtBlock.forward, incrementally: the residual is the buffer at the conv's output frames."""
+    """ConvNeXtBlock.forward, incrementally: the fused kernels on CUDA, else `block_torch`."""
+    if (kernels := triton_kernels(x)) is not None:
+        return kernels.convnext_block(block, state, x, rows)
+    return block_torch(block, state, x, rows)
+
+
+def block_torch(block: ConvNeXtBlock, state: ConvState, x: Tensor, rows: Rows) -> Tensor:
+    """ConvNeXtBlock.forward, incrementally, in torch ops: the residual is the buffer at the conv's output frames."""
     y, buf = state(x, rows)
     y = block.pwconv2(F.gelu(block.pwconv1(block.norm(y.transpose(1, 2)))))
     r = state.r
