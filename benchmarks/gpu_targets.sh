@@ -21,7 +21,7 @@ MODEL_ARGS="--device cuda --load-format dummy --dummy-size real"
 parts=" ${PARTS:-cold serve offline} "
 
 if [[ $parts == *" cold "* ]]; then
-    timeout 300 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-2}" --until-warm --label "serve, 12 API servers" -- \
+    timeout 300 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-2}" --until-warm --log-dir "$OUT/coldstart_logs" --label "serve, 12 API servers" -- \
         $MODEL_ARGS --api-server-count 12 ${SERVE_ARGS:-} > "$OUT/coldstart.txt" 2>&1
     tail -1 "$OUT/coldstart.txt" > "$OUT/coldstart.json"
     grep -E "^run|cold start" "$OUT/coldstart.txt"

@@ -72,12 +72,14 @@ def test_cached_dummy_checkpoint_is_written_once_and_loads(tmp_path) -> None:
         assert all(torch.equal(got[k], sd[k]) for k in sd), name
 
 
-def test_measure_cold_start_of_a_tiny_server() -> None:
+def test_measure_cold_start_of_a_tiny_server(tmp_path) -> None:
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     start = time.perf_counter()
-    r = measure_cold_start(TINY_SERVE_ARGS + ["--log-level", "info"], timeout_s=120, env=env, until_warm=True)
+    args = TINY_SERVE_ARGS + ["--log-level", "info"]
+    r = measure_cold_start(args, timeout_s=120, env=env, until_warm=True, log_path=str(tmp_path / "serve.log"))
     wall = time.perf_counter() - start
     assert 0 < r.listen_s <= r.total_s <= r.warm_s < wall  # a CPU server that compiles nothing: warm at once
     # The phases come in order and all before /ready answered.
     phases = [r.phases[k] for k in ("imports", "model_loaded", "engine_built", "app_started")]
     assert phases == sorted(phases) and phases[-1] <= r.total_s + 0.5, r
+    assert "model_loaded" in r.phases and "loaded dummy" in (tmp_path / "serve.log").read_text()  # the log is kept

@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from ttsserve.model.dummy_cache import cached_dummy_checkpoint
 
@@ -113,10 +114,12 @@ def measure_cold_start(
     env: dict[str, str] | None = None,
     poll_s: float = 0.05,
     until_warm: bool = False,
+    log_path: str | None = None,
 ) -> ColdStart:
     """Start `python -m ttsserve.entrypoints.serve <serve_args> --port P`, wait for /ready 200 (until_warm:
     and then for every engine warm), stop it. RuntimeError (with the log tail) if it exits or is not ready
-    (warm) within `timeout_s`."""
+    (warm) within `timeout_s`. log_path: where to keep the server's log (its timestamps place every start-up
+    line, not only the PHASES ones)."""
     port = free_port()
     cmd = [sys.executable, "-m", "ttsserve.entrypoints.serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryFile("w+") as log:
@@ -149,8 +152,11 @@ def measure_cold_start(
                 proc.kill()
                 proc.wait()
         log.seek(0)
+        text = log.read()
+        if log_path:
+            Path(log_path).write_text(text)
         warm = None if warm_s is None else round(warm_s, 3)
-        return ColdStart(round(total, 3), round(listen_s, 3), parse_phases(log.read(), t0), warm)
+        return ColdStart(round(total, 3), round(listen_s, 3), parse_phases(text, t0), warm)
 
 
 def import_floor_s() -> float:
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="after /ready, wait until /metrics shows every engine warm (deferred CUDA graphs captured)",
     )
+    ap.add_argument("--log-dir", default=None, help="keep each run's server log here as run<i>.log")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `ttsserve serve` flags")
     a = ap.parse_args(argv)
     serve_args = a.serve_args[1:] if a.serve_args[:1] == ["--"] else a.serve_args
@@ -190,7 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         path = cached_dummy_checkpoint(a.cache_dummy)
         print(f"cached dummy checkpoint: {path} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
         serve_args += ["--model", str(path), "--load-format", "safetensors"]
-    runs = [measure_cold_start(serve_args, a.timeout, until_warm=a.until_warm) for _ in range(a.runs)]
+    if a.log_dir:
+        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    runs = [
+        measure_cold_start(
+            serve_args, a.timeout, until_warm=a.until_warm, log_path=a.log_dir and f"{a.log_dir}/run{i}.log"
+        )
+        for i in range(a.runs)
+    ]
     floor = import_floor_s()
     for i, r in enumerate(runs):
         warm = "" if r.warm_s is None else f", warm {r.warm_s:.2f} s"
