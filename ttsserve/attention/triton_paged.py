@@ -27,12 +27,8 @@ import torch
 import triton
 
 from ttsserve.attention.backend import AttentionMetadata
-from ttsserve.attention.triton_kernels import (
-    paged_decode_kernel,
-    paged_decode_reduce_kernel,
-    paged_prefill_kernel,
-    reshape_and_cache_kernel,
-)
+from ttsserve.attention.triton_decode_kernels import paged_decode_kernel, paged_decode_reduce_kernel
+from ttsserve.attention.triton_prefill_kernels import paged_prefill_kernel, reshape_and_cache_kernel
 from ttsserve.layers.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 
 SUPPORTED_HEAD_DIMS = (64,)
