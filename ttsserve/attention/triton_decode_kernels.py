@@ -10,6 +10,17 @@ from ttsserve.attention.triton_common import attend_tile, fp8_quant_rows, kv_til
 
 
 @triton.jit
+def _load_rope(base, mask, cos, sin, d, HEAD_DIM: tl.constexpr):
+    """RoPE of the head vectors at `base` (a pointer, or [R, 1] pointers to each row's first element; mask
+    shaped like base + d): x * cos + rotate_half(x) * sin with x, cos, sin [HEAD_DIM] in fp32, rounded once
+    to x's dtype, as torch.compile's fused kernel of backend.apply_rope computes it. -> [HEAD_DIM] or [R, HEAD_DIM]."""
+    x = tl.load(base + d, mask=mask, other=0.0)
+    partner = tl.load(base + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where(d < HEAD_DIM // 2, -partner, partner)
+    return (x.to(tl.float32) * cos + partner * sin).to(x.dtype)
+
+
+@triton.jit
 def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new, v_new, d, write):
     """Store one token's k / v [HEAD_DIM] of head kv_h at `slot` when `write` (scalar) and slot >= 0."""
     # conditions broadcast to full shape through d * 0: Triton's CPU interpreter rejects scalar mask terms
@@ -65,8 +76,12 @@ def paged_decode_kernel(
     seq_lens_ptr,
     slot_mapping_ptr,
     scale_ptr,
+    cos_ptr,
+    sin_ptr,
     qk_scale,
     num_splits,
+    stride_cos,
+    stride_sin,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -91,6 +106,7 @@ def paged_decode_kernel(
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
     that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows), over split s.
@@ -102,6 +118,8 @@ def paged_decode_kernel(
     (the padding rows cost no memory traffic, and dot operands let Triton pipeline the KV loads).
     SPLIT=False: write the normalised output. SPLIT=True: write the unnormalised accumulator, running
     max (log2 domain) and denominator to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce.
+    ROPE=True: q and the new k are unrotated; cos / sin [B, HEAD_DIM] (token stride stride_cos / stride_sin)
+    rotate them here (_load_rope), and the rotated k is what is stored and attended to.
     """
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
@@ -116,9 +134,14 @@ def paged_decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     head = kv_h * GROUP + r
     row_valid = r < GROUP
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_valid[:, None], other=0.0
-    )
+    q_rows = q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
+    k_row = k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh
+    if ROPE:
+        cos = tl.load(cos_ptr + b.to(tl.int64) * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + b.to(tl.int64) * stride_sin + d).to(tl.float32)
+        q = _load_rope(q_rows, row_valid[:, None], cos, sin, d, HEAD_DIM)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=row_valid[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -143,7 +166,10 @@ def paged_decode_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, ks, vs, valid[None, :], qk_scale, m_i, l_i, acc, FP8, IEEE)
 
     if (lo <= last) & (last < hi):  # this split holds the new token
-        k_raw = tl.load(k_ptr + b.to(tl.int64) * stride_kt + kv_h * stride_kh + d)
+        if ROPE:
+            k_raw = _load_rope(k_row, d < HEAD_DIM, cos, sin, d, HEAD_DIM)
+        else:
+            k_raw = tl.load(k_row + d)
         v_raw = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh + d)
         slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
         if FP8:
