@@ -12,8 +12,8 @@ from ttsserve.attention.triton_common import attend_tile, fp8_quant_rows, kv_til
 @triton.jit
 def _load_rope(base, mask, cos, sin, d, HEAD_DIM: tl.constexpr):
     """RoPE of the head vectors at `base` (a pointer, or [R, 1] pointers to each row's first element; mask
-    shaped like base + d): x * cos + rotate_half(x) * sin with x, cos, sin [HEAD_DIM] in fp32, rounded once
-    to x's dtype, as torch.compile's fused kernel of backend.apply_rope computes it. -> [HEAD_DIM] or [R, HEAD_DIM]."""
+    shaped like base + d) -> [HEAD_DIM] or [R, HEAD_DIM] in x's dtype: x * cos + rotate_half(x) * sin with x
+    and cos / sin ([HEAD_DIM], fp32) in fp32, rounded once, as torch.compile's fusion of backend.apply_rope."""
     x = tl.load(base + d, mask=mask, other=0.0)
     partner = tl.load(base + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
     partner = tl.where(d < HEAD_DIM // 2, -partner, partner)
