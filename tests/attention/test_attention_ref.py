@@ -100,3 +100,32 @@ def test_paged_skips_negative_slots_and_checks_block_capacity() -> None:
     assert cache[:, [0, 1, 3]].eq(0).all()
     with pytest.raises(ValueError, match="cannot hold"):
         make_metadata([[0]], [3], [2], block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_argument_rotates_q_and_k_before_attending(dtype: torch.dtype) -> None:
+    """attend(..., rope=(cos, sin)) == attend on q / k rotated by the model's apply_rotary, bit for bit
+    (output and the stored, rotated k), for the paged torch backend (decode and prefill) and DenseAttention."""
+    from ttsserve.model.layers import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, block_size = 4, 2, 16, 4
+    rotary = RotaryEmbedding(d, 10000.0, 64)
+    for lens, news in (([3, 9], [1, 1]), ([0, 5], [6, 2])):  # decode-only, then prefill chunks
+        md = make_metadata([[0, 1, 2], [3, 4, 5]], lens, news, block_size)
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(lens, news)])
+        cos, sin = rotary(positions, dtype)
+        t = len(positions)
+        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        caches = [torch.zeros(kv_cache_shape(6, block_size, hkv, d), dtype=dtype) for _ in range(2)]
+        backend = TorchPagedAttention()
+        want = PagedAttention(backend, caches[:1], md, d**-0.5).attend(
+            0, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        )
+        got = PagedAttention(backend, caches[1:], md, d**-0.5).attend(0, q, k, v, rope=(cos, sin))
+        assert torch.equal(got, want) and torch.equal(caches[1], caches[0])
+        assert not torch.equal(apply_rotary(k, cos, sin), k)  # the positions rotate something
+    cos, sin = rotary(torch.arange(7), dtype)
+    q, k, v = (torch.randn(7, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    want = DenseAttention(1).attend(0, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+    assert torch.equal(DenseAttention(1).attend(0, q, k, v, rope=(cos, sin)), want)

@@ -141,6 +141,35 @@ def test_graph_body_equals_eager_decode(tiny_model):
         np.testing.assert_allclose(audio_graph[r.request_id][0], audio_eager[r.request_id][0], atol=1e-5, rtol=0)
 
 
+def test_fused_forward_hands_rope_to_the_attention(tiny_model):
+    """The decode graph body's GPT: q / k reach attend unrotated, as views of the qkv projection, with
+    rope = (cos, sin) of the positions; the attention applying it gives GPT.forward's hidden states."""
+    from ttsserve.attention.dense import DenseAttention
+    from ttsserve.runner.cuda_graphs import fused_gpt_forward
+
+    gpt = tiny_model.gpt
+    x = torch.randn(5, gpt.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(5)
+    calls = []
+
+    class Recording(DenseAttention):
+        def attend(self, layer_idx, q, k, v, rope=None):
+            calls.append((q, k, rope))
+            return super().attend(layer_idx, q, k, v, rope)
+
+    with torch.inference_mode():
+        got = fused_gpt_forward(gpt, DecodeOps(compile=False), x, positions, Recording(len(gpt.layers)))
+        want = gpt(x, positions, DenseAttention(len(gpt.layers)))
+        cos, sin = gpt.rotary(positions, gpt.dtype)
+        normed = gpt.layers[0].input_layernorm(x)
+        q_width = gpt.cfg.num_heads * gpt.cfg.head_dim
+        q0 = gpt.layers[0].qkv_proj(normed)[:, :q_width].view_as(calls[0][0])
+    assert len(calls) == len(gpt.layers) and all(torch.equal(r[0], cos) and torch.equal(r[1], sin) for *_, r in calls)
+    assert torch.equal(calls[0][0], q0)  # unrotated
+    assert calls[0][0].stride(0) == calls[0][1].stride(0) > q_width  # views of the one projection
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_graphs_recapture_when_the_history_window_grows(tiny_model):
     reqs = _requests(2)
     wide = reqs[1].code_params.replace(repetition_window=40, repetition_penalty=1.3)

@@ -30,11 +30,11 @@ def _compiled_variants() -> dict[str, int]:
     per device, a tuple whose first item is the kernel cache)."""
     import triton
 
-    from ttsserve.attention import triton_kernels
+    from ttsserve.attention import triton_common, triton_decode_kernels, triton_prefill_kernels
     from ttsserve.layers.quant import triton_quant
 
     out = {}
-    for module in (triton_kernels, triton_quant):
+    for module in (triton_common, triton_decode_kernels, triton_prefill_kernels, triton_quant):
         for name, fn in vars(module).items():
             if isinstance(fn, triton.runtime.jit.JITFunction):
                 caches = getattr(fn, "device_caches", None)

@@ -1,6 +1,8 @@
 """The one attention interface of the GPT, and backend selection.
 
-The GPT calls `ctx.attend(layer_idx, q, k, v)` for every layer; the context decides where K/V live:
+The GPT calls `ctx.attend(layer_idx, q, k, v)` for every layer (q / k already rotated), or
+`ctx.attend(layer_idx, q, k, v, rope=(cos, sin))` with q / k unrotated: the CUDA decode kernel then applies RoPE
+in registers, every other path rotates in torch first (`rope_qk`). The context decides where K/V live:
 - `DenseAttention` (attention/dense.py): one sequence, a growing dense cache; the single-request oracle.
 - `PagedAttention` (attention/torch_ref.py on CPU, attention/triton_paged.py on CUDA): a flat batch of
   many sequences whose K/V live in fixed-size blocks addressed by `block_tables` / `slot_mapping`.
@@ -14,12 +16,34 @@ from typing import Protocol
 
 import torch
 
+# (cos, sin) of the new tokens' positions: [T, 1, head_dim] (or [T, head_dim]) in the model dtype, as
+# RotaryEmbedding (model/layers.py) returns them.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE over the whole head: x [T, heads, D] * cos + rotate_half(x) * sin, in x's
+    dtype op by op (the arithmetic of model/layers.apply_rotary). cos / sin broadcast over the heads."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated by rope = (cos, sin); unchanged when rope is None (already rotated)."""
+    if rope is None:
+        return q, k
+    cos, sin = (t.view(t.shape[0], 1, t.shape[-1]) for t in rope)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
 
 class AttentionContext(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
         """Causal attention of the new tokens over their sequence's whole context.
 
-        q: [T, num_heads, head_dim], k / v: [T, num_kv_heads, head_dim] (RoPE already applied to q and k).
+        q: [T, num_heads, head_dim], k / v: [T, num_kv_heads, head_dim]. rope None: q and k are already
+        rotated; else (cos, sin) to rotate them with (the stored k is the rotated one).
         Stores k / v for later steps and returns [T, num_heads, head_dim].
         """
         ...
@@ -73,10 +97,12 @@ class PagedAttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         """Write k / v into `kv_cache` at `md.slot_mapping`, then attend (causal within each sequence).
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: kv_cache_shape(...). Returns [T, Hq, D].
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: kv_cache_shape(...); rope: see AttentionContext.attend.
+        Returns [T, Hq, D].
         """
         ...
 
@@ -89,8 +115,10 @@ class PagedAttention:
     ) -> None:
         self.backend, self.kv_caches, self.md, self.scale = backend, kv_caches, md, scale
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.md, self.scale)
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.md, self.scale, rope)
 
 
 def select_backend(device: torch.device) -> PagedAttentionBackend:

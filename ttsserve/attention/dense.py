@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ttsserve.attention.backend import Rope, rope_qk
 from ttsserve.layers.quant.kv_fp8 import fake_quantize_fp8
 
 
@@ -48,8 +49,11 @@ class DenseAttention:
         k = self.k_cache[-1]
         return 0 if k is None else k.shape[0]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D] (rope: AttentionContext.attend's)."""
+        q, k = rope_qk(q, k, rope)
         kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
         kc = k if kc is None else torch.cat([kc, k])
         vc = v if vc is None else torch.cat([vc, v])
@@ -62,5 +66,8 @@ class FP8DenseAttention(DenseAttention):
     """DenseAttention whose cache holds fp8-rounded k / v (per token and head, the rule of layers/quant/kv_fp8.py): the
     CPU simulation of an fp8 KV cache, for fidelity measurements (`ttsserve bench quality`)."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
+        q, k = rope_qk(q, k, rope)  # the rotated k is what the cache rounds
         return super().attend(layer_idx, q, fake_quantize_fp8(k), fake_quantize_fp8(v))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ttsserve.attention.backend import AttentionMetadata
+from ttsserve.attention.backend import AttentionMetadata, Rope, rope_qk
 from ttsserve.attention.dense import causal_sdpa
 
 logger = logging.getLogger(__name__)
@@ -159,13 +159,16 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D].
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; rope: (cos, sin)
+        to rotate q / k with first (backend.rope_qk), None when they are rotated already.
 
         Writes k / v at md.slot_mapping, then for each sequence attends its new queries (the LAST q_len
         positions of its context of md.seq_lens tokens) causally over that context. Returns [T, Hq, D]
         in q's dtype (computed in fp32 when the cache is bf16 / fp16).
         """
+        q, k = rope_qk(q, k, rope)
         store_kv(kv_cache, k, v, *self._stored_slots(md))
         if md.is_decode_only and q.shape[0] == md.num_seqs:
             ready = self._compiled_ready is None or self._compiled_ready.is_set()

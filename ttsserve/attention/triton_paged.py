@@ -3,9 +3,10 @@
 One launch per layer and step (plus a small reduce when decode splits the context):
 - decode-only batches (`md.max_query_len == 1`): `paged_decode_kernel`, one program per (sequence, KV
   head, split) with the context cut into `num_splits` pieces (flash-decoding), then
-  `paged_decode_reduce_kernel` to merge the splits when there is more than one;
+  `paged_decode_reduce_kernel` to merge the splits when there is more than one; given `rope` it also
+  applies RoPE to q and the new k (no separate rotary kernel before it);
 - any other batch (prefill, chunked prefill, decode mixed with prefill): `paged_prefill_kernel`, which
-  takes a variable number of new queries per sequence.
+  takes a variable number of new queries per sequence (`rope` is applied in torch first).
 Both also store this step's k / v at `md.slot_mapping` (slot < 0: skipped, so a runner may pad a
 CUDA-graph batch with -1 slots and seq_len 0; such rows come out as zeros).
 
@@ -26,13 +27,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ttsserve.attention.backend import AttentionMetadata
-from ttsserve.attention.triton_kernels import (
-    paged_decode_kernel,
-    paged_decode_reduce_kernel,
-    paged_prefill_kernel,
-    reshape_and_cache_kernel,
-)
+from ttsserve.attention.backend import AttentionMetadata, Rope, rope_qk
+from ttsserve.attention.triton_decode_kernels import paged_decode_kernel, paged_decode_reduce_kernel
+from ttsserve.attention.triton_prefill_kernels import paged_prefill_kernel, reshape_and_cache_kernel
 from ttsserve.layers.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 
 SUPPORTED_HEAD_DIMS = (64,)
@@ -93,14 +90,18 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor | FP8KVCache,
         md: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         """Write k / v into `kv_cache` at `md.slot_mapping`, then attend causally within each sequence.
 
         q: [T, Hq, 64]; k, v: [T, Hkv, 64] (last dim contiguous, any token / head strides);
-        kv_cache: [2, num_blocks, md.block_size, Hkv, 64] of q's dtype, or an FP8KVCache of that shape.
+        kv_cache: [2, num_blocks, md.block_size, Hkv, 64] of q's dtype, or an FP8KVCache of that shape;
+        rope: None (q / k rotated already) or (cos, sin), [T, 1, 64] or [T, 64], last dim contiguous.
         Returns a new [T, Hq, 64].
         """
         _check_inputs(q, k, v, kv_cache, md)
+        if rope is not None:
+            _check_rope(rope, q)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
@@ -111,8 +112,9 @@ class TritonPagedAttention:
                 num_splits = choose_num_splits(
                     md.seq_lens.shape[0] * k.shape[1], md.max_seq_len, self._sm_count(q.device), self.tuning
                 )
-            paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning)
+            paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning, rope)
         else:
+            q, k = rope_qk(q, k, rope)
             paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
         return out
 
@@ -191,6 +193,16 @@ def _check_inputs(
         raise ValueError("block_tables must be contiguous in its last dimension")
 
 
+def _check_rope(rope: Rope, q: torch.Tensor) -> None:
+    """cos / sin: one [head_dim] row per token, contiguous in head_dim, on q's device."""
+    num_tokens, head_dim = q.shape[0], q.shape[-1]
+    for t in rope:
+        if t.shape[0] != num_tokens or t.shape[-1] != head_dim or t.numel() != num_tokens * head_dim:
+            raise ValueError(f"rope cos / sin must be [{num_tokens}, 1, {head_dim}], got {tuple(t.shape)}")
+        if t.stride(-1) != 1 or t.device != q.device or not t.is_floating_point():
+            raise ValueError("rope cos / sin must be floating point, on q's device, contiguous in head_dim")
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | FP8KVCache, slot_mapping: torch.Tensor
 ) -> None:
@@ -233,9 +245,11 @@ def paged_decode(
     scale: float,
     num_splits: int,
     tuning: TritonTuning,
+    rope: Rope | None = None,
 ) -> None:
     """out[b] = attention of q[b] ([Hq, D], one new token per sequence) over its md.seq_lens[b] tokens,
-    the last being k[b] / v[b], which are also stored at md.slot_mapping[b]."""
+    the last being k[b] / v[b], which are also stored at md.slot_mapping[b]. With rope = (cos, sin), q[b]
+    and k[b] are rotated in the kernel first (cos / sin [B, 1, D] or [B, D])."""
     kv_cache, scales = _split_cache(kv_cache)
     scale_ptr, *scale_strides = _scale_args(kv_cache, scales)
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
@@ -248,6 +262,7 @@ def paged_decode(
         part_m, part_l = part_ml[0], part_ml[1]
     else:
         part_o = part_m = part_l = out  # unused by the SPLIT=False specialisation
+    cos, sin = rope if rope is not None else (q, q)  # q: an unused pointer for ROPE=False
     args = (
         out,
         part_o,
@@ -261,8 +276,12 @@ def paged_decode(
         md.seq_lens,
         md.slot_mapping,
         scale_ptr,
+        cos,
+        sin,
         scale * LOG2E,
         num_splits,
+        cos.stride(0),
+        sin.stride(0),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -288,6 +307,7 @@ def paged_decode(
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
+        ROPE=rope is not None,
         num_warps=tuning.decode_num_warps,
         num_stages=tuning.decode_num_stages,
     )

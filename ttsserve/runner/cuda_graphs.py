@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ttsserve.attention.backend import AttentionMetadata, PagedAttention
+from ttsserve.attention.backend import AttentionMetadata, PagedAttention, Rope, apply_rope
 from ttsserve.graph_capture import capture
 from ttsserve.runner.graph_buckets import BucketedGraphs
 
@@ -38,7 +38,8 @@ _ROW, _POS, _SLOT, _STEP = range(4)
 # A decode step is ~750 tiny kernels when run op by op (RMSNorm alone is 7, RoPE 10 per layer); inside a graph each
 # still costs ~2.5 us of GPU time, 1.9 ms in all at batch 1 against a 0.09 ms weight-read floor. The functions
 # below are the same arithmetic as GPT.forward / the sampler, written so torch.compile fuses each chain into one
-# kernel; the linears (dense or quantized modules) and the paged attention are called as they are.
+# kernel; the linears (dense or quantized modules) and the paged attention are called as they are. RoPE goes to
+# the attention as rope=(cos, sin): the Triton decode kernel rotates q and the new k as it loads them.
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,19 +55,25 @@ def _add_rmsnorm(
     return _rmsnorm(s, weight, eps), s
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k / v [T, Hkv, D]: views (token stride (Hq + 2 Hkv) * D),
+    which the attention backends take (any token / head stride, contiguous head_dim)."""
+    t, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].view(t, num_heads, head_dim)
+    k = qkv[:, q_width : q_width + kv_width].view(t, num_kv_heads, head_dim)
+    return q, k, qkv[:, q_width + kv_width :].view(t, num_kv_heads, head_dim)
 
 
 def _qkv_rotary(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q and k rotated as one [T, Hq + Hkv, D] tensor, so the compiled op is one kernel (two outputs were two:
-    ~7 us each per layer at 512 rows on an H200); q and k are its head-strided views, which the attention
-    backends take (any token / head stride, contiguous head_dim)."""
+    """_split_qkv with q and k rotated as one [T, Hq + Hkv, D] tensor, so the compiled op is one kernel (two
+    outputs were two: ~7 us each per layer at 512 rows on an H200); q and k are its head-strided views.
+    For the piecewise prefill graphs, whose attention takes q / k rotated."""
     t, qk_width = qkv.shape[0], (num_heads + num_kv_heads) * head_dim
-    qk = _rotate(qkv[:, :qk_width].reshape(t, num_heads + num_kv_heads, head_dim), cos, sin)
+    qk = apply_rope(qkv[:, :qk_width].reshape(t, num_heads + num_kv_heads, head_dim), cos, sin)
     return qk[:, :num_heads], qk[:, num_heads:], qkv[:, qk_width:].reshape(t, num_kv_heads, head_dim)
 
 
@@ -76,7 +83,9 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeOps:
-    """The fusable pieces of a decode step; compiled with torch.compile (dynamic batch) or plain functions."""
+    """The fusable pieces of a decode step (and of the piecewise prefill / sampler graphs, which share them);
+    compiled with torch.compile (dynamic batch) or plain functions. The decode graph's body calls all but
+    qkv_rotary (its attention applies RoPE); the prefill graphs call qkv_rotary."""
 
     _compiled: ClassVar[dict[str, object]] = {}  # one compilation per process, shared by every engine
 
@@ -102,7 +111,8 @@ class DecodeOps:
 
 def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
     """GPT.forward (model/gpt.py) restructured for fusion: each block's residual add goes into the next
-    RMSNorm, q/k/v split + RoPE is one op, SiLU-and-mul one op. Same arithmetic; x: [T, H] -> [T, H]."""
+    RMSNorm, RoPE goes into the attention (ctx.attend(..., rope=(cos, sin)) on unrotated q / k views),
+    SiLU-and-mul is one op. Same arithmetic; x: [T, H] -> [T, H]."""
     cfg = gpt.cfg
     h = x.to(gpt.dtype)
     cos, sin = gpt.rotary(positions, h.dtype)
@@ -113,8 +123,8 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
             normed, residual = ops.rmsnorm(h, norm.weight, norm.eps), h
         else:
             normed, residual = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
-        q, k, v = ops.qkv_rotary(layer.qkv_proj(normed), cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        attn = ctx.attend(i, q, k, v)
+        q, k, v = _split_qkv(layer.qkv_proj(normed), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        attn = ctx.attend(i, q, k, v, rope=(cos, sin))
         norm = layer.post_attention_layernorm
         normed, residual = ops.add_rmsnorm(layer.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
         h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
@@ -124,7 +134,9 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
 class _ZeroAttention:
     """An attention context whose output is zeros shaped like the real one's ([T, Hq, D], contiguous)."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -251,13 +263,23 @@ class DecodeGraphs(BucketedGraphs):
     def precompile(self) -> None:
         """Run the body once at the largest bucket's padding with zeros for attention, before the runner's KV
         cache exists: torch.compile traces and loads the ops now (the runner overlaps it with the KV pool's
-        allocation), at the shapes and dtypes the first capture's warm-up then finds compiled."""
+        allocation), at the shapes and dtypes the first capture's warm-up then finds compiled. qkv_rotary, which
+        the body does not call, is traced here too for the piecewise prefill graphs that share these ops."""
         if self.ops is None or not self.ops.compiled or self.runner.device.type != "cuda":
             return
         bs = self.sizes[-1]
         self._fill_padding(0, bs)
         self.meta[:bs].copy_(self.meta_host[:bs])
         self._or_uncompiled(lambda: self._body(bs, zero_attention=True), "torch.compile of the decode step")
+        self._or_uncompiled(lambda: self._trace_qkv_rotary(bs), "torch.compile of the prefill graphs' RoPE")
+
+    def _trace_qkv_rotary(self, t: int) -> None:
+        """One call of ops.qkv_rotary on t zero rows of the GPT's qkv width and dtype."""
+        gpt = self.runner.model.gpt
+        cfg, dev = gpt.cfg, self.runner.device
+        qkv = torch.zeros(t, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, dtype=gpt.dtype, device=dev)
+        cos, sin = gpt.rotary(torch.zeros(t, dtype=torch.int64, device=dev), gpt.dtype)
+        self.ops.qkv_rotary(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
