@@ -54,7 +54,10 @@ def test_streaming_concurrency_sweep(server) -> None:
         assert {"schedule", "runner_prepare", "audio_step"} <= set(ms) and all(v >= 0 for v in ms.values())
         assert 0 < ms["runner"] < 1000.0 / s["server_steps_per_s"]  # a phase fits in the time between steps
         ttfa = s["server_ttfa_s"]  # the server's own histograms: the engine's share within the API servers'
-        assert 0 < ttfa["engine"]["p50"] <= ttfa["api"]["p50"] and ttfa["engine"]["p99"] <= ttfa["api"]["p99"]
+        eps = 1e-9  # both are interpolated in the same histogram buckets: equal up to float rounding
+        assert (
+            0 < ttfa["engine"]["p50"] <= ttfa["api"]["p50"] + eps and ttfa["engine"]["p99"] <= ttfa["api"]["p99"] + eps
+        )
         slow = s["server_steps_over_ms"]
         assert set(slow) == {"20", "50"} and 0 <= slow["50"] <= slow["20"] <= s["server_steps_per_s"] * s["wall_s"] + 1
 
