@@ -32,6 +32,7 @@ GROUPS = (  # first match wins; kernel names of torch 2.11 / Triton 3.6 on Hoppe
     ("attention", re.compile(r"paged|attn|attention|flash", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|matmul|_mm_", re.I)),
     ("sampler", re.compile(r"sort|topk|top_k|softmax|multinomial|cumsum|scan|argmax|exponential|philox", re.I)),
+    ("vocoder (Triton)", re.compile(r"^_(front|back|buffer)_kernel")),  # audio/triton_convnext.py
     ("conv (vocoder)", re.compile(r"conv|cudnn|implicit|winograd|fft", re.I)),
     ("copy / fill", re.compile(r"copy|memcpy|memset|fill|cat|index|gather|scatter", re.I)),
     ("norm / elementwise", re.compile(r"norm|elementwise|vectorized|reduce|triton_", re.I)),
