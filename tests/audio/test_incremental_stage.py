@@ -21,8 +21,9 @@ from audio_stage_testutil import (  # noqa: F401
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ttsserve.audio.incremental_stage import IncrementalAudioStage, make_audio_stage
+from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.stage import AudioStage, context_frames
+from ttsserve.audio.stage_factory import make_audio_stage
 
 
 @pytest.mark.parametrize("n", [400, 1600])
