@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gpu_bench as gb  # noqa: E402
+import bench_engine as be  # noqa: E402
 
 import ttsserve.engine.warm_up as wu  # noqa: E402
 from ttsserve.engine.core.heap import freeze_startup_heap  # noqa: E402
@@ -27,9 +27,9 @@ from ttsserve.model.chattts import load_model  # noqa: E402
 
 
 def build_engine(dev: str, size: str, n: int):
-    gb.SETUP.update(device=dev, dummy_size=size, dtype="bfloat16" if dev == "cuda" else "float32")
-    model = load_model(gb.model_config(max_num_seqs=max(n, 8)))
-    engine = gb.make_engine(model, max_num_seqs=max(n, 8))  # on CUDA the constructor warms up
+    be.SETUP.update(device=dev, dummy_size=size, dtype="bfloat16" if dev == "cuda" else "float32")
+    model = load_model(be.model_config(max_num_seqs=max(n, 8)))
+    engine = be.make_engine(model, max_num_seqs=max(n, 8))  # on CUDA the constructor warms up
     if dev != "cuda":
         wu.warm_up(engine)
     freeze_startup_heap("probe")  # as the served engine core does: no full GC pass over start-up objects
@@ -41,10 +41,10 @@ def per_step(after: dict, before: dict, steps: int, keys) -> str:
 
 
 def run_wave(e, w: int, n: int, frames: int) -> str:
-    gb.sync()
+    be.sync()
     t0 = time.perf_counter()
     a0, r0, s0 = dataclasses.asdict(e.timings), dataclasses.asdict(e.runner.timings), e.counters.steps
-    ids = gb.submit(e, n, frames, seed=100 * w)
+    ids = be.submit(e, n, frames, seed=100 * w)
     step_ms, first, pending = [], dict.fromkeys(ids), set(ids)
     while pending:
         a = time.perf_counter()

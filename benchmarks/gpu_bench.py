@@ -10,6 +10,8 @@ Sections (each independent; a failure is recorded and the rest still run):
   vocoder    Decoder+Vocos per batched call, fp32 vs bf16 networks: time and error
   startup    the default engine's memory report (profiling, gpu_memory_utilization 0.9)
 Usage: python3 benchmarks/gpu_bench.py --out DIR [--sections a,b] [--quick]
+
+The engine helpers (SETUP, make_engine, submit, drive, stream_stats, ...) live in benchmarks/bench_engine.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import statistics
 import sys
 import time
@@ -27,131 +28,29 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ttsserve.config import EngineConfig
+from bench_engine import (
+    FRAMES_10S,
+    SETUP,
+    SR,
+    drive,
+    finish,
+    gpu_time_ms,
+    kv_bytes,
+    make_engine,
+    model_config,
+    stream_stats,
+    submit,
+    sync,
+)
+from gpu_bench_vocoder import sec_vocoder
+
 from ttsserve.engine.engine import Engine
 from ttsserve.model.chattts import load_model
-from ttsserve.params import SamplingParams, SynthesisRequest
 
-FRAMES_10S = 469  # 10 s of audio at 46.875 frames/s
-SR = 24000
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog while the band plays a slow song in the park.",
-    "Please remember to bring your umbrella tomorrow because the forecast says it will rain all day.",
-    "Our meeting has moved to three o'clock, so there is still time to finish the report before then.",
-    "She opened the window, listened to the birds, and decided that today would be a very good day.",
-]
 LOG = logging.getLogger("gpu_bench")
-
-
-SETUP = {"device": "cuda", "dummy_size": "real", "dtype": "bfloat16"}  # --device cpu --dummy-size tiny: smoke run
-
-
-def model_config(**kw) -> EngineConfig:
-    base = dict(load_format="dummy", seed=0, **SETUP)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def kv_bytes(gib: float) -> int:
-    return int(gib * 2**30) if SETUP["device"] == "cuda" else 64 << 20
-
-
-def make_engine(model, **kw) -> Engine:
-    kw.setdefault("kv_cache_memory", kv_bytes(16))
-    return Engine(model_config(**kw), model=model)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def submit(engine: Engine, n: int, frames: int, seed: int = 0) -> list[str]:
-    ids = []
-    for i in range(n):
-        p = SamplingParams(seed=seed + i, min_new_tokens=frames, max_new_tokens=frames)
-        ids.append(engine.add_synthesis(SynthesisRequest(TEXTS[i % len(TEXTS)], code_params=p, raw_text=True)))
-    return ids
-
-
-def drive(engine: Engine, ids: list[str], t0: float, sample_memory: bool = False) -> dict:
-    """Step until every id finished; per request: first/last audio time, samples, chunk arrival times."""
-    recs = {rid: {"chunks": [], "samples": 0, "ttfa": None, "done": None} for rid in ids}
-    pending, peak_used = set(ids), 0
-    while pending:
-        outs = engine.step()
-        now = time.perf_counter() - t0
-        if sample_memory and engine.counters.steps % 8 == 0 and torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            peak_used = max(peak_used, total - free)
-        for o in outs:
-            r = recs.get(o.request_id)
-            if r is None:
-                continue
-            if o.samples.size:
-                r["samples"] += int(o.samples.size)
-                r["chunks"].append((now, int(o.samples.size)))
-                r["ttfa"] = now if r["ttfa"] is None else r["ttfa"]
-            if o.finished:
-                r["done"] = now
-                pending.discard(o.request_id)
-    if sample_memory:
-        recs["_peak_used"] = peak_used
-    return recs
-
-
-def pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
-
-
-def stream_stats(recs: dict) -> dict:
-    """TTFA percentiles; per-stream speed (audio seconds / generation seconds); playback stalls when each
-    stream starts playing at its first audio."""
-    ttfa = [r["ttfa"] for r in recs.values() if isinstance(r, dict)]
-    speeds, stalls, stall_s = [], 0, 0.0
-    for r in recs.values():
-        if not isinstance(r, dict):
-            continue
-        audio_s = r["samples"] / SR
-        speeds.append(audio_s / max(r["done"] - r["ttfa"], 1e-9))
-        played, clock = 0.0, r["ttfa"]  # playback clock: audio position vs wall time
-        for t, n in r["chunks"]:
-            if t > clock + played:  # the chunk came after the buffer ran dry
-                stalls += 1
-                stall_s += t - (clock + played)
-                clock = t - played
-            played += n / SR
-    return {
-        "ttfa_p50_s": pct(ttfa, 50),
-        "ttfa_p99_s": pct(ttfa, 99),
-        "ttfa_max_s": max(ttfa),
-        "min_stream_speed_x_realtime": min(speeds),
-        "median_stream_speed_x_realtime": statistics.median(speeds),
-        "playback_stalls": stalls,
-        "playback_stall_s": stall_s,
-    }
-
-
-def finish(engine: Engine, ids: list[str]) -> None:
-    for rid in ids:
-        engine.abort(rid)
-    for _ in range(3):
-        engine.step()
-
-
-def gpu_time_ms(fn, reps: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 # ---- sections ------------------------------------------------------------------------------------------------
@@ -331,84 +230,6 @@ def sec_streams(ctx: dict) -> dict:
     out["lookahead_8"] = _saturate(e8, 128)
     out["right_context_frames_exact"] = e.audio.right_context_frames
     del e8
-    return out
-
-
-@torch.no_grad()
-def sec_vocoder(ctx: dict) -> dict:
-    from ttsserve.audio.stage import AudioStage
-    from ttsserve.h2d import to_device
-
-    m, out = ctx["model"], {}
-    stages = {
-        "fp32": AudioStage(m.decoder, None, m.vocos, device=m.device),
-        "bf16": AudioStage(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.bfloat16),
-        "fp16": AudioStage(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.float16),
-    }
-    n = stages["fp32"].max_window_frames
-    b = 64
-    x = torch.randn(b, m.decoder.hidden_size, n, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    lens = to_device([n] * b, m.device)
-    wavs = {}
-    for name, st in stages.items():
-
-        def call(st=st):
-            mel = st.decoder(x.to(st.decoder.coef.dtype), lens)
-            return st.vocos(mel.to(next(st.vocos.parameters()).dtype), 2 * lens)
-
-        wavs[name] = call().float()
-        ms = gpu_time_ms(call, 10)
-        emitted = b * st.max_chunk_frames  # frames a full call emits (the rest is context)
-        out[name] = {
-            "call_ms": ms,
-            "windows": b,
-            "window_frames": n,
-            "emitted_audio_s_per_s": emitted / 46.875 / ms * 1e3,
-        }
-    from ttsserve.audio.incremental_stage import IncrementalAudioStage
-
-    for name, cls in (("windowed", AudioStage), ("incremental", IncrementalAudioStage)):
-        out[f"{name}_fp16_step"] = _stage_step(cls, m, b)
-    ref = wavs["fp32"]
-    for name in ("bf16", "fp16"):
-        err = (wavs[name] - ref).norm() / ref.norm()
-        out[f"{name}_rel_l2_error"] = float(err)
-        out[f"{name}_snr_db"] = float(-20 * torch.log10(err))
-    return out
-
-
-def _stage_step(stage_cls, m, b: int) -> dict:
-    """Wall time of one steady step() of a vocoder stage (fp16 nets, not deferred, synced): b streams that each
-    bring max_chunk_frames new frames, host work included."""
-    st = stage_cls(m.decoder, None, m.vocos, device=m.device, net_dtype=torch.float16)
-    frames = torch.randn(st.max_chunk_frames + st.right_context_frames + 8, m.decoder.hidden_size, device=m.device)
-    ids = [f"s{i}" for i in range(b)]
-    for r in ids:
-        st.add_request(r)
-        st.append(r, frames[: st.first_chunk_frames + st.right_context_frames])
-    st.step()
-    times = []
-    for k in range(14):  # chunks 16, 32, then max_chunk_frames: time the steady ones
-        n = st._chunk_frames(k + 1)
-        for r in ids:
-            st.append(r, frames[:n])
-        sync()
-        t0 = time.perf_counter()
-        st.step()
-        sync()
-        if n == st.max_chunk_frames and k > 4:
-            times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
-    out = {
-        "step_ms": ms,
-        "streams": b,
-        "new_frames_per_stream": st.max_chunk_frames,
-        "emitted_audio_s_per_s": b * st.max_chunk_frames / 46.875 / ms * 1e3,
-        "frames_decoded_per_emitted": st.frames_decoded_total
-        / max(1, sum(s.num_emitted_frames for s in st._streams.values())),
-    }
-    if hasattr(st, "state_bytes_per_request"):
-        out["state_bytes_per_request"] = st.state_bytes_per_request
     return out
 
 

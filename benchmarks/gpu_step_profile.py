@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gpu_bench as gb  # noqa: E402
+import bench_engine as be  # noqa: E402
 import staggered as st  # noqa: E402
 
 from ttsserve.model.chattts import load_model  # noqa: E402
@@ -56,7 +56,7 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 def profile_point(model, concurrency: int, seconds: float, variant: str) -> dict:
     overrides, _, _ = st.VARIANTS[variant]
-    engine = gb.make_engine(model, max_num_seqs=max(concurrency, 8), **overrides)
+    engine = be.make_engine(model, max_num_seqs=max(concurrency, 8), **overrides)
     st.closed_loop(engine, concurrency, 5.0, seed=1)  # warm: shapes, allocator, graphs' first replays
     cuda = torch.cuda.is_available()
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
@@ -119,8 +119,8 @@ def main() -> int:
     a = ap.parse_args()
     st.FRAMES = tuple(int(x) for x in a.frames.split(","))
     st.SERVED_LIKE = True
-    gb.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
-    model = load_model(gb.model_config())
+    be.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
+    model = load_model(be.model_config())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     points = []

@@ -13,6 +13,7 @@ Usage: python3 benchmarks/staggered.py --out DIR [--concurrency 128] [--seconds 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import random
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gpu_bench as gb  # noqa: E402
+import bench_engine as be  # noqa: E402
 
 from ttsserve.model.chattts import load_model  # noqa: E402
 from ttsserve.params import SamplingParams, SynthesisRequest  # noqa: E402
@@ -63,7 +64,7 @@ SERVED_LIKE = False  # --workload served: a speaker voice, normalized text, leng
 def _request(engine, k: int, n: int, seed: int) -> SynthesisRequest:
     """Request k: `n` frames exactly, raw text, no speaker; or served-like: a random speaker (as the
     server's built-in voices), normalized text, EOS when the model samples it (at most n frames)."""
-    text = gb.TEXTS[k % len(gb.TEXTS)]
+    text = be.TEXTS[k % len(be.TEXTS)]
     if not SERVED_LIKE:
         return SynthesisRequest(
             text, code_params=SamplingParams(seed=seed + k, min_new_tokens=n, max_new_tokens=n), raw_text=True
@@ -138,13 +139,13 @@ def closed_loop(engine, concurrency: int, seconds: float, seed: int) -> dict:
 
 def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int) -> dict:
     done = [r for r in recs.values() if r["ttfa"] is not None]
-    for r in done:  # TTFA from submission, and the playback model of gpu_bench.stream_stats per stream
+    for r in done:  # TTFA from submission, and the playback model of bench_engine.stream_stats per stream
         r["ttfa"] -= r["t_submit"]
         r["chunks"] = [(t - r["t_submit"], n) for t, n in r["chunks"]]
         r["done"] = (r["done"] if r["done"] is not None else elapsed) - r["t_submit"]
     stalled = 0
     for r in done:
-        if gb.stream_stats({"x": r})["playback_stalls"]:
+        if be.stream_stats({"x": r})["playback_stalls"]:
             stalled += 1
     ttfa, ttfa_steps = [r["ttfa"] for r in done], [r["ttfa_steps"] for r in done]
     tm = {k: (v - base[0][k]) / max(steps, 1) for k, v in engine.timings.__dict__.items()}
@@ -153,11 +154,11 @@ def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int)
         "requests": len(done),
         "seconds": elapsed,
         "steps": steps,
-        "audio_s_per_s": sum(r["samples"] for r in done) / gb.SR / elapsed,
-        "ttfa_p50_s": gb.pct(ttfa, 50) if ttfa else None,
-        "ttfa_p99_s": gb.pct(ttfa, 99) if ttfa else None,
-        "ttfa_steps_p50": gb.pct(ttfa_steps, 50) if ttfa else None,
-        "ttfa_steps_p99": gb.pct(ttfa_steps, 99) if ttfa else None,
+        "audio_s_per_s": sum(r["samples"] for r in done) / be.SR / elapsed,
+        "ttfa_p50_s": be.pct(ttfa, 50) if ttfa else None,
+        "ttfa_p99_s": be.pct(ttfa, 99) if ttfa else None,
+        "ttfa_steps_p50": be.pct(ttfa_steps, 50) if ttfa else None,
+        "ttfa_steps_p99": be.pct(ttfa_steps, 99) if ttfa else None,
         "stalled_streams": stalled,
         "step_ms": elapsed * 1e3 / max(steps, 1),
         "vocoder_calls_per_step": (engine.audio.calls_total - base[2]) / max(steps, 1),
@@ -170,7 +171,7 @@ def summarize(recs: dict, elapsed: float, steps: int, engine, base, mixed0: int)
 
 def run_variant(model, name: str, concurrency: int, seconds: float) -> dict:
     overrides, graphs, prefill_graphs = VARIANTS[name]
-    engine = gb.make_engine(model, max_num_seqs=max(concurrency, 8), **overrides)
+    engine = be.make_engine(model, max_num_seqs=max(concurrency, 8), **overrides)
     if not graphs:
         engine.audio.graphs.clear()  # the decode graphs stay: only the vocoder runs eagerly
     if not prefill_graphs:
@@ -179,7 +180,7 @@ def run_variant(model, name: str, concurrency: int, seconds: float) -> dict:
     result = closed_loop(engine, concurrency, seconds, seed=2)
     result["vocoder_graph_capture_s"] = sum(g.capture_s for g in engine.audio.graphs.values())
     del engine
-    gb.gc.collect()
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
@@ -208,12 +209,12 @@ def main() -> int:
     global FRAMES, SERVED_LIKE
     FRAMES = tuple(int(x) for x in a.frames.split(","))
     SERVED_LIKE = a.workload == "served"
-    gb.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
-    model = load_model(gb.model_config())
+    be.SETUP.update(device=a.device, dummy_size=a.dummy_size, dtype="bfloat16" if a.device == "cuda" else "float32")
+    model = load_model(be.model_config())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "setup": dict(gb.SETUP),
+        "setup": dict(be.SETUP),
         "workload": a.workload,
         "concurrency": a.concurrency,
         "seconds": a.seconds,

@@ -8,8 +8,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-from test_audio_stage import STAGES, joined, one_shot, random_nets, stream
-from test_audio_stage import tiny as tiny  # a fixture, used by name
+from audio_stage_testutil import STAGES, joined, one_shot, random_nets, stream
+from audio_stage_testutil import tiny as tiny  # a fixture, used by name
 
 from ttsserve.audio.stage import AudioChunk
 

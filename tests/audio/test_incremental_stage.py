@@ -9,9 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_audio_stage import (  # noqa: F401
+from audio_stage_testutil import (  # noqa: F401
     _edge_heavy_nets,
     joined,
     one_shot,
@@ -20,9 +18,12 @@ from test_audio_stage import (  # noqa: F401
     stream,
     tiny,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ttsserve.audio.incremental_stage import IncrementalAudioStage, make_audio_stage
+from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.stage import AudioStage, context_frames
+from ttsserve.audio.stage_factory import make_audio_stage
 
 
 @pytest.mark.parametrize("n", [400, 1600])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from audio_stage_testutil import one_shot, random_nets, run_schedule
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_audio_stage import one_shot, random_nets, run_schedule
 
 from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.vocoder_graphs import default_frame_buckets, default_row_buckets

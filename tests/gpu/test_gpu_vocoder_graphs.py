@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audio"))
-from test_audio_stage import random_nets  # noqa: E402
-from test_audio_stage import run_schedule as _run  # noqa: E402
+from audio_stage_testutil import random_nets  # noqa: E402
+from audio_stage_testutil import run_schedule as _run  # noqa: E402
 
 from ttsserve.audio.incremental_stage import IncrementalAudioStage  # noqa: E402
 

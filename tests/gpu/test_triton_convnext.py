@@ -144,8 +144,8 @@ def test_interpreted_pipeline_equals_one_shot(monkeypatch) -> None:
     if DEVICE.type == "cuda":
         pytest.skip("interpreter only: on CUDA the stage runs the kernels anyway (test_audio_stage_device)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audio"))
+    from audio_stage_testutil import ASSET, joined, one_shot
     from safetensors.torch import load_file
-    from test_audio_stage import ASSET, joined, one_shot
 
     from ttsserve.audio import triton_convnext
     from ttsserve.audio.decoder_net import DVAE, HiddenDecoder
@@ -186,7 +186,7 @@ def real_nets():
     if DEVICE.type != "cuda":
         pytest.skip("real-size pipeline: CUDA only")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audio"))
-    from test_audio_stage import random_nets
+    from audio_stage_testutil import random_nets
 
     dec, _, vocos = random_nets(11, hidden=768, dec_dim=512, dec_layers=12, voc_dim=512, voc_layers=8)
     return dec.cuda(), vocos.cuda()
@@ -200,7 +200,7 @@ def test_pipeline_fused_equals_unfused(real_nets, graphs: bool, monkeypatch) -> 
     """Decoder + Vocos streamed by the incremental stage in fp16: the fused kernels (eager, and inside the captured
     vocoder graphs) give the torch path's audio within fp16 rounding, and are no further than it from the fp32
     torch path's."""
-    from test_audio_stage import run_schedule
+    from audio_stage_testutil import run_schedule
 
     from ttsserve.audio.incremental_stage import IncrementalAudioStage
 

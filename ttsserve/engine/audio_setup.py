@@ -9,8 +9,7 @@ def build_audio_stage(cfg: EngineConfig, model, cadence: int, cuda_graphs: bool,
     """The StreamingStage of `model` (a ChatTTSModel) for `cfg`, deferred (its calls read back later) on CUDA.
     cuda_graphs: capture the exact stage's call graphs (defer: the largest bucket only; graph_families() hold
     the rest for the engine's deferred captures)."""
-    from ttsserve.audio.incremental_stage import vocoder_net_dtype
-    from ttsserve.audio.stage_factory import model_audio_stage
+    from ttsserve.audio.stage_factory import model_audio_stage, vocoder_net_dtype
 
     cuda = model.device.type == "cuda"
     stage = model_audio_stage(model, cfg, cadence=cadence, deferred=cuda, net_dtype=vocoder_net_dtype(model))

@@ -123,7 +123,7 @@ def _profile_vocoder(model, cfg: EngineConfig, net_dtype: torch.dtype | None = N
 def profile_vocoder_call_bytes(model, cfg: EngineConfig) -> int:
     """Peak bytes of the vocoder stage's largest call in the networks' serving dtype (what its graphs'
     pool keeps), measured."""
-    from ttsserve.audio.incremental_stage import vocoder_net_dtype
+    from ttsserve.audio.stage_factory import vocoder_net_dtype
 
     dev = model.device
     torch.cuda.synchronize(dev)
