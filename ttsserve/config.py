@@ -1,8 +1,23 @@
-"""ModelConfig: every size read from the checkpoint (never hard-coded)."""
+"""ModelConfig: every size read from the checkpoint (never hard-coded); the CPU compile level ($TTSSERVE_CPU_COMPILE),
+read here because the launcher checks it before it imports torch."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+# "1": torch.compile the CPU decode attention, then the whole decode step (runner/cpu_graph.py); "attention":
+# the attention only; "0" / unset: neither
+COMPILE_ENV = "TTSSERVE_CPU_COMPILE"
+COMPILE_LEVELS = ("0", "attention", "1")
+
+
+def compile_level() -> str:
+    """$TTSSERVE_CPU_COMPILE, checked: one of COMPILE_LEVELS (ValueError otherwise)."""
+    level = os.environ.get(COMPILE_ENV, "0")
+    if level not in COMPILE_LEVELS:
+        raise ValueError(f"${COMPILE_ENV} must be one of {', '.join(COMPILE_LEVELS)}, got {level!r}")
+    return level
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch
 
 from ttsserve.attention.backend import kv_cache_shape
 from ttsserve.attention.torch_ref import TorchPagedAttention, gather_kv, make_metadata, write_kv
+from ttsserve.config import COMPILE_ENV
 from ttsserve.runner import cpu_threads
 from ttsserve.runner.cpu_threads import (
     cgroup_cpu_quota,
@@ -117,9 +118,9 @@ def test_compile_failure_falls_back_to_eager(monkeypatch) -> None:
     assert backend.compile_decode is False  # off for good after the first failure
     for i, (kc, vc) in enumerate(contexts):
         assert (out[i].double() - attention_f64(q[i], kc, vc)).abs().max() < 1e-5
-    monkeypatch.delenv(ref.COMPILE_ENV, raising=False)
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
     assert TorchPagedAttention().compile_decode is False  # opt-in
-    monkeypatch.setenv(ref.COMPILE_ENV, "1")
+    monkeypatch.setenv(COMPILE_ENV, "1")
     assert TorchPagedAttention().compile_decode is True
     assert TorchPagedAttention(compile_decode=False).compile_decode is False  # an explicit choice wins
 
@@ -246,18 +247,17 @@ def test_background_warmup_serves_eagerly_until_the_compile_is_done(monkeypatch)
 
 
 def test_engine_wait_warm_waits_for_the_background_compile(monkeypatch) -> None:
-    import ttsserve.attention.torch_ref as ref
     from ttsserve.config import EngineConfig
     from ttsserve.engine.engine import Engine
 
-    monkeypatch.setenv(ref.COMPILE_ENV, "0")
+    monkeypatch.setenv(COMPILE_ENV, "0")
     eng = Engine(
         EngineConfig(
             load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu", swap_space=0, kv_cache_memory=1 << 22
         )
     )
     assert eng.wait_warm(0) and eng.runner.backend._compiled_ready is None  # nothing in the background
-    monkeypatch.setenv(ref.COMPILE_ENV, "1")
+    monkeypatch.setenv(COMPILE_ENV, "1")
     eng = Engine(
         EngineConfig(
             load_format="dummy", dummy_size="tiny", dtype="float32", device="cpu", swap_space=0, kv_cache_memory=1 << 22

@@ -11,7 +11,7 @@ import torch
 from engine.engine_testutil import TINY, make_engine
 
 import ttsserve.attention.torch_ref as ref
-from ttsserve.config import EngineConfig
+from ttsserve.config import COMPILE_ENV, EngineConfig
 from ttsserve.model.chattts import load_model
 from ttsserve.params import SamplingParams, SynthesisRequest
 
@@ -39,7 +39,7 @@ def model():
 @pytest.fixture(scope="module")
 def compiled_engine(model):
     mp = pytest.MonkeyPatch()
-    mp.setenv(ref.COMPILE_ENV, "1")
+    mp.setenv(COMPILE_ENV, "1")
     try:
         engine = make_engine(model)
     finally:
@@ -105,8 +105,8 @@ def test_failures_leave_the_eager_path(compiled_engine, monkeypatch) -> None:
 
 
 def test_compile_level_is_checked(monkeypatch) -> None:
-    monkeypatch.setenv(ref.COMPILE_ENV, "attention")
+    monkeypatch.setenv(COMPILE_ENV, "attention")
     assert ref.TorchPagedAttention().compile_decode is True
-    monkeypatch.setenv(ref.COMPILE_ENV, "yes")
+    monkeypatch.setenv(COMPILE_ENV, "yes")
     with pytest.raises(ValueError, match="TTSSERVE_CPU_COMPILE must be one of 0, attention, 1, got 'yes'"):
         ref.TorchPagedAttention()

@@ -163,3 +163,25 @@ def test_refused_before_the_engine_is_built(args, env, needle, monkeypatch, caps
     assert run_serve(parsed) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ttsserve serve: error: ") and needle in lines[0], lines
+
+
+def test_the_launcher_spawns_its_cores_before_it_imports_torch() -> None:
+    """With API servers, `import torch` (seconds: 5.5 s on the H200's read-only install) happens in the core
+    processes first; the launcher's own flag checks import it while they load, not before they start."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = (
+        "import sys\n"
+        "from ttsserve.entrypoints import core_slots, serve\n"
+        "def spawn(self, gated=False):\n"
+        "    print('torch imported at spawn:', 'torch' in sys.modules)\n"
+        "    raise KeyboardInterrupt\n"
+        "core_slots.CoreSlot.spawn = spawn\n"
+        "try:\n"
+        f"    serve.main(['--api-server-count', '1', '--port', '{port}', *{TINY!r}])\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "torch imported at spawn: False" in proc.stdout, proc.stdout + proc.stderr

@@ -16,7 +16,6 @@ Why this shape on CPU (benchmarks/cpu_kernels.py, docs/benchmarks-history.md):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,20 +25,9 @@ import torch.nn.functional as F
 
 from ttsserve.attention.backend import AttentionMetadata, Rope, rope_qk
 from ttsserve.attention.dense import causal_sdpa
+from ttsserve.config import compile_level
 
 logger = logging.getLogger(__name__)
-# "1": torch.compile the CPU decode attention, then the whole decode step (runner/cpu_graph.py); "attention":
-# the attention only; "0" / unset: neither
-COMPILE_ENV = "TTSSERVE_CPU_COMPILE"
-COMPILE_LEVELS = ("0", "attention", "1")
-
-
-def compile_level() -> str:
-    """$TTSSERVE_CPU_COMPILE, checked: one of COMPILE_LEVELS (ValueError otherwise)."""
-    level = os.environ.get(COMPILE_ENV, "0")
-    if level not in COMPILE_LEVELS:
-        raise ValueError(f"${COMPILE_ENV} must be one of {', '.join(COMPILE_LEVELS)}, got {level!r}")
-    return level
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

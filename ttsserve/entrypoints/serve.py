@@ -48,7 +48,7 @@ def run_serve(args: argparse.Namespace) -> int:
     the weights are not needed to see it."""
     try:
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
-        from ttsserve.attention.torch_ref import compile_level
+        from ttsserve.config import compile_level
 
         compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
         api_servers = api_server_count(args)

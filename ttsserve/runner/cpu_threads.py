@@ -202,7 +202,7 @@ def log_cpu_step_mode(engine_cfg) -> None:
     streams. Logs the choice in one line."""
     import torch
 
-    from ttsserve.attention.torch_ref import COMPILE_ENV, compile_level
+    from ttsserve.config import COMPILE_ENV, compile_level
 
     log = logging.getLogger("ttsserve.server")
     on_cpu = engine_cfg.device == "cpu" or (engine_cfg.device == "auto" and not torch.cuda.is_available())

@@ -41,7 +41,7 @@ def setup_cpu(runner, enforce_eager: bool) -> None:
     """The CPU decode path: oneDNN-packed linear weights (read once per step, never reordered). With
     $TTSSERVE_CPU_COMPILE=1 the decode attention, then the whole decode step (runner/cpu_graph.py),
     compile in one thread before this returns (a minute on 2 cores with a cold inductor cache)."""
-    from ttsserve.attention.torch_ref import compile_level
+    from ttsserve.config import compile_level
     from ttsserve.model.cpu_linear import pack_linears_
     from ttsserve.runner.cpu_decode import CpuFusedDecode
     from ttsserve.runner.cpu_graph import CpuDecodeGraph

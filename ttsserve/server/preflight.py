@@ -18,7 +18,7 @@ def check_engine_config(cfg: EngineConfig) -> None:
     and complete; `--model` a real folder or hub id), the device (CUDA present, index in range), an fp8 KV
     cache off CUDA, $TTSSERVE_CPU_COMPILE, $OMP_NUM_THREADS on the CPU, and a --kv-cache-memory too small
     for two blocks. EngineConfig itself has already checked each value's range."""
-    from ttsserve.attention.torch_ref import compile_level
+    from ttsserve.config import compile_level
     from ttsserve.layers.quant.kv_fp8 import check_kv_cache_dtype
     from ttsserve.model.chattts import locate_checkpoint, resolve_device, resolve_dtype
 
