@@ -35,7 +35,7 @@ GROUPS = (  # first match wins; kernel names of torch 2.11 / Triton 3.6 on Hoppe
     ("vocoder (Triton)", re.compile(r"^_(front|back|buffer)_kernel")),  # audio/triton_convnext.py
     ("conv (vocoder)", re.compile(r"conv|cudnn|implicit|winograd|fft", re.I)),
     ("copy / fill", re.compile(r"copy|memcpy|memset|fill|cat|index|gather|scatter", re.I)),
-    ("norm / elementwise", re.compile(r"norm|elementwise|vectorized|reduce|triton_", re.I)),
+    ("norm / elementwise", re.compile(r"norm|elementwise|vectorized|reduce|triton_|silu|_rope_kernel", re.I)),
 )
 
 

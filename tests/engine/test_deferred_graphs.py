@@ -22,7 +22,8 @@ from ttsserve.engine.core.engine_core import EngineCore
 from ttsserve.engine.core.proc import EngineCoreProc
 from ttsserve.engine.deferred_capture import DeferredCapture
 from ttsserve.params import SamplingParams, SynthesisRequest
-from ttsserve.runner.cuda_graphs import DecodeGraphs, DecodeOps
+from ttsserve.runner.cuda_graphs import DecodeGraphs
+from ttsserve.runner.decode_ops import DecodeOps
 from ttsserve.runner.piecewise_graphs import PrefillGraphs
 from ttsserve.runner.sampler_graphs import SamplerGraphs
 

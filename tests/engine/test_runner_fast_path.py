@@ -9,7 +9,8 @@ import torch
 from engine_testutil import FrameRecorder, make_engine, run_all
 
 from ttsserve.params import SamplingParams, SynthesisRequest
-from ttsserve.runner.cuda_graphs import DecodeGraphs, DecodeOps, default_capture_sizes
+from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
+from ttsserve.runner.decode_ops import DecodeOps
 from ttsserve.runner.input_batch import InputBatch
 from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
 from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
@@ -145,7 +146,7 @@ def test_fused_forward_hands_rope_to_the_attention(tiny_model):
     """The decode graph body's GPT: q / k reach attend unrotated, as views of the qkv projection, with
     rope = (cos, sin) of the positions; the attention applying it gives GPT.forward's hidden states."""
     from ttsserve.attention.dense import DenseAttention
-    from ttsserve.runner.cuda_graphs import fused_gpt_forward
+    from ttsserve.runner.decode_ops import fused_gpt_forward
 
     gpt = tiny_model.gpt
     x = torch.randn(5, gpt.cfg.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -24,7 +24,7 @@ from engine_gpu_util import real_fp32_cpu as real_fp32_cpu  # a fixture, used by
 def test_piecewise_capture_falls_back_to_uncompiled_ops(real_fp32, real_fp32_cpu):
     """If capturing the prefill graphs with the compiled ops fails, they are captured again uncompiled and
     the engine still computes the CPU reference's greedy codes (fp32, TF32 off)."""
-    from ttsserve.runner.cuda_graphs import DecodeOps
+    from ttsserve.runner.decode_ops import DecodeOps
 
     e = _engine(real_fp32, kv_cache_memory=1 << 30)
     pg = e.runner.prefill_graphs

@@ -20,124 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import ClassVar
 
 import numpy as np
 import torch
 
-from ttsserve.attention.backend import AttentionMetadata, PagedAttention, Rope, apply_rope
+from ttsserve.attention.backend import AttentionMetadata, PagedAttention
 from ttsserve.graph_capture import capture
+from ttsserve.runner.decode_ops import DecodeOps, _ZeroAttention, fused_gpt_forward
 from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
 _ROW, _POS, _SLOT, _STEP = range(4)
-
-
-# ---- the fused decode forward -----------------------------------------------------------------------------------
-# A decode step is ~750 tiny kernels when run op by op (RMSNorm alone is 7, RoPE 10 per layer); inside a graph each
-# still costs ~2.5 us of GPU time, 1.9 ms in all at batch 1 against a 0.09 ms weight-read floor. The functions
-# below are the same arithmetic as GPT.forward / the sampler, written so torch.compile fuses each chain into one
-# kernel; the linears (dense or quantized modules) and the paged attention are called as they are. RoPE goes to
-# the attention as rope=(cos, sin): the Triton decode kernel rotates q and the new k as it loads them.
-
-
-def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(residual + x), residual + x): the residual add of one block fused with the next norm."""
-    s = residual + x
-    return _rmsnorm(s, weight, eps), s
-
-
-def _split_qkv(
-    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k / v [T, Hkv, D]: views (token stride (Hq + 2 Hkv) * D),
-    which the attention backends take (any token / head stride, contiguous head_dim)."""
-    t, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_width].view(t, num_heads, head_dim)
-    k = qkv[:, q_width : q_width + kv_width].view(t, num_kv_heads, head_dim)
-    return q, k, qkv[:, q_width + kv_width :].view(t, num_kv_heads, head_dim)
-
-
-def _qkv_rotary(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_split_qkv with q and k rotated as one [T, Hq + Hkv, D] tensor, so the compiled op is one kernel (two
-    outputs were two: ~7 us each per layer at 512 rows on an H200); q and k are its head-strided views.
-    For the piecewise prefill graphs, whose attention takes q / k rotated."""
-    t, qk_width = qkv.shape[0], (num_heads + num_kv_heads) * head_dim
-    qk = apply_rope(qkv[:, :qk_width].reshape(t, num_heads + num_kv_heads, head_dim), cos, sin)
-    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, qk_width:].reshape(t, num_kv_heads, head_dim)
-
-
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-class DecodeOps:
-    """The fusable pieces of a decode step (and of the piecewise prefill / sampler graphs, which share them);
-    compiled with torch.compile (dynamic batch) or plain functions. The decode graph's body calls all but
-    qkv_rotary (its attention applies RoPE); the prefill graphs call qkv_rotary."""
-
-    _compiled: ClassVar[dict[str, object]] = {}  # one compilation per process, shared by every engine
-
-    def __init__(self, compile: bool) -> None:
-        from ttsserve.sample.sampler import sample
-
-        fns = {
-            "rmsnorm": _rmsnorm,
-            "add_rmsnorm": _add_rmsnorm,
-            "qkv_rotary": _qkv_rotary,
-            "silu_mul": _silu_mul,
-            "sample": sample,
-        }
-        if compile:
-            for name, fn in fns.items():
-                if name not in DecodeOps._compiled:
-                    DecodeOps._compiled[name] = torch.compile(fn, dynamic=True)
-                fns[name] = DecodeOps._compiled[name]
-        self.compiled = compile
-        for name, fn in fns.items():
-            setattr(self, name, fn)
-
-
-def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-    """GPT.forward (model/gpt.py) restructured for fusion: each block's residual add goes into the next
-    RMSNorm, RoPE goes into the attention (ctx.attend(..., rope=(cos, sin)) on unrotated q / k views),
-    SiLU-and-mul is one op. Same arithmetic; x: [T, H] -> [T, H]."""
-    cfg = gpt.cfg
-    h = x.to(gpt.dtype)
-    cos, sin = gpt.rotary(positions, h.dtype)
-    t, residual = h.shape[0], None
-    for i, layer in enumerate(gpt.layers):
-        norm = layer.input_layernorm
-        if residual is None:
-            normed, residual = ops.rmsnorm(h, norm.weight, norm.eps), h
-        else:
-            normed, residual = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
-        q, k, v = _split_qkv(layer.qkv_proj(normed), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        attn = ctx.attend(i, q, k, v, rope=(cos, sin))
-        norm = layer.post_attention_layernorm
-        normed, residual = ops.add_rmsnorm(layer.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
-        h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
-    return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]
-
-
-class _ZeroAttention:
-    """An attention context whose output is zeros shaped like the real one's ([T, Hq, D], contiguous)."""
-
-    def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
-    ) -> torch.Tensor:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
 
 
 def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -177,7 +71,12 @@ class DecodeGraphs(BucketedGraphs):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
         self.runner = runner
-        self.ops = DecodeOps(runner.device.type == "cuda" if compile is None else compile) if fused else None
+        if not fused:
+            self.ops = None
+        elif compile is None:
+            self.ops = DecodeOps.for_device(runner.device)
+        else:
+            self.ops = DecodeOps(compile)
         self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
         self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
@@ -265,7 +164,7 @@ class DecodeGraphs(BucketedGraphs):
         cache exists: torch.compile traces and loads the ops now (the runner overlaps it with the KV pool's
         allocation), at the shapes and dtypes the first capture's warm-up then finds compiled. qkv_rotary, which
         the body does not call, is traced here too for the piecewise prefill graphs that share these ops."""
-        if self.ops is None or not self.ops.compiled or self.runner.device.type != "cuda":
+        if self.ops is None or not self.ops.traced or self.runner.device.type != "cuda":
             return
         bs = self.sizes[-1]
         self._fill_padding(0, bs)

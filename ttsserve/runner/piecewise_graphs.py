@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from ttsserve.runner.cuda_graphs import DecodeOps, capture_graph, or_uncompiled
+from ttsserve.runner.cuda_graphs import capture_graph, or_uncompiled
+from ttsserve.runner.decode_ops import DecodeOps
 from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)

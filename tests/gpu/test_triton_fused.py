@@ -1,0 +1,99 @@
+"""The decode step's Triton kernels (layers/triton_fused.py) against the plain torch functions they replace
+(runner/decode_ops.py), and the engine's decode ops mode ($TTSSERVE_DECODE_OPS).
+
+Runs on CUDA in bf16 (the engine's dtype) and fp32. Without CUDA it is skipped, unless TRITON_INTERPRET=1 and
+triton is installed: then the kernels run in fp32 through Triton's CPU interpreter (a development aid, not CI).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from ttsserve.layers import triton_fused  # noqa: E402
+from ttsserve.runner import decode_ops  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+# Largest difference allowed, in units of the dtype's spacing at the values' scale: fp32 differs by summation
+# order only; bf16 may round a value the other way where torch rounds an intermediate the kernel keeps in fp32
+ULPS = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().amax().clamp(min=1e-6)
+    err = float(((got.float() - want.float()).abs() / scale).amax())
+    assert err <= ULPS[want.dtype], err
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 130])
+def test_norms_match_torch(dtype: torch.dtype, rows: int) -> None:
+    hidden = 768 if DEVICE.type == "cuda" else 96  # not a power of two: the masked tail of the row
+    x = _randn(rows, hidden, dtype=dtype, seed=1) * 3
+    res = _randn(rows, hidden, dtype=dtype, seed=2)
+    w = _randn(hidden, dtype=dtype, seed=3)
+    _close(triton_fused.rmsnorm(x, w, 1e-6), decode_ops._rmsnorm(x, w, 1e-6))
+    got, got_sum = triton_fused.add_rmsnorm(x, res, w, 1e-6)
+    want, want_sum = decode_ops._add_rmsnorm(x, res, w, 1e-6)
+    assert torch.equal(got_sum, want_sum)  # the residual stream: one rounding of residual + x, as torch
+    _close(got, want)
+    strided = torch.cat([x, x], dim=1)[:, :hidden]  # a row stride other than the width
+    _close(triton_fused.rmsnorm(strided, w, 1e-6), decode_ops._rmsnorm(strided, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    n = 3072 if DEVICE.type == "cuda" else 200  # several column tiles, a masked last one on the CPU
+    gate_up = _randn(9, 2 * n, dtype=dtype, seed=4) * 4
+    _close(triton_fused.silu_mul(gate_up), decode_ops._silu_mul(gate_up))
+    assert triton_fused.silu_mul(gate_up[:0]).shape == (0, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rotary_matches_torch(dtype: torch.dtype) -> None:
+    hq, hkv, d, t = 4, 2, 64, 11
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=5)
+    pos = torch.randint(0, 4000, (t,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
+    ang = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat([ang, ang], dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    got = triton_fused.qkv_rotary(qkv, cos, sin, hq, hkv, d)
+    # the reference in fp32, rounded once: what the kernel computes (torch's bf16 op-by-op rounds three times)
+    want = decode_ops._qkv_rotary(qkv.float(), cos.float(), sin.float(), hq, hkv, d)
+    for g, w in zip(got, want):
+        _close(g, w.to(dtype))
+    assert got[2].data_ptr() == qkv[:, (hq + hkv) * d :].data_ptr()  # v is a view of qkv
+
+
+def test_decode_ops_mode(monkeypatch) -> None:
+    monkeypatch.delenv(decode_ops.DECODE_OPS_ENV, raising=False)
+    cuda = torch.device("cuda")
+    ops = decode_ops.DecodeOps.for_device(cuda)
+    assert ops.rmsnorm is triton_fused.rmsnorm and ops.compiled and ops.traced  # the sampler is compiled
+    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-eager-sampler")
+    ops = decode_ops.DecodeOps.for_device(cuda)
+    assert ops.silu_mul is triton_fused.silu_mul and ops.compiled and not ops.traced
+    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "compile")
+    ops = decode_ops.DecodeOps.for_device(cuda)
+    assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced
+    assert not decode_ops.DecodeOps.for_device(torch.device("cpu")).compiled
+    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "fast")
+    with pytest.raises(ValueError, match="TTSSERVE_DECODE_OPS must be one of triton, triton-eager-sampler"):
+        decode_ops.DecodeOps.for_device(cuda)
