@@ -7,6 +7,12 @@ MODEL_NAME = "chattts"  # the served model's id (`GET /v1/models`, the default `
 SAMPLE_RATE = 24000  # Hz: the Vocos vocoder's output rate
 SAMPLES_PER_FRAME = 512  # one GPT step = one code frame = 2 * the vocoder's 256-sample hop
 FRAMES_PER_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME  # 46.875
+# The longest reference recording a voice may be cloned from. Its DVAE codes become prompt positions (46.875 per
+# second, MODEL.md §5.4 / §2.6) in front of the transcript and the text, and prompt plus output must fit the model's
+# 4096 positions (MODEL.md §0, "Max positions"). 30 s is 1406 positions and leaves room for a full 2048-frame
+# (44 s) segment plus about 640 text tokens; 60 s (2813 positions) would cut every segment to under 1283 frames
+# even with no text at all.
+MAX_REFERENCE_SECONDS = 30.0
 DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV pool on the CPU when EngineConfig.kv_cache_memory is unset
 
 

@@ -185,3 +185,18 @@ def test_the_launcher_spawns_its_cores_before_it_imports_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "torch imported at spawn: False" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_api_server_starts_without_torch() -> None:
+    """An API server process (launcher_procs._api_server_main) builds its app without importing torch: twelve of
+    them importing it beside a loading engine core slowed the core's own import on the H200."""
+    script = (
+        "import sys\n"
+        "from ttsserve.engine.core.dp_client import DPClient\n"
+        "from ttsserve.server.app import create_app\n"
+        "from ttsserve.server.args import ServerConfig\n"
+        "create_app(DPClient(['ipc:///nonexistent-core.sock'], 0, 5.0, handshake_timeout_s=None), ServerConfig())\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr

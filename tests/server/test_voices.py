@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.server.helpers import same_audio, silent_flac, wav_bytes
-from ttsserve.engine.voice_encode import MAX_REFERENCE_SECONDS
+from ttsserve.constants import MAX_REFERENCE_SECONDS
 from ttsserve.server.voices import BUILTIN_VOICES
 from ttsserve.text.speaker import encode_speaker
 

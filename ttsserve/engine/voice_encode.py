@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ttsserve.constants import SAMPLE_RATE
-
-MAX_REFERENCE_SECONDS = 30.0
+from ttsserve.constants import MAX_REFERENCE_SECONDS, SAMPLE_RATE
 
 
 def encode_reference(model, wav: np.ndarray, sample_rate: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from ttsserve.audio.decode import AudioTooLongError, decode_audio_file
+from ttsserve.constants import MAX_REFERENCE_SECONDS
 from ttsserve.server.errors import ApiError, engine_param, parse_json_body
 from ttsserve.server.protocol import VOICE_NAME_PATTERN, VoiceCreateJSON, VoiceDeleted, VoiceList, VoiceObject
 from ttsserve.server.voices import (
@@ -44,21 +45,6 @@ async def off_loop(fn, *args):
         raise ApiError(
             503, "the voices database is unavailable", code="voices_unavailable", headers={"Retry-After": "1"}
         ) from None
-
-
-def max_reference_seconds() -> float:
-    """The longest reference recording accepted: the engine's own cap (engine.voice_encode), one number.
-
-    Why 30 s: the DVAE codes of the recording become prompt positions (46.875 per second, MODEL.md §5.4 / §2.6)
-    in front of the transcript and the text, and prompt plus output must fit the model's 4096 positions
-    (MODEL.md §0, "Max positions"). 30 s is 1406 positions and leaves room for a full 2048-frame (44 s) segment
-    plus about 640 text tokens; 60 s (2813 positions) would cut every segment to under 1283 frames even
-    with no text at all. Imported here, not at module top, so that importing the server (launchers,
-    config checks) does not import torch.
-    """
-    from ttsserve.engine.voice_encode import MAX_REFERENCE_SECONDS
-
-    return MAX_REFERENCE_SECONDS
 
 
 def _voice_create_doc(max_s: float) -> dict:
@@ -104,7 +90,7 @@ def _reference_voice(st, name: str, data: bytes, transcript: str, owner: str | N
     AudioTooLongError (a ValueError) for a recording over the cap, found from the header or while decoding.
     """
     check_voice_name(name)
-    max_s = max_reference_seconds()
+    max_s = MAX_REFERENCE_SECONDS
     wav, rate = decode_audio_file(data, max_s)
     seconds = wav.size / rate
     if not (MIN_REFERENCE_S <= seconds <= max_s):
@@ -194,7 +180,7 @@ def register_voice_routes(app, st, identity, errors: dict) -> None:
         "/v1/audio/voices",
         response_model=VoiceObject,
         responses={**errors, 409: errors[400]},
-        openapi_extra=_voice_create_doc(max_reference_seconds()),
+        openapi_extra=_voice_create_doc(MAX_REFERENCE_SECONDS),
         tags=["voices"],
     )
     async def create_voice(request: Request, ident: str = Depends(identity)):
