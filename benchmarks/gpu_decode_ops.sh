@@ -4,7 +4,8 @@
 # warm: the first start of the call fills them and is reported apart), real-size dummy, bf16:
 #   bash benchmarks/gpu_decode_ops.sh OUT
 # Env: MODES (default "compile triton triton-eager-sampler"), PARTS (default "profile cold"), CONCURRENCY
-# (default 256,512), COLD_RUNS (default 2 per mode), SERVE_ARGS (extra serve flags, default --api-server-count 12).
+# (default 256,512), COLD_RUNS (default 1 per mode and capture choice), BACKGROUND (default "0 1": every graph
+# before /ready, then --background-graph-capture), SERVE_ARGS (serve flags, default --api-server-count 12).
 set -u
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
@@ -26,8 +27,13 @@ for mode in $MODES; do
         echo "profile $mode rc=$?"; grep -E "^@" "$OUT/profile_$mode.txt"
     fi
     if [[ $parts == *" cold "* ]]; then
-        timeout 200 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-2}" --label "$mode" -- --device cuda \
-            --load-format dummy --dummy-size real ${SERVE_ARGS:---api-server-count 12} > "$OUT/coldstart_$mode.txt" 2>&1
-        echo "coldstart $mode rc=$?"; grep -E "^run|cold start" "$OUT/coldstart_$mode.txt"
+        for bg in ${BACKGROUND:-0 1}; do
+            flag=$([ "$bg" = 1 ] && echo --background-graph-capture || echo --no-background-graph-capture)
+            log="$OUT/coldstart_${mode}_bg$bg"
+            timeout 200 python3 -m ttsserve.bench.coldstart --runs "${COLD_RUNS:-1}" --until-warm --log-dir "$log" \
+                --label "$mode $flag" -- --device cuda --load-format dummy --dummy-size real \
+                ${SERVE_ARGS:---api-server-count 12} $flag > "$log.txt" 2>&1
+            echo "coldstart $mode $flag rc=$?"; grep -E "^run|cold start" "$log.txt"
+        done
     fi
 done
