@@ -42,8 +42,8 @@ def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 
 
 def or_uncompiled(owner, fn, what: str) -> None:
-    """fn(); if it fails while owner.ops (DecodeOps) is torch.compile'd, log, give the owner the same ops
-    uncompiled and run fn() again (slower, never wrong). Any other failure propagates."""
+    """fn(); if it fails while owner.ops (DecodeOps) is compiled (torch.compile'd or Triton kernels), log, give the
+    owner the plain functions and run fn() again (slower, never wrong). Any other failure propagates."""
     try:
         fn()
     except Exception as exc:
@@ -66,8 +66,9 @@ class DecodeGraphs(BucketedGraphs):
     def __init__(
         self, runner, sizes: list[int], fused: bool = True, compile: bool | None = None, max_steps: int = 1
     ) -> None:
-        """fused: run fused_gpt_forward and DecodeOps (compiled where `compile`, default: on CUDA); max_steps:
-        the longest decode burst run() replays (multi-step scheduling)."""
+        """fused: run fused_gpt_forward and DecodeOps (all torch.compile'd where `compile`; default:
+        DecodeOps.for_device, i.e. $TTSSERVE_DECODE_OPS on CUDA); max_steps: the longest decode burst run()
+        replays (multi-step scheduling)."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
         self.runner = runner
