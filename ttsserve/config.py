@@ -106,8 +106,9 @@ class EngineConfig:
         starts and the others after it is ready, between served steps (engine/deferred_capture.py): ready
         in seconds instead of tens of seconds; until a batch's own bucket is captured it replays the next
         larger one; only a serving loop (`ttsserve serve`, Ray replicas) captures the rest, an Engine driven
-        directly does so in wait_warm(). Opt-in (None / False: every graph before ready, full speed from the
-        first request): docs/DEPLOY.md's cold start says what it was measured to give.
+        directly does so in wait_warm(). `ttsserve serve` turns it on unless told otherwise; None / False here:
+        every graph before ready, full speed from the first request. docs/DEPLOY.md's cold start says what
+        each measured to give.
     """
 
     model: str | None = None

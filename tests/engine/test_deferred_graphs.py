@@ -162,7 +162,10 @@ def test_engine_core_process_loop_runs_the_deferred_captures_while_idle(tiny_mod
     assert not loop.is_alive()
 
 
-def test_background_graph_capture_is_opt_in():
+def test_background_graph_capture_is_the_servers_default():
+    """`ttsserve serve` defers the captures unless told not to; an Engine built directly captures up front."""
+    from ttsserve.server.args import add_serve_arguments, build_configs
+
     assert not EngineConfig(device="cpu").background_graph_capture
     parser = argparse.ArgumentParser()
     add_engine_args(parser, env=True)
@@ -171,6 +174,15 @@ def test_background_graph_capture_is_opt_in():
     assert engine_kwargs(args, env={})["background_graph_capture"] is False
     env = {"TTSSERVE_BACKGROUND_GRAPH_CAPTURE": "1"}
     assert engine_kwargs(parser.parse_args([]), env=env)["background_graph_capture"] is True
+    serve = argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    assert build_configs(serve.parse_args([]), env={})[0].background_graph_capture is True
+    off = serve.parse_args(["--no-background-graph-capture"])
+    assert build_configs(off, env={})[0].background_graph_capture is False
+    assert (
+        build_configs(serve.parse_args([]), env={"TTSSERVE_BACKGROUND_GRAPH_CAPTURE": "0"})[0].background_graph_capture
+        is False
+    )
 
 
 def test_the_precompile_body_reads_no_kv_cache(tiny_model):

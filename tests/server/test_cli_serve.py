@@ -129,7 +129,8 @@ def test_env_vars_and_precedence():
     assert eng.block_size == 8  # the flag beats the environment
     assert srv.api_keys == ("x", "y") and port == 8123 and srv.max_in_flight == 3
     eng, srv, *_ = _parse([], {})
-    assert eng == EngineConfig()  # nothing given: EngineConfig's own defaults
+    # nothing given: EngineConfig's own defaults, but for the server's deferred graph captures
+    assert eng == EngineConfig(background_graph_capture=True)
     assert srv.voices_db.endswith("/.local/share/ttsserve/voices-8000.db") and srv.api_keys == ()
 
 

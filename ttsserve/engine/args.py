@@ -71,9 +71,9 @@ HELP = {
     "(default: every 8 frames on CUDA, every step on the CPU)",
     "enforce_eager": "no CUDA graphs and no torch.compile: plain eager PyTorch (slower; for debugging)",
     "background_graph_capture": "capture each CUDA-graph family's largest bucket before ready and the others "
-    "after, between steps (a batch replays the next larger captured bucket meanwhile); --no-background-graph-"
-    "capture (the default) captures every graph before ready (a slower start, full speed from the first "
-    "request)",
+    "after, between steps (a batch replays the next larger captured bucket meanwhile; the default of `serve`); "
+    "--no-background-graph-capture captures every graph before ready (a slower start, full speed from the "
+    "first request; the default of an Engine built directly)",
     "cpu_threads": "intra-op threads on the CPU (default: $OMP_NUM_THREADS, else the usable physical cores)",
     "max_queue_len": "most requests in the engine (queued + running); also the server's in-flight bound",
     "target_step_latency_ms": "dynamic batching goal; 0 disables the controller",
