@@ -24,14 +24,23 @@ import time
 import numpy as np
 import torch
 
-from ttsserve.attention.backend import AttentionMetadata, PagedAttention
+from ttsserve.attention.backend import AttentionMetadata, PagedAttention, Rope
 from ttsserve.graph_capture import capture
-from ttsserve.runner.decode_ops import DecodeOps, _ZeroAttention, fused_gpt_forward
+from ttsserve.runner.decode_ops import DecodeOps, fused_gpt_forward
 from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
 _ROW, _POS, _SLOT, _STEP = range(4)
+
+
+class _ZeroAttention:
+    """An attention context whose output is zeros shaped like the real one's ([T, Hq, D], contiguous)."""
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
 
 
 def capture_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:

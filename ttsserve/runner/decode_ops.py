@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from ttsserve.attention.backend import Rope, apply_rope
+from ttsserve.attention.backend import apply_rope
 
 # A decode step is ~750 tiny kernels when run op by op (RMSNorm alone is 7, RoPE 10 per layer); inside a graph each
 # still costs ~2.5 us of GPU time, 1.9 ms in all at batch 1 against a 0.09 ms weight-read floor. The functions
@@ -60,7 +60,8 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # $TTSSERVE_DECODE_OPS on CUDA: "triton" (the default): the norms, SiLU-and-mul and RoPE as hand-written Triton
 # kernels (layers/triton_fused.py), the sampler torch.compile'd; "triton-eager-sampler": the same with the sampler
-# op by op (no torch.compile at all: the fastest start); "compile": every op torch.compile'd.
+# op by op (no torch.compile at all: on an H200 12.7 s to /ready against about 21, for 7 % more device time per
+# step); "compile": every op torch.compile'd.
 DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
 DECODE_OPS_MODES = ("triton", "triton-eager-sampler", "compile")
 
@@ -137,12 +138,3 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
         normed, residual = ops.add_rmsnorm(layer.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
         h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
     return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]
-
-
-class _ZeroAttention:
-    """An attention context whose output is zeros shaped like the real one's ([T, Hq, D], contiguous)."""
-
-    def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
-    ) -> torch.Tensor:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
