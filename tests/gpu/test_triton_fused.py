@@ -90,10 +90,16 @@ def test_decode_ops_mode(monkeypatch) -> None:
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-eager-sampler")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.silu_mul is triton_fused.silu_mul and ops.compiled and not ops.traced
+    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-sampler")
+    ops = decode_ops.DecodeOps.for_device(cuda)
+    assert ops.sample is decode_ops._triton_sample and ops.compiled and not ops.traced
+    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-sampler")
+    ops = decode_ops.DecodeOps.for_device(cuda)
+    assert ops.sample is decode_ops._triton_sample and ops.compiled and not ops.traced
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "compile")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced
     assert not decode_ops.DecodeOps.for_device(torch.device("cpu")).compiled
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "fast")
-    with pytest.raises(ValueError, match="TTSSERVE_DECODE_OPS must be one of triton, triton-eager-sampler"):
+    with pytest.raises(ValueError, match="TTSSERVE_DECODE_OPS must be one of triton, triton-eager-sampler, triton-sampler, compile"):
         decode_ops.DecodeOps.for_device(cuda)

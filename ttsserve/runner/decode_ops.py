@@ -61,9 +61,10 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # $TTSSERVE_DECODE_OPS on CUDA: "triton" (the default): the norms, SiLU-and-mul and RoPE as hand-written Triton
 # kernels (layers/triton_fused.py), the sampler torch.compile'd; "triton-eager-sampler": the same with the sampler
 # op by op (no torch.compile at all: on an H200 12.7 s to /ready against about 21, for 7 % more device time per
-# step); "compile": every op torch.compile'd.
+# step); "triton-sampler": the same with the sampler as one Triton kernel (sample/triton_sampler.py; checked
+# against the reference in Triton's interpreter, not yet measured on a GPU); "compile": every op torch.compile'd.
 DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
-DECODE_OPS_MODES = ("triton", "triton-eager-sampler", "compile")
+DECODE_OPS_MODES = ("triton", "triton-eager-sampler", "triton-sampler", "compile")
 
 
 def decode_ops_mode() -> str:
@@ -83,7 +84,7 @@ class DecodeOps:
 
     _compiled: ClassVar[dict[str, object]] = {}  # one compilation per process, shared by every engine
 
-    def __init__(self, compile: bool, triton: bool = False) -> None:
+    def __init__(self, compile: bool, triton: bool = False, triton_sampler: bool = False) -> None:
         from ttsserve.sample.sampler import sample
 
         fns = {
@@ -101,10 +102,11 @@ class DecodeOps:
         if triton:
             from ttsserve.layers import triton_fused
 
-            fns.update(
-                {name: getattr(triton_fused, name) for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul")}
-            )
-        self.compiled = compile or triton
+            for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"):
+                fns[name] = getattr(triton_fused, name)
+        if triton_sampler:
+            fns["sample"] = _triton_sample
+        self.compiled = compile or triton or triton_sampler
         self.traced = compile  # torch.compile traces at first call: precompile() does it off the critical path
         for name, fn in fns.items():
             setattr(self, name, fn)
@@ -115,7 +117,16 @@ class DecodeOps:
         if device.type != "cuda":
             return cls(compile=False)
         mode = decode_ops_mode()
-        return cls(compile=mode != "triton-eager-sampler", triton=mode != "compile")
+        return cls(
+            compile=mode in ("triton", "compile"), triton=mode != "compile", triton_sampler=mode == "triton-sampler"
+        )
+
+
+def _triton_sample(logits: torch.Tensor, batch) -> torch.Tensor:
+    """sample/triton_sampler.sample where it applies (CUDA, the code vocabulary), else sampler.sample."""
+    from ttsserve.sample import sampler, triton_sampler
+
+    return (triton_sampler.sample if triton_sampler.can_sample(logits) else sampler.sample)(logits, batch)
 
 
 def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

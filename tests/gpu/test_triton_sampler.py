@@ -1,0 +1,98 @@
+"""The Triton code sampler (sample/triton_sampler.py) against sampler.sample, the reference of MODEL.md §4.
+
+Runs on CUDA. Without CUDA it is skipped, unless TRITON_INTERPRET=1 and triton is installed: then the kernel runs
+through Triton's CPU interpreter (a development aid, not CI). The reference runs on the CPU in both cases.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from ttsserve.params import SamplingParams  # noqa: E402
+from ttsserve.sample import triton_sampler  # noqa: E402
+from ttsserve.sample.sampler import make_sampling_batch, process_logits, sample  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+R, V, EOS = 4, 626, 625
+B = 96 if DEVICE == "cuda" else 8  # the interpreter takes ~1.6 s per (request, row) program
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same token almost always: a float sum landing on the top-p threshold, or two races within an ulp,
+    can flip one (at most 1 % of the draws, and one draw in the interpreter's small batches)."""
+    assert got.shape == want.shape and got.dtype == torch.int64
+    assert int((got != want).sum()) <= max(1, got.numel() // 100), (got, want)
+
+
+def _case(b: int, seed: int, params_of):
+    g = torch.Generator().manual_seed(seed)
+    params = [params_of(i) for i in range(b)]
+    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    steps = (torch.arange(b) * 37 % 50).tolist()
+    hist = [torch.randint(0, V, (i % 20, R), generator=g) for i in range(b)]
+    logits = torch.randn(b, R, V, generator=g) * 2.5
+    ref_batch = make_sampling_batch(params, seeds, steps, hist, R, EOS)
+    want = sample(logits, ref_batch)
+    batch = make_sampling_batch(params, seeds, steps, hist, R, EOS, device=DEVICE)
+    got = triton_sampler.sample(logits.to(DEVICE), batch).cpu()
+    # every draw is a token the processors kept (top-p, top-k, the EOS ban), whatever the float rounding
+    kept = process_logits(logits, ref_batch).isfinite()
+    assert bool(kept.gather(-1, got[:, :, None]).all())
+    return got, want
+
+
+def test_matches_the_reference_sampler() -> None:
+    """Seeded draws under every processor (_agree); greedy rows exactly."""
+    got, want = _case(
+        B,
+        0,
+        lambda i: SamplingParams(
+            top_k=[1, 3, 20, 40, 700][i % 5],
+            top_p=[0.5, 0.7, 0.9, 1.0][i % 4],
+            temperature=[0.3, 0.8, 1.0][i % 3],
+            repetition_penalty=[1.0, 1.1, 1.5][i % 3],
+            greedy=i % 7 == 0,
+            min_new_tokens=30 if i % 2 else 0,
+        ),
+    )
+    _agree(got, want)
+    greedy = torch.arange(B) % 7 == 0
+    assert torch.equal(got[greedy], want[greedy])
+
+
+def test_plain_draws_are_the_reference_draws_exactly() -> None:
+    """No top-p / top-k cut (p = 1, k = V) and no penalty: the draw is the hash race alone, whose integer math
+    gives identical bits."""
+    got, want = _case(B, 1, lambda i: SamplingParams(top_k=V, top_p=1.0, temperature=1.0, repetition_penalty=1.0))
+    _agree(got, want)
+
+
+def test_the_repetition_penalty_moves_a_greedy_pick() -> None:
+    """Greedy rows whose best token is in their history under a strong penalty: the reference picks another
+    token, and so must the kernel (exactly)."""
+    g = torch.Generator().manual_seed(2)
+    b = 4
+    logits = torch.randn(b, R, V, generator=g).abs() + 0.1  # positive: the penalty divides
+    best = logits.argmax(-1)  # [b, R]
+    params = [SamplingParams(greedy=True, repetition_penalty=4.0, top_k=V, top_p=1.0) for _ in range(b)]
+    hist = [best[i][None, :] for i in range(b)]
+    ref = make_sampling_batch(params, [0] * b, [1] * b, hist, R, EOS)
+    want = sample(logits, ref)
+    assert bool((want != best).all())
+    got = triton_sampler.sample(logits.to(DEVICE), make_sampling_batch(params, [0] * b, [1] * b, hist, R, EOS, DEVICE))
+    assert torch.equal(got.cpu(), want)
+
+
+def test_an_empty_batch() -> None:
+    batch = make_sampling_batch([], [], [], [], R, EOS, device=DEVICE)
+    assert triton_sampler.sample(torch.zeros(0, R, V, device=DEVICE), batch).shape == (0, R)

@@ -1,0 +1,168 @@
+"""The code sampler of sample/sampler.py as one Triton kernel (CUDA): every processor of MODEL.md §4.3 and the
+draw, one program per (request, codebook row), no torch.compile.
+
+Why: torch.compile's set-up of the sampler took 10.2 s of an H200 start, and the sampler op by op costs 0.7-1.0
+ms more device time per step (7 %) than compiled. This kernel needs neither.
+
+Same results as `sampler.sample` up to float rounding (the reductions sum in another order): the stable ascending
+sort of HF's top-p is a sort of int64 keys (the float's order-preserving bits, then the column), the hash draws
+are sample/rng.py's integer math (identical bits), argmax takes the first maximum as torch does. Where a float
+sum lands on the top-p threshold a token may differ; tests/gpu/test_triton_sampler.py bounds how often.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
+
+MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) take sampler.sample
+
+
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), as rng._mul32 (c >= 2**31 used as c - 2**32)."""
+    if c >= 2147483648:
+        return (x * (c - 4294967296)) & 0xFFFFFFFF
+    return (x * c) & 0xFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    """rng.mix32 on int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sample_kernel(
+    out_ptr,
+    logits_ptr,
+    temp_ptr,
+    top_p_ptr,
+    top_k_ptr,
+    pen_ptr,
+    hist_ptr,
+    banned_ptr,
+    greedy_ptr,
+    seed_ptr,
+    step_ptr,
+    stride_lb,
+    stride_lr,
+    stride_tb,
+    stride_hb,
+    stride_hr,
+    stride_hw,
+    num_rows,
+    vocab,
+    window,
+    eos_id,
+    GOLDEN: tl.constexpr,
+    ROW_SALT: tl.constexpr,
+    STEP_SALT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (B * R,): tokens[b, r] for logits[b, r, :vocab]; BLOCK = next power of two >= vocab."""
+    pid = tl.program_id(0)
+    b, r = pid // num_rows, pid % num_rows
+    v = tl.arange(0, BLOCK)
+    real = v < vocab
+    x = tl.load(logits_ptr + b.to(tl.int64) * stride_lb + r * stride_lr + v, mask=real, other=0.0).to(tl.float32)
+    x = x / tl.load(temp_ptr + b.to(tl.int64) * stride_tb + r)
+    # repetition penalty: alpha = penalty ** count, by repeated products (count <= window, small)
+    pen = tl.load(pen_ptr + b)
+    alpha = tl.full([BLOCK], 1.0, tl.float32)
+    for w in range(window):
+        tok = tl.load(hist_ptr + b.to(tl.int64) * stride_hb + r * stride_hr + w * stride_hw)
+        alpha = tl.where(v == tok, alpha * pen, alpha)
+    x = tl.where(x < 0, x * alpha, x / alpha)
+    x = tl.where(real, x, -float("inf"))
+
+    # top-p then top-k on the stable ascending order: keys = order-preserving bits << 32 | column, the padding
+    # columns first (below every real key), so the real values hold the last `vocab` positions
+    xz = x + 0.0  # -0.0 sorts as +0.0 (torch's order)
+    bits = xz.to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    hi = tl.where(real, bits.to(tl.int64), -2147483648)
+    keys = (hi << 32) | v.to(tl.int64)
+    skeys = tl.sort(keys, 0)
+    sbits = (skeys >> 32).to(tl.int32)
+    sbits = sbits ^ ((sbits >> 31) & 0x7FFFFFFF)
+    svals = sbits.to(tl.float32, bitcast=True)
+    svals = tl.where(skeys >> 32 == -2147483648, -float("inf"), svals)
+    sp = tl.exp(svals - tl.max(svals, 0))
+    cum = tl.cumsum(sp / tl.sum(sp, 0), 0)
+    threshold = (1.0 - tl.load(top_p_ptr + b).to(tl.float64)).to(tl.float32)
+    remove_sorted = (cum <= threshold) & (v < BLOCK - 3)  # HF keeps at least 3 tokens
+    n_removed = tl.sum(remove_sorted.to(tl.int32), 0)  # a prefix: cum never decreases
+    first_kept = tl.sum(tl.where(v == n_removed, skeys, 0), 0)
+    k_eff = tl.minimum(tl.maximum(tl.load(top_k_ptr + b), 3), vocab).to(tl.int32)
+    kth_pos = BLOCK - k_eff
+    kth = tl.sum(tl.where(v == kth_pos, svals, 0.0), 0)
+    kth = tl.where(kth_pos < n_removed, -float("inf"), kth)
+    x = tl.where((keys < first_kept) | (x < kth), -float("inf"), x)
+    x = tl.where((v == eos_id) & (tl.load(banned_ptr + b) != 0), -float("inf"), x)
+
+    # the draw: argmax(probs / -log(u)), u = rng.hash_uniform(seed, step, r, v); greedy rows: argmax(x)
+    seed = tl.load(seed_ptr + b)
+    h = _mix32((seed & 0xFFFFFFFF) ^ GOLDEN)
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ _mul32(tl.load(step_ptr + b) & 0xFFFFFFFF, STEP_SALT))
+    key = _mix32(h ^ _mul32((r + 1).to(tl.int64), ROW_SALT))
+    hv = _mix32(key ^ v.to(tl.int64))
+    hv = _mix32(hv ^ GOLDEN)
+    u = ((hv >> 9).to(tl.float32) + 0.5) * (2.0**-23)
+    e = tl.exp(x - tl.max(x, 0))
+    probs = e / tl.sum(e, 0)
+    race = tl.where(real, probs / -tl.log(u), -1.0)
+    token = tl.where(tl.load(greedy_ptr + b) != 0, tl.argmax(x, 0), tl.argmax(race, 0))
+    tl.store(out_ptr + pid, token.to(tl.int64))
+
+
+def can_sample(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and logits.shape[-1] <= MAX_VOCAB
+
+
+def sample(logits: torch.Tensor, batch) -> torch.Tensor:
+    """sampler.sample for CUDA logits [B, R, V] (V <= MAX_VOCAB) and a SamplingBatch on the same device ->
+    tokens [B, R] int64. No host sync (graph-capturable)."""
+    b, r, v = logits.shape
+    out = torch.empty(b, r, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    assert logits.stride(-1) == 1 and batch.temperature.stride(-1) == 1
+    hist = batch.history
+    _sample_kernel[(b * r,)](
+        out,
+        logits,
+        batch.temperature,
+        batch.top_p,
+        batch.top_k,
+        batch.repetition_penalty,
+        hist,
+        batch.eos_banned,
+        batch.greedy,
+        batch.seeds,
+        batch.steps,
+        logits.stride(0),
+        logits.stride(1),
+        batch.temperature.stride(0),
+        hist.stride(0),
+        hist.stride(1),
+        hist.stride(2),
+        r,
+        v,
+        hist.shape[2],
+        batch.eos_id,
+        GOLDEN=_GOLDEN,
+        ROW_SALT=_ROW_SALT,
+        STEP_SALT=_STEP_SALT,
+        BLOCK=triton.next_power_of_2(v),
+    )
+    return out
+
