@@ -101,5 +101,5 @@ def test_decode_ops_mode(monkeypatch) -> None:
     assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced
     assert not decode_ops.DecodeOps.for_device(torch.device("cpu")).compiled
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "fast")
-    with pytest.raises(ValueError, match="TTSSERVE_DECODE_OPS must be one of triton, triton-eager-sampler, triton-sampler"):
+    with pytest.raises(ValueError, match="must be one of triton, triton-eager-sampler, triton-sampler, compile"):
         decode_ops.DecodeOps.for_device(cuda)
