@@ -165,4 +165,3 @@ def sample(logits: torch.Tensor, batch) -> torch.Tensor:
         BLOCK=triton.next_power_of_2(v),
     )
     return out
-
