@@ -347,7 +347,7 @@ def build_configs(args: argparse.Namespace, env: dict[str, str] | None = None):
     and for a PostgreSQL --voices-db that cannot be used (preflight.check_voices_db connects to it)."""
     env = dict(os.environ if env is None else env)
     # A server captures each CUDA-graph family's largest bucket before /ready and the rest between its first
-    # steps (engine/deferred_capture.py): ready in 13 s instead of 20 on an H200 (docs/DEPLOY.md, cold start).
+    # steps (engine/deferred_capture.py): 7-9 s off an H200 start (docs/DEPLOY.md, cold start).
     # An Engine driven directly (bench offline, tests) keeps EngineConfig's default: every graph up front.
     engine_cfg = EngineConfig(**({"background_graph_capture": True} | engine_kwargs(args, env)))
     srv = {}
