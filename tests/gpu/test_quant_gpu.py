@@ -12,17 +12,15 @@ exponent, e.g. 31.2 -> 16 instead of 32).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_env import require_cuda_or_interpreter  # noqa: E402
+
+require_cuda_or_interpreter()
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, kv_cache_shape  # noqa: E402
 from ttsserve.attention.dense import causal_sdpa  # noqa: E402

@@ -8,16 +8,14 @@ same tests run small shapes through Triton's CPU interpreter (slow; a developmen
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_env import require_cuda_or_interpreter  # noqa: E402
+
+require_cuda_or_interpreter()
 
 from triton_attention_util import (  # noqa: E402
     DEVICE,

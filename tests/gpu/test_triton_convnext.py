@@ -9,7 +9,6 @@ agree, junk positions past a row's count included (both compute them by the same
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,10 +18,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_env import require_cuda_or_interpreter  # noqa: E402
+
+require_cuda_or_interpreter()
 
 from ttsserve.audio import incremental  # noqa: E402
 from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402

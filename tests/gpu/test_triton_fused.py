@@ -7,17 +7,14 @@ triton is installed: then the kernels run in fp32 through Triton's CPU interpret
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_env import require_cuda_or_interpreter  # noqa: E402
+
+require_cuda_or_interpreter()
 
 from ttsserve.layers import triton_fused  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402

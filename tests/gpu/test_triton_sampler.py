@@ -6,17 +6,14 @@ through Triton's CPU interpreter (a development aid, not CI). The reference runs
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_env import require_cuda_or_interpreter  # noqa: E402
+
+require_cuda_or_interpreter()
 
 from ttsserve.params import SamplingParams  # noqa: E402
 from ttsserve.sample import triton_sampler  # noqa: E402

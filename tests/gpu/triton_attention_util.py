@@ -9,16 +9,15 @@ one, else the CPU, where TRITON_INTERPRET=1 runs the kernels in Triton's interpr
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_env import INTERPRET as INTERPRET  # re-exported: the attention tests import it from here
 
 from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape
 from ttsserve.attention.triton_paged import TritonPagedAttention
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HEAD_DIM = 64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
