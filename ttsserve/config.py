@@ -1,5 +1,5 @@
-"""ModelConfig: every size read from the checkpoint (never hard-coded); the CPU compile level ($TTSSERVE_CPU_COMPILE),
-read here because the launcher checks it before it imports torch."""
+"""ModelConfig: every size read from the checkpoint (never hard-coded); the CPU compile level ($TTSSERVE_CPU_COMPILE)
+and the CUDA decode ops ($TTSSERVE_DECODE_OPS), read here because the launcher checks them before it imports torch."""
 
 from __future__ import annotations
 
@@ -18,6 +18,23 @@ def compile_level() -> str:
     if level not in COMPILE_LEVELS:
         raise ValueError(f"${COMPILE_ENV} must be one of {', '.join(COMPILE_LEVELS)}, got {level!r}")
     return level
+
+
+# $TTSSERVE_DECODE_OPS on CUDA: "triton" (the default): the norms, SiLU-and-mul and RoPE as hand-written Triton
+# kernels (layers/triton_fused.py), the sampler torch.compile'd; "triton-eager-sampler": the same with the sampler
+# op by op (no torch.compile at all: on an H200 12.7 s to /ready against about 21, for 7 % more device time per
+# step); "triton-sampler": the same with the sampler as one Triton kernel (sample/triton_sampler.py; checked
+# against the reference in Triton's interpreter, not yet measured on a GPU); "compile": every op torch.compile'd.
+DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
+DECODE_OPS_MODES = ("triton", "triton-eager-sampler", "triton-sampler", "compile")
+
+
+def decode_ops_mode() -> str:
+    """$TTSSERVE_DECODE_OPS, checked: one of DECODE_OPS_MODES (ValueError otherwise)."""
+    mode = os.environ.get(DECODE_OPS_ENV, "triton")
+    if mode not in DECODE_OPS_MODES:
+        raise ValueError(f"${DECODE_OPS_ENV} must be one of {', '.join(DECODE_OPS_MODES)}, got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True)

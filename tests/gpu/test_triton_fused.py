@@ -90,9 +90,6 @@ def test_decode_ops_mode(monkeypatch) -> None:
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-sampler")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.sample is decode_ops._triton_sample and ops.compiled and not ops.traced
-    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-sampler")
-    ops = decode_ops.DecodeOps.for_device(cuda)
-    assert ops.sample is decode_ops._triton_sample and ops.compiled and not ops.traced
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "compile")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced

@@ -171,6 +171,14 @@ def test_run_serve_reports_a_bad_compile_level(capsys, monkeypatch):
     assert "TTSSERVE_CPU_COMPILE must be one of 0, attention, 1, got 'yes'" in capsys.readouterr().err
 
 
+def test_run_serve_reports_bad_decode_ops(capsys, monkeypatch):
+    monkeypatch.setenv("TTSSERVE_DECODE_OPS", "fast")
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--load-format", "dummy", "--dummy-size", "tiny"])
+    assert run_serve(args) == 2
+    err = capsys.readouterr().err
+    assert "TTSSERVE_DECODE_OPS must be one of triton, triton-eager-sampler, triton-sampler, compile, got 'fast'" in err
+
+
 def test_mounts_as_subcommand_and_runs_as_module():
     root = argparse.ArgumentParser(prog="ttsserve")
     add_serve_parser(root.add_subparsers(dest="cmd"))

@@ -48,9 +48,10 @@ def run_serve(args: argparse.Namespace) -> int:
     the weights are not needed to see it."""
     try:
         engine_cfg, server_cfg, host, port, log_level = build_configs(args)
-        from ttsserve.config import compile_level
+        from ttsserve.config import compile_level, decode_ops_mode
 
-        compile_level()  # a bad $TTSSERVE_CPU_COMPILE is a config error, reported before the slow load
+        compile_level()  # a bad $TTSSERVE_CPU_COMPILE or $TTSSERVE_DECODE_OPS is a config error, reported
+        decode_ops_mode()  # before the slow load
         api_servers = api_server_count(args)
         cores = data_parallel_size(args)
         core_envs = plan_cores(cores, engine_cfg.device, visible_gpus(engine_cfg.device)) if cores > 1 else None

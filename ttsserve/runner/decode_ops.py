@@ -3,12 +3,13 @@ sampler graphs (runner/cuda_graphs.py, piecewise_graphs.py, sampler_graphs.py)."
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 import torch
 
 from ttsserve.attention.backend import apply_rope
+from ttsserve.config import DECODE_OPS_ENV as DECODE_OPS_ENV  # re-exported beside the ops it picks
+from ttsserve.config import decode_ops_mode
 
 # A decode step is ~750 tiny kernels when run op by op (RMSNorm alone is 7, RoPE 10 per layer); inside a graph each
 # still costs ~2.5 us of GPU time, 1.9 ms in all at batch 1 against a 0.09 ms weight-read floor. The functions
@@ -56,23 +57,6 @@ def _qkv_rotary(
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-# $TTSSERVE_DECODE_OPS on CUDA: "triton" (the default): the norms, SiLU-and-mul and RoPE as hand-written Triton
-# kernels (layers/triton_fused.py), the sampler torch.compile'd; "triton-eager-sampler": the same with the sampler
-# op by op (no torch.compile at all: on an H200 12.7 s to /ready against about 21, for 7 % more device time per
-# step); "triton-sampler": the same with the sampler as one Triton kernel (sample/triton_sampler.py; checked
-# against the reference in Triton's interpreter, not yet measured on a GPU); "compile": every op torch.compile'd.
-DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
-DECODE_OPS_MODES = ("triton", "triton-eager-sampler", "triton-sampler", "compile")
-
-
-def decode_ops_mode() -> str:
-    """$TTSSERVE_DECODE_OPS, checked: one of DECODE_OPS_MODES (ValueError otherwise)."""
-    mode = os.environ.get(DECODE_OPS_ENV, "triton")
-    if mode not in DECODE_OPS_MODES:
-        raise ValueError(f"${DECODE_OPS_ENV} must be one of {', '.join(DECODE_OPS_MODES)}, got {mode!r}")
-    return mode
 
 
 class DecodeOps:

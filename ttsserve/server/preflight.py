@@ -16,15 +16,16 @@ from ttsserve.config import EngineConfig, GPTConfig
 def check_engine_config(cfg: EngineConfig) -> None:
     """ValueError naming the first setting of `cfg` that cannot work on this machine: the checkpoint (found
     and complete; `--model` a real folder or hub id), the device (CUDA present, index in range), an fp8 KV
-    cache off CUDA, $TTSSERVE_CPU_COMPILE, $OMP_NUM_THREADS on the CPU, and a --kv-cache-memory too small
-    for two blocks. EngineConfig itself has already checked each value's range."""
-    from ttsserve.config import compile_level
+    cache off CUDA, $TTSSERVE_CPU_COMPILE, $TTSSERVE_DECODE_OPS, $OMP_NUM_THREADS on the CPU, and a
+    --kv-cache-memory too small for two blocks. EngineConfig itself has already checked each value's range."""
+    from ttsserve.config import compile_level, decode_ops_mode
     from ttsserve.layers.quant.kv_fp8 import check_kv_cache_dtype
     from ttsserve.model.chattts import locate_checkpoint, resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
     check_kv_cache_dtype(cfg.kv_cache_dtype, device)
     compile_level()
+    decode_ops_mode()
     if device.type == "cpu":
         from ttsserve.runner.cpu_threads import plan_cpu_threads
 
