@@ -18,6 +18,7 @@ require_cuda_or_interpreter()
 
 from ttsserve.layers import triton_fused  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
+from ttsserve.sample import triton_sampler  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -89,7 +90,7 @@ def test_decode_ops_mode(monkeypatch) -> None:
     assert ops.silu_mul is triton_fused.silu_mul and ops.compiled and not ops.traced
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-sampler")
     ops = decode_ops.DecodeOps.for_device(cuda)
-    assert ops.sample is decode_ops._triton_sample and ops.compiled and not ops.traced
+    assert ops.sample is triton_sampler.sample_or_reference and ops.compiled and not ops.traced
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "compile")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced

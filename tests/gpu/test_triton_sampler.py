@@ -96,12 +96,10 @@ def test_an_empty_batch() -> None:
 
 
 def test_the_text_vocabulary_and_host_logits_take_the_reference_sampler() -> None:
-    from ttsserve.runner.decode_ops import _triton_sample
-
     assert not triton_sampler.can_sample(torch.zeros(1, 1, triton_sampler.MAX_VOCAB + 1, device=DEVICE))
     assert not triton_sampler.can_sample(torch.zeros(1, R, V))  # host memory: the kernel needs CUDA
     assert triton_sampler.can_sample(torch.zeros(1, R, V, device=DEVICE)) == (DEVICE == "cuda")
     params = [SamplingParams(greedy=True)]
     logits = torch.randn(1, 1, 5000, generator=torch.Generator().manual_seed(3))
     batch = make_sampling_batch(params, [0], [0], [torch.zeros(0, 1)], 1, 4999)
-    assert torch.equal(_triton_sample(logits, batch), sample(logits, batch))
+    assert torch.equal(triton_sampler.sample_or_reference(logits, batch), sample(logits, batch))

@@ -97,10 +97,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _norm_block(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., n] -> rmsnorm(x) * weight, [..., n] in x's dtype (a new contiguous tensor)."""
     x2 = _rows(x)
@@ -108,7 +104,19 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         n = x2.shape[1]
         _rmsnorm_kernel[(x2.shape[0],)](
-            x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps, HAS_RES=False, BLOCK=_norm_block(n)
+            x2,
+            x2,
+            weight,
+            out,
+            out,
+            x2.stride(0),
+            0,
+            out.stride(0),
+            0,
+            n,
+            eps,
+            HAS_RES=False,
+            BLOCK=triton.next_power_of_2(n),
         )
     return out.view(x.shape)
 
@@ -135,7 +143,7 @@ def add_rmsnorm(
             n,
             eps,
             HAS_RES=True,
-            BLOCK=_norm_block(n),
+            BLOCK=triton.next_power_of_2(n),
         )
     return out.view(x.shape), total.view(x.shape)
 

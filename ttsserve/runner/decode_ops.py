@@ -89,7 +89,9 @@ class DecodeOps:
             for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"):
                 fns[name] = getattr(triton_fused, name)
         if triton_sampler:
-            fns["sample"] = _triton_sample
+            from ttsserve.sample.triton_sampler import sample_or_reference
+
+            fns["sample"] = sample_or_reference
         self.compiled = compile or triton or triton_sampler
         self.traced = compile  # torch.compile traces at first call: precompile() does it off the critical path
         for name, fn in fns.items():
@@ -104,13 +106,6 @@ class DecodeOps:
         return cls(
             compile=mode in ("triton", "compile"), triton=mode != "compile", triton_sampler=mode == "triton-sampler"
         )
-
-
-def _triton_sample(logits: torch.Tensor, batch) -> torch.Tensor:
-    """sample/triton_sampler.sample where it applies (CUDA, the code vocabulary), else sampler.sample."""
-    from ttsserve.sample import sampler, triton_sampler
-
-    return (triton_sampler.sample if triton_sampler.can_sample(logits) else sampler.sample)(logits, batch)
 
 
 def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

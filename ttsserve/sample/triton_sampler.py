@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttsserve.sample import sampler
 from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
 
 MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) take sampler.sample
@@ -165,3 +166,8 @@ def sample(logits: torch.Tensor, batch) -> torch.Tensor:
         BLOCK=triton.next_power_of_2(v),
     )
     return out
+
+
+def sample_or_reference(logits: torch.Tensor, batch) -> torch.Tensor:
+    """sample() where it applies (CUDA, the code vocabulary), else sampler.sample."""
+    return (sample if can_sample(logits) else sampler.sample)(logits, batch)
