@@ -3,7 +3,7 @@
 # per step under a served-like load (gpu_step_profile.py) and `ttsserve serve` to /ready (bench coldstart, caches
 # warm: the first start of the call fills them and is reported apart), real-size dummy, bf16:
 #   bash benchmarks/gpu_decode_ops.sh OUT
-# Env: MODES (default "compile triton triton-eager-sampler triton-sampler"), PARTS (default "profile cold"), CONCURRENCY
+# Env: MODES (default "compile triton triton-compiled-sampler triton-eager-sampler"), PARTS (default "profile cold"), CONCURRENCY
 # (default 256,512), COLD_RUNS (default 1 per mode and capture choice), BACKGROUND (default "0 1": every graph
 # before /ready, then --background-graph-capture), SERVE_ARGS (serve flags, default --api-server-count 12).
 set -u
@@ -11,7 +11,7 @@ OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}"
 export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-/tmp/ttsserve-pycache}"
-MODES=${MODES:-compile triton triton-eager-sampler triton-sampler}
+MODES=${MODES:-compile triton triton-compiled-sampler triton-eager-sampler}
 parts=" ${PARTS:-profile cold} "
 (date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc;
  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > "$OUT/machine.txt" 2>&1

@@ -21,12 +21,12 @@ def compile_level() -> str:
 
 
 # $TTSSERVE_DECODE_OPS on CUDA: "triton" (the default): the norms, SiLU-and-mul and RoPE as hand-written Triton
-# kernels (layers/triton_fused.py), the sampler torch.compile'd; "triton-eager-sampler": the same with the sampler
-# op by op (no torch.compile at all: on an H200 12.7 s to /ready against about 21, for 7 % more device time per
-# step); "triton-sampler": the same with the sampler as one Triton kernel (sample/triton_sampler.py; checked
-# against the reference in Triton's interpreter, not yet measured on a GPU); "compile": every op torch.compile'd.
+# kernels (layers/triton_fused.py) and the code sampler as one Triton kernel (sample/triton_sampler.py): nothing
+# torch.compile'd (on an H100 13.2 s to /ready, caches warm); "triton-compiled-sampler": the sampler
+# torch.compile'd instead (0.3 ms less device time per step at 256 rows, 13 s more start); "triton-eager-sampler":
+# the sampler op by op; "compile": every op torch.compile'd.
 DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
-DECODE_OPS_MODES = ("triton", "triton-eager-sampler", "triton-sampler", "compile")
+DECODE_OPS_MODES = ("triton", "triton-compiled-sampler", "triton-eager-sampler", "compile")
 
 
 def decode_ops_mode() -> str:

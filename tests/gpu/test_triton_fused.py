@@ -18,7 +18,7 @@ require_cuda_or_interpreter()
 
 from ttsserve.layers import triton_fused  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
-from ttsserve.sample import triton_sampler  # noqa: E402
+from ttsserve.sample import sampler, triton_sampler  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -83,18 +83,20 @@ def test_qkv_rotary_matches_torch(dtype: torch.dtype) -> None:
 def test_decode_ops_mode(monkeypatch) -> None:
     monkeypatch.delenv(decode_ops.DECODE_OPS_ENV, raising=False)
     cuda = torch.device("cuda")
+    ops = decode_ops.DecodeOps.for_device(cuda)  # the default: every op a Triton kernel, nothing traced
+    assert ops.rmsnorm is triton_fused.rmsnorm and ops.sample is triton_sampler.sample_or_reference
+    assert ops.compiled and not ops.traced
+    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-compiled-sampler")
     ops = decode_ops.DecodeOps.for_device(cuda)
-    assert ops.rmsnorm is triton_fused.rmsnorm and ops.compiled and ops.traced  # the sampler is compiled
+    assert ops.rmsnorm is triton_fused.rmsnorm and ops.compiled and ops.traced
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-eager-sampler")
     ops = decode_ops.DecodeOps.for_device(cuda)
-    assert ops.silu_mul is triton_fused.silu_mul and ops.compiled and not ops.traced
-    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-sampler")
-    ops = decode_ops.DecodeOps.for_device(cuda)
-    assert ops.sample is triton_sampler.sample_or_reference and ops.compiled and not ops.traced
+    assert ops.silu_mul is triton_fused.silu_mul and ops.sample is sampler.sample and not ops.traced
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "compile")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced
     assert not decode_ops.DecodeOps.for_device(torch.device("cpu")).compiled
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "fast")
-    with pytest.raises(ValueError, match="must be one of triton, triton-eager-sampler, triton-sampler, compile"):
+    modes = "triton, triton-compiled-sampler, triton-eager-sampler, compile"
+    with pytest.raises(ValueError, match=f"must be one of {modes}"):
         decode_ops.DecodeOps.for_device(cuda)

@@ -176,7 +176,8 @@ def test_run_serve_reports_bad_decode_ops(capsys, monkeypatch):
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--load-format", "dummy", "--dummy-size", "tiny"])
     assert run_serve(args) == 2
     err = capsys.readouterr().err
-    assert "TTSSERVE_DECODE_OPS must be one of triton, triton-eager-sampler, triton-sampler, compile, got 'fast'" in err
+    modes = "triton, triton-compiled-sampler, triton-eager-sampler, compile"
+    assert f"TTSSERVE_DECODE_OPS must be one of {modes}, got 'fast'" in err
 
 
 def test_mounts_as_subcommand_and_runs_as_module():

@@ -9,7 +9,7 @@ import torch
 
 from ttsserve.attention.backend import apply_rope
 from ttsserve.config import DECODE_OPS_ENV as DECODE_OPS_ENV  # re-exported beside the ops it picks
-from ttsserve.config import decode_ops_mode
+from ttsserve.config import DECODE_OPS_MODES, decode_ops_mode
 
 # A decode step is ~750 tiny kernels when run op by op (RMSNorm alone is 7, RoPE 10 per layer); inside a graph each
 # still costs ~2.5 us of GPU time, 1.9 ms in all at batch 1 against a 0.09 ms weight-read floor. The functions
@@ -59,16 +59,28 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# $TTSSERVE_DECODE_OPS (config.py) -> (Triton norms / SiLU / RoPE, the sampler's implementation)
+_MODES = {
+    "triton": (True, "triton"),
+    "triton-compiled-sampler": (True, "compile"),
+    "triton-eager-sampler": (True, "eager"),
+    "compile": (False, "compile"),
+}
+assert tuple(_MODES) == DECODE_OPS_MODES
+
+
 class DecodeOps:
     """The fusable pieces of a decode step (and of the piecewise prefill / sampler graphs, which share them):
-    plain functions, or Triton kernels for the norms / SiLU / RoPE (`triton`), with the rest torch.compile'd
+    plain functions, or Triton kernels for the norms / SiLU / RoPE and the sampler, with the rest torch.compile'd
     (dynamic batch) where `compile`. The decode graph's body calls all but qkv_rotary (its attention applies
     RoPE); the prefill graphs call qkv_rotary. `compiled`: anything but the plain functions, which are the
     fallback when those fail (or_uncompiled)."""
 
     _compiled: ClassVar[dict[str, object]] = {}  # one compilation per process, shared by every engine
 
-    def __init__(self, compile: bool, triton: bool = False, triton_sampler: bool = False) -> None:
+    def __init__(self, compile: bool, triton: bool = False, sampler: str = "compile") -> None:
+        """compile: torch.compile what Triton does not take (nothing when False); triton: the Triton norms / SiLU /
+        RoPE; sampler: "triton" (sample/triton_sampler.py), "compile" or "eager" (sample/sampler.py)."""
         from ttsserve.sample.sampler import sample
 
         fns = {
@@ -78,22 +90,23 @@ class DecodeOps:
             "silu_mul": _silu_mul,
             "sample": sample,
         }
-        if compile:
-            for name in ("sample",) if triton else tuple(fns):
-                if name not in DecodeOps._compiled:
-                    DecodeOps._compiled[name] = torch.compile(fns[name], dynamic=True)
-                fns[name] = DecodeOps._compiled[name]
+        to_compile = [] if triton else ["rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"]
+        to_compile += ["sample"] if sampler == "compile" else []
+        for name in to_compile if compile else ():
+            if name not in DecodeOps._compiled:
+                DecodeOps._compiled[name] = torch.compile(fns[name], dynamic=True)
+            fns[name] = DecodeOps._compiled[name]
         if triton:
             from ttsserve.layers import triton_fused
 
             for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"):
                 fns[name] = getattr(triton_fused, name)
-        if triton_sampler:
+        if sampler == "triton":
             from ttsserve.sample.triton_sampler import sample_or_reference
 
             fns["sample"] = sample_or_reference
-        self.compiled = compile or triton or triton_sampler
-        self.traced = compile  # torch.compile traces at first call: precompile() does it off the critical path
+        self.compiled = bool(to_compile and compile) or triton or sampler == "triton"
+        self.traced = bool(to_compile and compile)  # torch.compile traces at first call: precompile() does it early
         for name, fn in fns.items():
             setattr(self, name, fn)
 
@@ -102,10 +115,8 @@ class DecodeOps:
         """The ops of $TTSSERVE_DECODE_OPS on CUDA; the plain functions elsewhere."""
         if device.type != "cuda":
             return cls(compile=False)
-        mode = decode_ops_mode()
-        return cls(
-            compile=mode in ("triton", "compile"), triton=mode != "compile", triton_sampler=mode == "triton-sampler"
-        )
+        triton, sampler = _MODES[decode_ops_mode()]
+        return cls(compile=True, triton=triton, sampler=sampler)
 
 
 def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

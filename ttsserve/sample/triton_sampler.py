@@ -20,6 +20,7 @@ from ttsserve.sample import sampler
 from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
 
 MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) take sampler.sample
+NUM_WARPS = 4  # benchmarks/sampler_micro.py times the others
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def can_sample(logits: torch.Tensor) -> bool:
     return logits.is_cuda and logits.shape[-1] <= MAX_VOCAB
 
 
-def sample(logits: torch.Tensor, batch) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """sampler.sample for CUDA logits [B, R, V] (V <= MAX_VOCAB) and a SamplingBatch on the same device ->
     tokens [B, R] int64. No host sync (graph-capturable)."""
     b, r, v = logits.shape
@@ -164,6 +165,7 @@ def sample(logits: torch.Tensor, batch) -> torch.Tensor:
         ROW_SALT=_ROW_SALT,
         STEP_SALT=_STEP_SALT,
         BLOCK=triton.next_power_of_2(v),
+        num_warps=num_warps,
     )
     return out
 
