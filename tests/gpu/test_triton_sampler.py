@@ -67,6 +67,42 @@ def test_matches_the_reference_sampler() -> None:
     assert torch.equal(got[greedy], want[greedy])
 
 
+def test_the_engines_sampling_state_layout() -> None:
+    """The engine's SamplingBatch (sample/state.py): [B] parameters are strided columns of its parameter tables
+    and the history a ring, gathered for rows out of order. The kernel must read them as the reference does."""
+    from ttsserve.sample.state import SamplingState
+
+    b, num_rows = (48, 64) if DEVICE == "cuda" else (6, 8)
+    g = torch.Generator().manual_seed(4)
+    params = [
+        SamplingParams(
+            top_k=[3, 20, 700][i % 3],
+            top_p=[0.5, 0.7, 1.0][i % 3],
+            temperature=[0.3, 1.0][i % 2],
+            repetition_penalty=[1.0, 1.5][i % 2],
+            greedy=i % 5 == 0,
+            min_new_tokens=4 * (i % 2),
+        )
+        for i in range(b)
+    ]
+    rows = torch.randperm(num_rows, generator=g)[:b]
+    outputs = [[tuple(torch.randint(0, V, (R,), generator=g).tolist()) for _ in range(i % 9)] for i in range(b)]
+    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    steps = torch.tensor([len(o) for o in outputs])
+    logits = torch.randn(b, R, V, generator=g) * 2.5
+    batches = []
+    for dev in ("cpu", DEVICE):
+        state = SamplingState(num_rows, R, 16, torch.device(dev))
+        state.set_rows(rows.tolist(), params, seeds, ["code"] * b, outputs)
+        batches.append(state.batch(rows.to(dev), steps.to(dev), R, EOS))
+    assert batches[1].top_p.stride(0) > 1 and batches[1].seeds.stride(0) > 1  # the layout under test
+    want = sample(logits, batches[0])
+    got = triton_sampler.sample(logits.to(DEVICE), batches[1]).cpu()
+    _agree(got, want)
+    greedy = torch.tensor([p.greedy for p in params])
+    assert torch.equal(got[greedy], want[greedy])
+
+
 def test_plain_draws_are_the_reference_draws_exactly() -> None:
     """No top-p / top-k cut (p = 1, k = V) and no penalty: the draw is the hash race alone, whose integer math
     gives identical bits."""

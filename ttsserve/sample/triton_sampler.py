@@ -20,7 +20,10 @@ from ttsserve.sample import sampler
 from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
 
 MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) take sampler.sample
-NUM_WARPS = 4  # benchmarks/sampler_micro.py times the others
+# one program per (request, codebook row) sorts 1,024 keys: 16 warps were the fastest of 1-16 at 1, 256 and 512
+# requests on an H200 (17 / 85 / 160 us a call; 4 warps 28 / 116 / 220; torch.compile'd 98 / 110 / 152):
+# benchmarks/sampler_micro.py
+NUM_WARPS = 16
 
 
 @triton.jit
@@ -57,6 +60,13 @@ def _sample_kernel(
     stride_lb,
     stride_lr,
     stride_tb,
+    stride_p,
+    stride_k,
+    stride_pen,
+    stride_ban,
+    stride_greedy,
+    stride_seed,
+    stride_step,
     stride_hb,
     stride_hr,
     stride_hw,
@@ -69,18 +79,20 @@ def _sample_kernel(
     STEP_SALT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Grid (B * R,): tokens[b, r] for logits[b, r, :vocab]; BLOCK = next power of two >= vocab."""
+    """Grid (B * R,): tokens[b, r] for logits[b, r, :vocab]; BLOCK = next power of two >= vocab. The [B]
+    parameters may be strided (columns of the engine's per-row parameter tables: sample/state.py)."""
     pid = tl.program_id(0)
     b, r = pid // num_rows, pid % num_rows
+    b = b.to(tl.int64)
     v = tl.arange(0, BLOCK)
     real = v < vocab
-    x = tl.load(logits_ptr + b.to(tl.int64) * stride_lb + r * stride_lr + v, mask=real, other=0.0).to(tl.float32)
-    x = x / tl.load(temp_ptr + b.to(tl.int64) * stride_tb + r)
+    x = tl.load(logits_ptr + b * stride_lb + r * stride_lr + v, mask=real, other=0.0).to(tl.float32)
+    x = x / tl.load(temp_ptr + b * stride_tb + r)
     # repetition penalty: alpha = penalty ** count, by repeated products (count <= window, small)
-    pen = tl.load(pen_ptr + b)
+    pen = tl.load(pen_ptr + b * stride_pen)
     alpha = tl.full([BLOCK], 1.0, tl.float32)
     for w in range(window):
-        tok = tl.load(hist_ptr + b.to(tl.int64) * stride_hb + r * stride_hr + w * stride_hw)
+        tok = tl.load(hist_ptr + b * stride_hb + r * stride_hr + w * stride_hw)
         alpha = tl.where(v == tok, alpha * pen, alpha)
     x = tl.where(x < 0, x * alpha, x / alpha)
     x = tl.where(real, x, -float("inf"))
@@ -99,22 +111,22 @@ def _sample_kernel(
     svals = tl.where(skeys >> 32 == -2147483648, -float("inf"), svals)
     sp = tl.exp(svals - tl.max(svals, 0))
     cum = tl.cumsum(sp / tl.sum(sp, 0), 0)
-    threshold = (1.0 - tl.load(top_p_ptr + b).to(tl.float64)).to(tl.float32)
+    threshold = (1.0 - tl.load(top_p_ptr + b * stride_p).to(tl.float64)).to(tl.float32)
     remove_sorted = (cum <= threshold) & (v < BLOCK - 3)  # HF keeps at least 3 tokens
     n_removed = tl.sum(remove_sorted.to(tl.int32), 0)  # a prefix: cum never decreases
     first_kept = tl.sum(tl.where(v == n_removed, skeys, 0), 0)
-    k_eff = tl.minimum(tl.maximum(tl.load(top_k_ptr + b), 3), vocab).to(tl.int32)
+    k_eff = tl.minimum(tl.maximum(tl.load(top_k_ptr + b * stride_k), 3), vocab).to(tl.int32)
     kth_pos = BLOCK - k_eff
     kth = tl.sum(tl.where(v == kth_pos, svals, 0.0), 0)
     kth = tl.where(kth_pos < n_removed, -float("inf"), kth)
     x = tl.where((keys < first_kept) | (x < kth), -float("inf"), x)
-    x = tl.where((v == eos_id) & (tl.load(banned_ptr + b) != 0), -float("inf"), x)
+    x = tl.where((v == eos_id) & (tl.load(banned_ptr + b * stride_ban) != 0), -float("inf"), x)
 
     # the draw: argmax(probs / -log(u)), u = rng.hash_uniform(seed, step, r, v); greedy rows: argmax(x)
-    seed = tl.load(seed_ptr + b)
+    seed = tl.load(seed_ptr + b * stride_seed)
     h = _mix32((seed & 0xFFFFFFFF) ^ GOLDEN)
     h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
-    h = _mix32(h ^ _mul32(tl.load(step_ptr + b) & 0xFFFFFFFF, STEP_SALT))
+    h = _mix32(h ^ _mul32(tl.load(step_ptr + b * stride_step) & 0xFFFFFFFF, STEP_SALT))
     key = _mix32(h ^ _mul32((r + 1).to(tl.int64), ROW_SALT))
     hv = _mix32(key ^ v.to(tl.int64))
     hv = _mix32(hv ^ GOLDEN)
@@ -122,7 +134,7 @@ def _sample_kernel(
     e = tl.exp(x - tl.max(x, 0))
     probs = e / tl.sum(e, 0)
     race = tl.where(real, probs / -tl.log(u), -1.0)
-    token = tl.where(tl.load(greedy_ptr + b) != 0, tl.argmax(x, 0), tl.argmax(race, 0))
+    token = tl.where(tl.load(greedy_ptr + b * stride_greedy) != 0, tl.argmax(x, 0), tl.argmax(race, 0))
     tl.store(out_ptr + pid, token.to(tl.int64))
 
 
@@ -154,6 +166,13 @@ def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS) -> torch.Ten
         logits.stride(0),
         logits.stride(1),
         batch.temperature.stride(0),
+        batch.top_p.stride(0),
+        batch.top_k.stride(0),
+        batch.repetition_penalty.stride(0),
+        batch.eos_banned.stride(0),
+        batch.greedy.stride(0),
+        batch.seeds.stride(0),
+        batch.steps.stride(0),
         hist.stride(0),
         hist.stride(1),
         hist.stride(2),
