@@ -4,8 +4,9 @@
 # 1. cold start: `ttsserve serve` to /ready (and to warm: graphs deferred past /ready captured) with caches warm (COLD_RUNS starts; the first fills the caches
 #    a fresh machine lacks: dummy checkpoint, Triton / inductor, Python bytecode), bench/coldstart.py's JSON;
 # 2. served: one server (`--api-server-count 12` + SERVE_ARGS), then `bench serve` at each SERVE_POINTS item
-#    (format:concurrency or format:qps<rate>), DUR seconds each, 4 client processes;
-# 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s.
+#    (format:concurrency or format:qps<rate>), DUR seconds each, CLIENT_PROCS (4) load-generator processes;
+# 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s;
+# 4. targets.json: every headline target checked against those reports (benchmarks/targets_summary.py).
 # Env: PARTS (default "cold serve offline") picks the parts; SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS,
 #      OFFLINE_BATCH. Each part writes as it goes, so a call cut short keeps what it measured.
 set -u
@@ -44,7 +45,7 @@ if [[ $parts == *" serve "* ]]; then
     for point in ${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}; do
         IFS=: read -r fmt load <<< "$point"
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
-        timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args --client-procs 4 \
+        timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args --client-procs "${CLIENT_PROCS:-4}" \
             --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
             --out "$OUT/serve_${fmt}_${load}" > "$OUT/serve_${fmt}_${load}.txt" 2>&1
         echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$OUT/serve_${fmt}_${load}.txt" | tail -1
@@ -59,3 +60,6 @@ if [[ $parts == *" offline "* ]]; then
         echo "bench offline batch $b rc=$?"; tail -4 "$OUT/offline_b$b.txt"
     done
 fi
+
+# every target, met or not, as one JSON (what benchmarks/results/gpu/ keeps)
+python3 benchmarks/targets_summary.py "$OUT" > "$OUT/targets.json" && echo "targets: $OUT/targets.json"
