@@ -96,6 +96,34 @@ def test_qps_point_is_bounded_by_duration() -> None:
     assert res.wall_s < 10
 
 
+def test_the_open_loop_sends_every_scheduled_arrival_however_slow_a_send_is(monkeypatch) -> None:
+    """Poisson arrivals are sent at their drawn times: a send that blocks the loop for a while (here 2 ms, a
+    fifth of the mean gap) delays the next sends but does not thin them, so the offered rate is the asked one.
+    The count is the number of the seeded draws that fall inside the duration."""
+    import random
+    import time
+
+    from ttsserve.bench import serving
+
+    qps, duration, seed = 100.0, 0.5, 7
+    sends = []
+
+    async def slow_send(client, spec, sentence, index):
+        sends.append(time.perf_counter())
+        time.sleep(0.002)  # the loop's own work for one send (building it, the first bytes)
+        return index
+
+    monkeypatch.setattr(serving, "one_request", slow_send)
+    spec = ServeSpec(url="http://127.0.0.1:1", qps=[qps], duration=duration)
+    items = [(i, None) for i in range(1000)]
+    got = asyncio.run(serving._open_loop(None, spec, items, qps, seed, lambda: None))
+    rng, at, want = random.Random(seed), 0.0, 0
+    while at < duration:
+        want, at = want + 1, at + rng.expovariate(qps)
+    assert got == list(range(want))
+    assert sends[-1] - sends[0] < duration + 0.1  # caught up, not stretched by 2 ms a send
+
+
 def test_non_loopback_urls_are_refused() -> None:
     for ok in ("http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:80", "http://127.3.4.5"):
         check_loopback(ok, False)

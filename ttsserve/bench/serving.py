@@ -208,9 +208,13 @@ async def _closed_loop(client, spec: ServeSpec, items: Items, concurrency: int, 
 
 
 async def _open_loop(client, spec: ServeSpec, items: Items, qps: float, seed: int, on_done) -> list:
+    """Poisson arrivals at `qps` for spec.duration seconds. Each arrival time is the previous one plus a drawn
+    gap (the first at the start), and each request is sent at its time, so the time a send takes never
+    stretches the gaps: sleeping a drawn gap after each send lowered the offered rate by that time (400 req/s
+    asked, 361 sent from 4 processes on an H100 host)."""
     rng = random.Random(seed)
-    deadline = time.perf_counter() + spec.duration
-    tasks = []
+    start = time.perf_counter()
+    at, tasks = 0.0, []
 
     async def timed(i: int, sentence: Sentence) -> RequestRecord:
         rec = await one_request(client, spec, sentence, i)
@@ -218,10 +222,13 @@ async def _open_loop(client, spec: ServeSpec, items: Items, qps: float, seed: in
         return rec
 
     for i, sentence in items:
-        if time.perf_counter() >= deadline:
+        if at >= spec.duration:
             break
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(timed(i, sentence)))
-        await asyncio.sleep(rng.expovariate(qps))
+        at += rng.expovariate(qps)
     return list(await asyncio.gather(*tasks))
 
 
