@@ -1,5 +1,6 @@
 """TTFA of a `bench serve` report split into the first wave (the closed loop's first C requests, which all
-arrive at once) and the steady state after it.
+arrive at once) and the steady state after it; where the report has the requests' send times (`sent_at`),
+also TTFA by the second of the point in which each request was sent, to line up with the server's logs.
 
 Usage: python3 benchmarks/ttfa_waves.py REPORT.json[.gz] ...
 """
@@ -28,7 +29,22 @@ def main(paths: list[str]) -> int:
                 f"p50 {np.median(first):.3f} | after ({len(rest)}): p50 {np.median(rest):.3f} "
                 f"p95 {np.percentile(rest, 95):.3f} p99 {np.percentile(rest, 99):.3f} s"
             )
+            sent = [(r["sent_at"], r["ttfa_s"]) for r in reqs if r.get("sent_at") and r["ttfa_s"] is not None]
+            if sent:
+                _by_second(sent)
     return 0
+
+
+def _by_second(sent: list[tuple[float, float]]) -> None:
+    """One line per second of send time: requests sent, TTFA p50 / p99 / max of those requests."""
+    t0 = min(s for s, _ in sent)
+    by: dict[int, list[float]] = {}
+    for s, ttfa in sent:
+        by.setdefault(int(s - t0), []).append(ttfa)
+    print(f"  sent from {t0:.3f} (epoch s); second: requests sent, TTFA p50 / p99 / max (s)")
+    for sec in sorted(by):
+        v = np.array(by[sec])
+        print(f"  {sec:4d}: {len(v):5d}  {np.median(v):.3f} / {np.percentile(v, 99):.3f} / {v.max():.3f}")
 
 
 if __name__ == "__main__":

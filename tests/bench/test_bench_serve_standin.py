@@ -89,11 +89,17 @@ def test_concurrency_point_accounting(tmp_path) -> None:
 
 
 def test_qps_point_is_bounded_by_duration() -> None:
+    import time
+
     with LiveServer(standin_app()) as srv:
         spec = ServeSpec(url=srv.url, qps=[20.0], num_requests=1000, duration=1.0, max_new_tokens=None)
+        t0 = time.time()
         (res,) = run_serving(spec, progress=False)
+        t1 = time.time()
     assert res.load_kind == "qps" and 5 <= len(res.requests) <= 60
     assert res.wall_s < 10
+    sent = sorted(r.sent_at for r in res.requests)  # wall-clock send times, to line up with server logs
+    assert t0 <= sent[0] and sent[-1] <= t1 and sent[-1] - sent[0] <= 1.0 + 0.5
 
 
 def test_the_open_loop_sends_every_scheduled_arrival_however_slow_a_send_is(monkeypatch) -> None:

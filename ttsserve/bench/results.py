@@ -35,6 +35,7 @@ class RequestRecord:
     num_segments: int = 1
     underruns: int = 0  # serve, streaming only: times playback ran dry
     stall_s: float = 0.0  # serve, streaming only: total time playback waited for audio
+    sent_at: float | None = None  # serve: wall-clock time of the send (epoch s), to line up with server logs
 
     @property
     def audio_s(self) -> float:

@@ -141,7 +141,7 @@ async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -
     """Send one request and time its bytes; errors become a record with status set, never an exception."""
     import httpx
 
-    rec = RequestRecord(f"serve-{index}", sentence.id)
+    rec = RequestRecord(f"serve-{index}", sentence.id, sent_at=time.time())
     play, count = _Playback(spec.sample_rate), _sample_counter(spec.response_format)
     t0 = time.perf_counter()
     try:
