@@ -224,9 +224,7 @@ async def _open_loop(client, spec: ServeSpec, items: Items, qps: float, seed: in
     for i, sentence in items:
         if at >= spec.duration:
             break
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))  # 0: behind schedule, still yields
         tasks.append(asyncio.create_task(timed(i, sentence)))
         at += rng.expovariate(qps)
     return list(await asyncio.gather(*tasks))
