@@ -109,6 +109,24 @@ def test_masked_istft_equals_torch_istft() -> None:
     assert short[:, 256 * 5 :].abs().max() == 0
 
 
+def test_overlap_add_is_folds_overlap_add() -> None:
+    """The slice adds (frame length a multiple of the hop) and the F.fold fallback (any other length) both
+    give F.fold's overlap-add of frames [B, T, n] at stride hop."""
+    import torch.nn.functional as F
+
+    from ttsserve.audio.vocos import overlap_add
+
+    g = torch.Generator().manual_seed(1)
+    for n, hop, t in ((1024, 256, 7), (1024, 256, 1), (1000, 256, 5), (12, 4, 3)):
+        frames = torch.randn(3, t, n, generator=g)
+        want = F.fold(
+            frames.transpose(1, 2), output_size=(1, n + hop * (t - 1)), kernel_size=(1, n), stride=(1, hop)
+        ).reshape(3, -1)
+        got = overlap_add(frames, hop)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 @torch.no_grad()
 def test_dvae_encode_reproduces_golden_codes(nets) -> None:
     _, dvae, _ = nets

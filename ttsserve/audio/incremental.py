@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ttsserve.audio.decoder_net import ConvNeXtBlock, ConvNeXtStack
-from ttsserve.audio.vocos import ISTFTHead, Vocos
+from ttsserve.audio.vocos import ISTFTHead, Vocos, overlap_add
 from ttsserve.h2d import to_device
 
 NOT_FINISHED = 1 << 40  # the `limit` of a stream whose length is not known yet
@@ -225,11 +225,9 @@ class IncrementalVocos:
         spec, window = head.spectrum(feats)
         k = torch.arange(width, device=spec.device)[None, :]
         valid = self._spectrum_frames_valid(rows, k).to(window.dtype)  # [B, width]
-        frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None] * valid[:, None, :]
-        fold = {"output_size": (1, n_fft + hop * (width - 1)), "kernel_size": (1, n_fft), "stride": (1, hop)}
-        b = frames.shape[0]
-        z = F.fold(frames, **fold).reshape(b, -1)
-        env = F.fold((window * window)[None, :, None] * valid[:, None, :], **fold).reshape(b, -1)
+        frames = torch.fft.irfft(spec.transpose(1, 2), n=n_fft, dim=2) * window * valid[:, :, None]
+        z = overlap_add(frames, hop)
+        env = overlap_add((window * window) * valid[:, :, None], hop)
         acc = torch.stack([z, env], dim=1)  # [B, 2, hop * width + n_fft - hop]
         ov = n_fft - hop
         acc[:, :, :ov] += self.tails.index_select(0, rows.slots).to(acc.dtype)

@@ -39,6 +39,23 @@ class VocosBackbone(nn.Module):
         return self.final_layer_norm(x.transpose(1, 2))
 
 
+def overlap_add(frames: Tensor, hop: int) -> Tensor:
+    """frames [B, T, n] -> [B, n + hop * (T - 1)]: frame k added in at sample hop * k (F.fold's overlap-add).
+
+    With n a multiple of hop (the vocoder's 1024 / 256) it is n / hop shifted adds of [B, T, hop] slices:
+    F.fold's col2im kernel took 0.22 ms a call at 512 rows on an H100 (it reads the frames with a stride)."""
+    b, t, n = frames.shape
+    r = n // hop
+    if r * hop != n:
+        fold = {"output_size": (1, n + hop * (t - 1)), "kernel_size": (1, n), "stride": (1, hop)}
+        return F.fold(frames.transpose(1, 2), **fold).reshape(b, -1)
+    parts = frames.reshape(b, t, r, hop)
+    out = frames.new_zeros(b, t + r - 1, hop)
+    for j in range(r):
+        out[:, j : j + t] += parts[:, :, j]
+    return out.reshape(b, -1)
+
+
 def istft_rows(spec: Tensor, window: Tensor, hop_length: int, frame_mask: Tensor) -> Tensor:
     """torch.istft(center=True) as an explicit overlap-add, frames past each row's length left out.
 
@@ -46,12 +63,10 @@ def istft_rows(spec: Tensor, window: Tensor, hop_length: int, frame_mask: Tensor
     Returns [B, hop*(T-1)]; samples past a row's own hop*(T_b-1) are 0.
     """
     n_fft = window.numel()
-    b, _, t = spec.shape
-    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None] * frame_mask[:, None, :]
-    total = n_fft + hop_length * (t - 1)
-    fold = dict(output_size=(1, total), kernel_size=(1, n_fft), stride=(1, hop_length))
-    y = F.fold(frames, **fold).reshape(b, total)
-    env = F.fold((window * window)[None, :, None] * frame_mask[:, None, :], **fold).reshape(b, total)
+    t = spec.shape[2]
+    frames = torch.fft.irfft(spec.transpose(1, 2), n=n_fft, dim=2) * window * frame_mask[:, :, None]
+    y = overlap_add(frames, hop_length)
+    env = overlap_add((window * window) * frame_mask[:, :, None], hop_length)
     start, end = n_fft // 2, n_fft // 2 + hop_length * (t - 1)
     y, env = y[:, start:end], env[:, start:end]
     # torch.istft requires env > 1e-11 everywhere; here it vanishes past a row's end, where the samples are zeroed
