@@ -7,8 +7,10 @@
 #    (format:concurrency or format:qps<rate>), DUR seconds each, CLIENT_PROCS (4) load-generator processes;
 # 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s;
 # 4. targets.json: every headline target checked against those reports (benchmarks/targets_summary.py).
-# Env: PARTS (default "cold serve offline") picks the parts; SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS,
-#      OFFLINE_BATCH. Each part writes as it goes, so a call cut short keeps what it measured.
+# Env: PARTS (default "cold serve offline"; "variant" adds a second server with VARIANT_ARGS, default
+#      --lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant) picks the parts;
+#      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH. Each part writes as it goes, so a call cut short
+#      keeps what it measured.
 set -u
 OUT=${1:?usage: $0 OUT}
 mkdir -p "$OUT"
@@ -16,7 +18,7 @@ export PYTHONUNBUFFERED=1 TTSSERVE_CACHE="${TTSSERVE_CACHE:-/tmp/ttsserve-cache}
 # a read-only torch install has no bytecode cache: without this every start recompiles torch's sources (~20 s)
 export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-/tmp/ttsserve-pycache}"
 CLI="python3 -m ttsserve.entrypoints.cli"
-MODEL_ARGS="--device cuda --load-format dummy --dummy-size real"
+MODEL_ARGS=${MODEL_ARGS:---device cuda --load-format dummy --dummy-size real}
 (date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
  nproc; python3 -c "import torch; print(torch.__version__)") > "$OUT/machine.txt" 2>&1
 parts=" ${PARTS:-cold serve offline} "
@@ -28,8 +30,9 @@ if [[ $parts == *" cold "* ]]; then
     grep -E "^run|cold start" "$OUT/coldstart.txt"
 fi
 
-if [[ $parts == *" serve "* ]]; then
-    $CLI serve $MODEL_ARGS --port 8000 --api-server-count 12 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
+serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serve at each point, reports under DIR
+    mkdir -p "$1"; echo "$2" > "$1/serve_args.txt"
+    $CLI serve $MODEL_ARGS --port 8000 --api-server-count 12 $2 > "$1/server.log" 2>&1 &
     server=$!
     for _ in $(seq 400); do
         curl -sf localhost:8000/ready > /dev/null 2>&1 && break
@@ -41,16 +44,23 @@ if [[ $parts == *" serve "* ]]; then
         [ -n "$w" ] && ! grep -qvE " 1(\.0)?$" <<< "$w" && break
         sleep 0.5
     done
-    echo "server warm after ${SECONDS}s (script clock)"
-    for point in ${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}; do
+    echo "server ($2) warm after ${SECONDS}s (script clock)"
+    for point in $3; do
         IFS=: read -r fmt load <<< "$point"
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
         timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args --client-procs "${CLIENT_PROCS:-4}" \
             --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
-            --out "$OUT/serve_${fmt}_${load}" > "$OUT/serve_${fmt}_${load}.txt" 2>&1
-        echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$OUT/serve_${fmt}_${load}.txt" | tail -1
+            --out "$1/serve_${fmt}_${load}" > "$1/serve_${fmt}_${load}.txt" 2>&1
+        echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$1/serve_${fmt}_${load}.txt" | tail -1
     done
     kill -INT $server; wait $server
+}
+
+if [[ $parts == *" serve "* ]]; then
+    serve_points "$OUT" "${SERVE_ARGS:-}" "${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}"
+fi
+if [[ $parts == *" variant "* ]]; then  # the same points on a server with other flags, under OUT/variant
+    serve_points "$OUT/variant" "${VARIANT_ARGS:---lookahead-frames 16}" "${VARIANT_POINTS:-pcm:128 pcm:512}"
 fi
 
 if [[ $parts == *" offline "* ]]; then

@@ -4,7 +4,8 @@ one JSON object with each target's figures, its threshold and whether it was met
 
     python3 benchmarks/targets_summary.py OUT > targets.json
 
-A target whose run is missing from OUT is reported with "measured": false, never as met.
+A target whose run is missing from OUT is reported with "measured": false, never as met. The variant server's
+points (OUT/variant, `PARTS=... variant`) are listed with their serve flags, not judged.
 """
 
 from __future__ import annotations
@@ -98,7 +99,15 @@ def summarize(out: Path) -> dict:
         _target("serve to /ready, caches warm: <= 15 s", cold_figs, cold_figs and {"ready": cold["median_s"] <= 15})
     )
     machine = (out / "machine.txt").read_text().splitlines() if (out / "machine.txt").exists() else []
-    return {"machine": machine, "targets": targets}
+    summary = {"machine": machine, "targets": targets}
+    variant = out / "variant"
+    if variant.is_dir():  # the same points with other serve flags: figures only, no target is judged on them
+        points = sorted(p.name for p in variant.iterdir() if (p / "report.json").exists())
+        summary["variant"] = {
+            "serve_args": (variant / "serve_args.txt").read_text().strip(),
+            "points": {name: _served(variant, name) for name in points},
+        }
+    return summary
 
 
 if __name__ == "__main__":
