@@ -22,9 +22,9 @@ def compile_level() -> str:
 
 # $TTSSERVE_DECODE_OPS on CUDA: "triton" (the default): the norms, SiLU-and-mul and RoPE as hand-written Triton
 # kernels (layers/triton_fused.py) and the code sampler as one Triton kernel (sample/triton_sampler.py): nothing
-# torch.compile'd (on an H100 13.2 s to /ready, caches warm); "triton-compiled-sampler": the sampler
-# torch.compile'd instead (0.3 ms less device time per step at 256 rows, 13 s more start); "triton-eager-sampler":
-# the sampler op by op; "compile": every op torch.compile'd.
+# torch.compile'd (on an H100 9.3-13.2 s to /ready, caches warm); "triton-compiled-sampler": the sampler
+# torch.compile'd instead (as fast within 0.1 ms a step at 256 / 512 rows: benchmarks/sampler_micro.py; 13 s more
+# start); "triton-eager-sampler": the sampler op by op; "compile": every op torch.compile'd.
 DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
 DECODE_OPS_MODES = ("triton", "triton-compiled-sampler", "triton-eager-sampler", "compile")
 
