@@ -97,27 +97,32 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n] -> rmsnorm(x) * weight, [..., n] in x's dtype (a new contiguous tensor)."""
-    x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+def _launch_norm(x2, r2, weight, out, total, eps: float, has_res: bool) -> None:
+    """_rmsnorm_kernel over the rows of x2 [T, n] (and r2, summed into total, with has_res) into out."""
     if x2.shape[0]:
         n = x2.shape[1]
         _rmsnorm_kernel[(x2.shape[0],)](
             x2,
-            x2,
+            r2,
             weight,
             out,
-            out,
+            total,
             x2.stride(0),
-            0,
+            r2.stride(0) if has_res else 0,
             out.stride(0),
-            0,
+            total.stride(0) if has_res else 0,
             n,
             eps,
-            HAS_RES=False,
+            HAS_RES=has_res,
             BLOCK=triton.next_power_of_2(n),
         )
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] -> rmsnorm(x) * weight, [..., n] in x's dtype (a new contiguous tensor)."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x2, x2, weight, out, out, eps, has_res=False)
     return out.view(x.shape)
 
 
@@ -128,23 +133,7 @@ def add_rmsnorm(
     x2, r2 = _rows(x), _rows(residual)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out)
-    if x2.shape[0]:
-        n = x2.shape[1]
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2,
-            r2,
-            weight,
-            out,
-            total,
-            x2.stride(0),
-            r2.stride(0),
-            out.stride(0),
-            total.stride(0),
-            n,
-            eps,
-            HAS_RES=True,
-            BLOCK=triton.next_power_of_2(n),
-        )
+    _launch_norm(x2, r2, weight, out, total, eps, has_res=True)
     return out.view(x.shape), total.view(x.shape)
 
 
