@@ -128,3 +128,45 @@ def test_short_request_emits_everything_on_finish(tiny) -> None:
     assert chunk.is_final and chunk.start_sample == 0 and chunk.samples.shape == (512 * 3 - 256,)
     assert np.abs(chunk.samples - one_shot(dec, vocos, frames)).max() < 1e-5
     assert stage.num_requests == 0 and stage.step() == []
+
+
+@pytest.mark.parametrize("lookahead", [None, 4])
+def test_shape_buckets_pad_calls_and_change_no_sample(tiny, lookahead) -> None:
+    """With shape_buckets (the CUDA default) every network call has a power-of-two row count and a width on the
+    bucket grid, and each request's audio is what the unpadded calls give."""
+    dec, dvae, vocos = tiny
+    g = torch.Generator().manual_seed(5)
+    lengths = {"a": 75, "b": 9, "c": 33}
+    frames = {k: torch.randn(n, 64, generator=g) for k, n in lengths.items()}
+    codes = torch.randint(0, 625, (29, 4), generator=g)
+    shapes: list[tuple[int, ...]] = []
+    hook = vocos.register_forward_pre_hook(lambda _m, args: shapes.append(tuple(args[0].shape)))
+    try:
+        out = {}
+        for buckets in (False, True):
+            stage = AudioStage(dec, dvae, vocos, lookahead_frames=lookahead, shape_buckets=buckets)
+            got = {k: [] for k in [*lengths, "q"]}
+            for k in got:
+                stage.add_request(k, use_codes=k == "q")
+            shapes.clear()
+            for t in range(80):
+                live = [k for k in lengths if t < lengths[k]]
+                if live:
+                    stage.append_batch(live, torch.stack([frames[k][t] for k in live]))
+                if t < len(codes):
+                    stage.append("q", codes[t : t + 1])
+                for k in got:
+                    if t == (len(codes) if k == "q" else lengths[k]):
+                        stage.finish(k)
+                for ch in stage.step():
+                    got[ch.req_id].append(ch)
+            out[buckets] = {k: joined(v) for k, v in got.items()}
+            assert len(shapes) >= 5
+            if buckets:
+                assert all(b & (b - 1) == 0 and t % 32 == 0 for b, _, t in shapes), shapes
+            else:
+                assert any(t % 32 for _, _, t in shapes), "the schedule must make widths off the grid"
+    finally:
+        hook.remove()
+    for k in out[False]:
+        np.testing.assert_allclose(out[True][k], out[False][k], rtol=0, atol=1e-6, err_msg=k)

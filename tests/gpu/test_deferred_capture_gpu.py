@@ -117,7 +117,12 @@ def _assert_identical(reqs, got, ref) -> None:
         assert h.shape == h_ref.shape, f"{seq}: hidden {h.shape} vs {h_ref.shape}"
         bad_h = np.flatnonzero((h != h_ref).reshape(len(h), -1).any(1))
         assert not len(bad_h), f"{seq}: hidden frame {bad_h[:1]} differs first, max {np.abs(h - h_ref).max():.3g}"
-        np.testing.assert_array_equal(audio[r.request_id], audio_ref[r.request_id], err_msg=r.request_id)
+        # The vocoder's calls group whichever streams are due when a step's copy-back is seen done, so two runs
+        # can batch the same frames in calls of other row counts (other GEMM tilings): measured differences are
+        # 3e-8 in 1.5 % of the samples. A wrong frame, row or offset moves samples by ~0.1.
+        np.testing.assert_allclose(
+            audio[r.request_id], audio_ref[r.request_id], rtol=0, atol=1e-5, err_msg=r.request_id
+        )
 
 
 def test_two_engines_built_alike_give_identical_outputs(real_bf16):

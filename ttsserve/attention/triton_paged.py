@@ -347,6 +347,13 @@ def paged_prefill(
     if block_m is None:  # a small BLOCK_M wastes less on decode rows and short chunks in mixed batches
         block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
     grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
+    ieee = q.dtype == torch.float32
+    block_n, warps, stages = tuning.prefill_block_n, tuning.prefill_num_warps, tuning.prefill_num_stages
+    if ieee:
+        # fp32 dots run on FMA units: at the bf16 tiles (64 x 64, 2 stages) ptxas caps the kernel at 32
+        # registers with a 6,968-byte stack per thread, and its launch failed with CUDA out of memory on an
+        # H100; 32-token KV tiles, 8 warps, 1 stage compile without spills (cuobjdump -res-usage: ~100 registers)
+        block_n, warps, stages = 32, 8, 1
     paged_prefill_kernel[grid](
         out,
         q,
@@ -376,9 +383,9 @@ def paged_prefill(
         BLOCK_SIZE=md.block_size,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
-        BLOCK_N=tuning.prefill_block_n,
-        IEEE=q.dtype == torch.float32,
+        BLOCK_N=block_n,
+        IEEE=ieee,
         FP8=scales is not None,
-        num_warps=tuning.prefill_num_warps,
-        num_stages=tuning.prefill_num_stages,
+        num_warps=warps,
+        num_stages=stages,
     )

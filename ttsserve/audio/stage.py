@@ -36,6 +36,11 @@ from ttsserve.h2d import to_device
 
 __all__ = ["AudioChunk", "AudioStage", "context_frames"]
 
+# With shape buckets, a call's window width is padded to a multiple of this many frames (and its rows to a power
+# of two): on CUDA every new (rows, width) of the eager networks paid a first-use cost (served at 128 streams on an
+# H100, unbucketed: 65 ms of vocoder per engine step, steps of 160 ms), and windows of every width come and go.
+SHAPE_FRAME_STEP = 16
+
 
 def context_frames(mel_half_width: int, n_fft: int, hop: int) -> tuple[int, int]:
     """(left, right) frames of context that make a cropped window exact.
@@ -78,6 +83,8 @@ class AudioStage(StreamingStage):
     deferred: step() returns the chunks of the PREVIOUS step's decode and leaves this step's on the device
         (decode kernels queued, device-to-host copy in flight), so the vocoder overlaps the caller's next
         CPU work; flush() returns what is still in flight. The engine turns it on for CUDA.
+    shape_buckets: pad each call to a few (rows, width) shapes (_bucketed); default: on CUDA, where a new shape
+        costs a first use, not on the CPU, where padding costs compute.
     """
 
     def __init__(
@@ -94,6 +101,7 @@ class AudioStage(StreamingStage):
         net_dtype: torch.dtype | None = None,
         max_windows_per_call: int = 64,
         deferred: bool = False,
+        shape_buckets: bool | None = None,
     ) -> None:
         if lookahead_frames is not None and lookahead_frames < 1:
             # a chunk's last sample needs the next frame's first mel frame, so at least one frame
@@ -118,6 +126,7 @@ class AudioStage(StreamingStage):
             pool_capacity=2 * (left + max_chunk_frames + right),
         )
         self.left_context_frames, self.right_context_frames = left, right
+        self.shape_buckets = self.device.type == "cuda" if shape_buckets is None else shape_buckets
 
     def _first_needed_frame(self, st: Stream) -> int:
         return st.num_emitted_frames - self.left_context_frames
@@ -220,18 +229,20 @@ class AudioStage(StreamingStage):
                 continue
             lens = [w.end - w.start for w in rows]
             x = pool.gather([w.stream.slot for w in rows], [w.start - w.stream.base for w in rows], lens)
-            x = x.transpose(1, 2)  # [B, C, N]
-            lens_t = to_device(lens, self.device)
+            x, padded_lens = self._bucketed(x.transpose(1, 2), lens, SHAPE_FRAME_STEP)  # [B', C, N']
+            lens_t = to_device(padded_lens, self.device)
             if use_codes:
-                mels.append(self.dvae.decode_codes(x, lens_t))
+                mel = self.dvae.decode_codes(x, lens_t)
             else:
-                mels.append(self.decoder(x.to(self.decoder.coef.dtype), lens_t))
+                mel = self.decoder(x.to(self.decoder.coef.dtype), lens_t)
+            mels.append(mel[: len(rows)])
             lengths.extend(lens)
             order.extend(rows)
         t = max(m.shape[-1] for m in mels)
         dtype = next(self.vocos.parameters()).dtype
         mel = torch.cat([F.pad(m.to(dtype), (0, t - m.shape[-1])) for m in mels])
-        wav = self.vocos(mel, 2 * to_device(lengths, self.device))  # [B, hop * (t - 1)]
+        mel, padded_lens = self._bucketed(mel, lengths, 2 * SHAPE_FRAME_STEP)  # 2 mel frames a frame
+        wav = self.vocos(mel, 2 * to_device(padded_lens, self.device))[: len(lengths)]  # [B, hop * (t' - 1)]
         self.calls_total += 1
         self.frames_decoded_total += sum(lengths)
         self.frames_padded_total += len(lengths) * (t // 2)
@@ -239,6 +250,17 @@ class AudioStage(StreamingStage):
             rank = {id(w): i for i, w in enumerate(order)}
             wav = wav[to_device([rank[id(w)] for w in windows], wav.device)]
         return self._crop(windows, wav)
+
+    def _bucketed(self, x: Tensor, lens: list[int], step: int) -> tuple[Tensor, list[int]]:
+        """x [B, C, N] -> (x zero padded to [B', C, N'], lens + zeros for the new rows): with shape_buckets, B'
+        the next power of two (at most max_windows_per_call) and N' the next multiple of `step`, so the calls
+        reuse a few shapes; the length masks keep the padding out of every real row."""
+        if not self.shape_buckets:
+            return x, lens
+        b, n = x.shape[0], x.shape[-1]
+        rows = min(1 << (b - 1).bit_length(), max(b, self.max_windows_per_call))
+        width = -(-n // step) * step
+        return F.pad(x, (0, width - n, 0, 0, 0, rows - b)), lens + [0] * (rows - b)
 
     def _crop(self, windows: list[_Window], wav: Tensor) -> tuple[Tensor, list[int]]:
         """The emitted part of each row, back to back: ([sum(sizes)] fp32 on wav's device, sizes)."""
