@@ -9,7 +9,7 @@
 # 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s;
 # 4. targets.json: every headline target checked against those reports (benchmarks/targets_summary.py).
 # Env: PARTS (default "cold serve offline"; "variant" adds a second server with VARIANT_ARGS, default
-#      --lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant) picks the parts;
+#      --first-chunk-lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant) picks the parts;
 #      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH. Each part writes as it goes, so a call cut short
 #      keeps what it measured.
 set -u
@@ -61,7 +61,7 @@ if [[ $parts == *" serve "* ]]; then
     serve_points "$OUT" "${SERVE_ARGS:-}" "${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}"
 fi
 if [[ $parts == *" variant "* ]]; then  # the same points on a server with other flags, under OUT/variant
-    serve_points "$OUT/variant" "${VARIANT_ARGS:---lookahead-frames 16}" "${VARIANT_POINTS:-pcm:128 pcm:512}"
+    serve_points "$OUT/variant" "${VARIANT_ARGS:---first-chunk-lookahead-frames 16}" "${VARIANT_POINTS:-pcm:128 pcm:512}"
 fi
 
 if [[ $parts == *" offline "* ]]; then

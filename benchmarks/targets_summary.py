@@ -24,7 +24,9 @@ def _summary(path: Path) -> dict | None:
 
 
 def _served(out: Path, name: str) -> dict | None:
-    s = _summary(out / name)
+    """The point `name`, or the same point run with its own client-process count (name_pN), if only that ran."""
+    runs = [out / name] if (out / name).is_dir() else sorted(out.glob(f"{name}_p*"))
+    s = _summary(runs[0]) if runs else None
     if s is None:
         return None
     return {

@@ -101,6 +101,8 @@ class EngineConfig:
         audio; later ones double up to the max).
     lookahead_frames: right context of each streamed window; None = exact (the stitched stream equals the
         one-shot decode); smaller values start audio sooner at the cost of small seams (see docs/benchmarks-history.md).
+    first_chunk_lookahead_frames: with the exact vocoder, the first chunk leaves once it has this many frames of
+        right context (audio/first_chunk.py: one seam, 7e-6 at 16), every later sample exact; None: all exact.
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).
     admission_interval: while streams run, new requests start (prefill) on every k-th step only, together.
@@ -151,6 +153,7 @@ class EngineConfig:
     first_chunk_frames: int = 8
     max_chunk_frames: int = 64
     lookahead_frames: int | None = None
+    first_chunk_lookahead_frames: int | None = None
     vocoder_cadence: int | None = None
     admission_interval: int | None = None
     num_scheduler_steps: int | None = None
@@ -185,6 +188,14 @@ class EngineConfig:
             (self.max_queue_len >= 1, "max_queue_len must be >= 1"),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.lookahead_frames is None or self.lookahead_frames >= 1, "lookahead_frames must be >= 1"),
+            (
+                self.first_chunk_lookahead_frames is None or self.first_chunk_lookahead_frames >= 1,
+                "first_chunk_lookahead_frames must be >= 1",
+            ),
+            (
+                self.first_chunk_lookahead_frames is None or self.lookahead_frames is None,
+                "first_chunk_lookahead_frames applies to the exact vocoder only: unset lookahead_frames",
+            ),
             (self.vocoder_cadence is None or 1 <= self.vocoder_cadence <= 64, "vocoder_cadence must be in [1, 64]"),
             (
                 self.admission_interval is None or 1 <= self.admission_interval <= 64,

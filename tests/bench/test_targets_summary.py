@@ -49,3 +49,10 @@ def test_targets_are_judged_on_their_figures_and_missing_runs_never_pass(tmp_pat
     variant = targets_summary.summarize(tmp_path)["variant"]
     assert variant["serve_args"] == "--lookahead-frames 16"
     assert variant["points"]["serve_pcm_128"]["ttfa_p99_s"] == 0.12
+
+
+def test_a_point_run_with_its_own_client_processes_counts(tmp_path: Path) -> None:
+    _report(tmp_path / "serve_pcm_512_p8", 2600, ttfa_p99=0.30)
+    got = {t["target"].split(":")[0]: t for t in targets_summary.summarize(tmp_path)["targets"]}
+    assert got["pcm @ 512"]["measured"] and got["pcm @ 512"]["audio_s_per_s"] == 2600
+    assert not got["pcm @ 256"]["measured"]

@@ -7,6 +7,7 @@ capture keeps the caching allocators' caches (graph_capture.capture), so served 
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,17 @@ def _serve(engine: Engine, reqs, between_steps=None) -> tuple[FrameRecorder, dic
     return rec, {rid: np.concatenate(a) for rid, a in audio.items()}
 
 
+def _serve_fresh(model, reqs: list[SynthesisRequest]) -> tuple[FrameRecorder, dict[str, np.ndarray]]:
+    """_serve on a new up-front engine, whose graph pools are released before the next engine is built: two
+    fp32 engines' pools do not fit an 80 GB card together (the second failed with CUDA out of memory)."""
+    engine = _engine(model, background=False)
+    out = _serve(engine, reqs)
+    del engine
+    gc.collect()  # the engine's references among its parts are cycles
+    torch.cuda.empty_cache()
+    return out
+
+
 def _families(e: Engine) -> list:
     return e.runner.graph_families() + e.audio.graph_families()
 
@@ -128,16 +140,14 @@ def _assert_identical(reqs, got, ref) -> None:
 def test_two_engines_built_alike_give_identical_outputs(real_bf16):
     """Determinism the next test relies on: two up-front engines on one model, the same requests."""
     reqs = _requests()
-    _assert_identical(
-        reqs, _serve(_engine(real_bf16, background=False), reqs), _serve(_engine(real_bf16, background=False), reqs)
-    )
+    _assert_identical(reqs, _serve_fresh(real_bf16, reqs), _serve_fresh(real_bf16, reqs))
 
 
 def test_buckets_captured_after_ready_replay_what_buckets_captured_before_do(real_bf16):
     """The same requests through an engine that captured everything before ready and one that captured the
     rest afterwards, bucket by bucket (then served): bit-identical codes, hidden states and audio."""
     reqs = _requests()
-    ref = _serve(_engine(real_bf16, background=False), reqs)
+    ref = _serve_fresh(real_bf16, reqs)
     e = _engine(real_bf16, background=True)
     assert e.wait_warm()
     got = _serve(e, reqs)
@@ -163,7 +173,7 @@ def test_captures_between_pipelined_steps_leave_the_requests_whole(real_fp32, no
     fp32 and greedy, the requests get the up-front engine's codes (a padded bucket changes rounding only);
     the device cache is never emptied by a capture."""
     reqs = _requests(greedy=True)
-    rec_ref, audio_ref = _serve(_engine(real_fp32, background=False), reqs)
+    rec_ref, audio_ref = _serve_fresh(real_fp32, reqs)
     e = _engine(real_fp32, background=True)
     assert e.pipelined and e.graphs_pending > 0
     reserved = [torch.cuda.memory_reserved()]

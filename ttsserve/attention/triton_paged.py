@@ -350,9 +350,9 @@ def paged_prefill(
     ieee = q.dtype == torch.float32
     block_n, warps, stages = tuning.prefill_block_n, tuning.prefill_num_warps, tuning.prefill_num_stages
     if ieee:
-        # fp32 dots run on FMA units: at the bf16 tiles (64 x 64, 2 stages) ptxas caps the kernel at 32
-        # registers with a 6,968-byte stack per thread, and its launch failed with CUDA out of memory on an
-        # H100; 32-token KV tiles, 8 warps, 1 stage compile without spills (cuobjdump -res-usage: ~100 registers)
+        # fp32 dots run on FMA units: at the bf16 tiles (64 x 64, 2 stages) the sm_90 build has 32 registers and
+        # a 6,968-byte stack per thread (cuobjdump -res-usage); 32-token KV tiles, 8 warps and 1 stage build to
+        # ~100 registers without spills
         block_n, warps, stages = 32, 8, 1
     paged_prefill_kernel[grid](
         out,

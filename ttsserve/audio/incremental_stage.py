@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
+from ttsserve.audio.first_chunk import FirstChunkDecoder
 from ttsserve.audio.incremental import (
     NOT_FINISHED,
     IncrementalDecoder,
@@ -55,7 +56,9 @@ class IncrementalAudioStage(StreamingStage):
     call, and a row feeds at most max_chunk_frames + right_context_frames frames (116 against the windowed
     stage's 168, so twice its rows per call take about as much activation memory: fewer calls, and a call is
     bound by the host's kernel launches on a GPU). cadence k: calls happen on every k-th step() only, each for
-    every stream due by then, so streams that arrived at different times share calls.
+    every stream due by then, so streams that arrived at different times share calls. first_chunk_lookahead L:
+    a hidden-state stream's first chunk leaves once it has first_chunk_frames + L frames, decoded from them alone
+    (audio/first_chunk.py: one seam, within 7e-6 at L = 16); None: every sample exact.
     """
 
     def __init__(
@@ -72,9 +75,12 @@ class IncrementalAudioStage(StreamingStage):
         max_windows_per_call: int = 128,
         deferred: bool = False,
         cadence: int = 1,
+        first_chunk_lookahead: int | None = None,
     ) -> None:
         if cadence < 1:
             raise ValueError(f"cadence must be >= 1, got {cadence}")
+        if first_chunk_lookahead is not None and first_chunk_lookahead < 1:
+            raise ValueError(f"first_chunk_lookahead must be None or >= 1, got {first_chunk_lookahead}")
         self.cadence = cadence
         self._steps = 0
         super().__init__(
@@ -108,6 +114,13 @@ class IncrementalAudioStage(StreamingStage):
         self._state_slot: dict[str, int] = {}
         self._free_slots.append(self._allocate_slot())  # sizes the state tensors (state_bytes_per_request)
         self.graphs: dict[bool, VocoderGraphs] = {}
+        self.early: FirstChunkDecoder | None = None  # hidden-state streams' early first chunk (audio/first_chunk.py)
+        self._awaiting_first: set[str] = set()  # hidden-state streams that may still get an early first chunk
+        if first_chunk_lookahead is not None and self.decoder is not None:
+            if first_chunk_frames + first_chunk_lookahead < self._first_call_frames:  # else the exact one is as early
+                self.early = FirstChunkDecoder(
+                    self.decoder, self.vocos, first_chunk_frames, first_chunk_lookahead, max_windows_per_call
+                )
 
     @property
     def state_bytes_per_request(self) -> int:
@@ -122,6 +135,8 @@ class IncrementalAudioStage(StreamingStage):
         slot = self._allocate_slot()
         self._vocos.reset(slot)
         self._state_slot[req_id] = slot
+        if self.early is not None and not use_codes:
+            self._awaiting_first.add(req_id)
 
     def abort(self, req_id: str) -> None:
         super().abort(req_id)
@@ -168,6 +183,8 @@ class IncrementalAudioStage(StreamingStage):
             self.graphs[kind] = VocoderGraphs(self, kind, rows, frames)
         for graphs in self.graphs.values():
             graphs.capture(defer=defer)
+        if self.early is not None:
+            self.early.enable_graphs()
 
     def graph_families(self) -> list[VocoderGraphs]:
         """The captured call graphs, one family per decoder kind (num_pending, capture_next())."""
@@ -215,17 +232,52 @@ class IncrementalAudioStage(StreamingStage):
         return feeds, empty
 
     def _first_chunk_due(self) -> bool:
-        """A stream can emit its first chunk: the cadence does not hold it back (its wait is the time to first
-        audio), and the call it makes takes every other due stream along."""
+        """A stream can emit its first audio: the cadence does not hold it back (its wait is the time to first
+        audio), and the call it makes takes every other due stream along. A stream whose early first chunk
+        left already waits for the cadence like any other."""
         need = self._first_call_frames
         return any(
-            st.num_emitted_frames == 0 and (st.finished or st.num_frames >= need) and not st.final_out
+            st.num_emitted_frames == 0
+            and st.num_emitted_samples == 0
+            and (st.finished or st.num_frames >= need)
+            and not st.final_out
             for st in self._streams.values()
         )
 
+    def _early_due(self) -> list[tuple[str, Stream]]:
+        """Hidden-state streams whose early first chunk can leave now: none of their audio out yet, its window
+        in, and the exact first call not yet due (a stream past it, or finished, gets exact audio at once)."""
+        if not self._awaiting_first:
+            return []
+        lo, hi, due = self.early.width, self._first_call_frames, []
+        for req_id in list(self._awaiting_first):  # the few streams without audio, not every stream
+            st = self._streams.get(req_id)
+            if st is None or st.finished or st.num_emitted_samples or st.num_frames >= hi:
+                self._awaiting_first.discard(req_id)  # gone, or the exact stage emits its first samples
+            elif st.num_frames >= lo:
+                due.append((req_id, st))
+                self._awaiting_first.discard(req_id)
+        return due
+
+    def _launch_early(self, due: list[tuple[str, Stream]]) -> tuple[list[Tensor], list[ChunkSpec], list[int]]:
+        """Decode the early first chunks of `due` -> (flat samples per call, specs, sizes); the exact stage
+        then emits from sample first_chunk_frames * 512 on (_emit starts at num_emitted_samples)."""
+        pieces, specs = [], []
+        if not due:
+            return pieces, specs, []
+        pool, early = self._pools[False], self.early
+        for i in range(0, len(due), early.max_rows):
+            part = due[i : i + early.max_rows]
+            x = pool.gather([st.slot for _, st in part], [-st.base for _, st in part], [early.width] * len(part))
+            pieces.append(early(x).reshape(-1))
+            for req_id, st in part:
+                st.num_emitted_samples = early.samples
+                specs.append(ChunkSpec(req_id, 0, False))
+        return pieces, specs, [early.samples] * len(due)
+
     def _launch(self) -> Pending | None:
         self._steps += 1
-        specs, sizes, pieces = [], [], []
+        pieces, specs, sizes = self._launch_early(self._early_due())
         feeds, empty = self._plan()
         while feeds:  # a burst of frames can need several calls of at most max_call_frames
             feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind

@@ -32,9 +32,12 @@ def vocoder_net_dtype(model) -> torch.dtype | None:
 def make_audio_stage(
     decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *, lookahead_frames: int | None = None, **kwargs
 ) -> StreamingStage:
-    """The engine's stage: incremental when exact (lookahead None), windowed with a shorter lookahead."""
+    """The engine's stage: incremental when exact (lookahead None; first_chunk_lookahead: an early first chunk),
+    windowed with a shorter lookahead."""
     if lookahead_frames is None:
         return IncrementalAudioStage(decoder, dvae, vocos, **kwargs)
+    if kwargs.pop("first_chunk_lookahead", None) is not None:
+        raise ValueError("first_chunk_lookahead applies to the exact vocoder only: unset lookahead_frames")
     if kwargs.pop("cadence", 1) != 1:
         raise ValueError("vocoder_cadence applies to the exact vocoder only: unset lookahead_frames")
     return AudioStage(decoder, dvae, vocos, lookahead_frames=lookahead_frames, **kwargs)
@@ -50,6 +53,7 @@ def model_audio_stage(model, cfg, **kwargs) -> StreamingStage:
         first_chunk_frames=cfg.first_chunk_frames,
         max_chunk_frames=cfg.max_chunk_frames,
         lookahead_frames=cfg.lookahead_frames,
+        first_chunk_lookahead=cfg.first_chunk_lookahead_frames,
         device=model.device,
         **kwargs,
     )

@@ -1,0 +1,116 @@
+"""The exact stage's early first chunk (first_chunk_lookahead, audio/first_chunk.py): the first audio leaves after
+first_chunk_frames + L frames, equals the windowed stage's first chunk at lookahead L, and every later sample is
+the exact one; code streams, short finished streams and the bucketed decoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from audio_stage_testutil import joined, one_shot
+from audio_stage_testutil import tiny as tiny  # a fixture, used by name
+
+from ttsserve.audio.first_chunk import FirstChunkDecoder
+from ttsserve.audio.incremental_stage import IncrementalAudioStage
+from ttsserve.audio.stage import AudioStage
+from ttsserve.config import EngineConfig
+
+F, L = 4, 3  # the tiny networks' exact right context is 13 frames
+
+
+def _frames(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def _first_audio_at(stage, req_id: str, frames: torch.Tensor) -> tuple[int, list]:
+    """Append one frame a step; -> (frames in when the first chunk came, every chunk)."""
+    stage.add_request(req_id)
+    chunks, first_at = [], None
+    for i in range(frames.shape[0]):
+        stage.append(req_id, frames[i : i + 1])
+        chunks += stage.step()
+        if chunks and first_at is None:
+            first_at = i + 1
+    stage.finish(req_id)
+    chunks += stage.step()
+    return first_at, chunks + stage.flush()
+
+
+def test_first_chunk_leaves_after_its_lookahead_and_the_rest_is_exact(tiny) -> None:
+    dec, _, vocos = tiny
+    frames = _frames(90, 1)
+    exact_at, exact = _first_audio_at(IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F), "r", frames)
+    stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F, first_chunk_lookahead=L)
+    early_at, early = _first_audio_at(stage, "r", frames)
+    assert (early_at, exact_at) == (F + L, F + stage.right_context_frames)
+    windowed = _first_audio_at(AudioStage(dec, None, vocos, first_chunk_frames=F, lookahead_frames=L), "r", frames)[1]
+    head = 512 * F
+    assert len(early[0].samples) == head == len(windowed[0].samples)
+    np.testing.assert_allclose(early[0].samples, windowed[0].samples, rtol=0, atol=1e-6)
+    got, ref = joined(early), one_shot(dec, vocos, frames)
+    assert got.shape == ref.shape == joined(exact).shape
+    np.testing.assert_allclose(got[head:], ref[head:], rtol=0, atol=1e-5)  # exact from the first chunk's end
+    seam = np.abs(got[:head] - ref[:head]).max()
+    assert 0 < seam < 0.1 * np.abs(ref).max()  # approximate, and close
+
+
+def test_code_streams_and_short_finished_streams_stay_exact(tiny) -> None:
+    dec, dvae, vocos = tiny
+    stage = IncrementalAudioStage(dec, dvae, vocos, first_chunk_frames=F, first_chunk_lookahead=L)
+    codes = torch.randint(0, 625, (40, 4), generator=torch.Generator().manual_seed(2))
+    lengths = {"long": 60, "short": F + L - 1}
+    frames = {k: _frames(n, 3 + n) for k, n in lengths.items()}
+    got = {k: [] for k in [*lengths, "q"]}
+    for k in got:
+        stage.add_request(k, use_codes=k == "q")
+    first_at = {}
+    for t in range(60):
+        live = [k for k in lengths if t < lengths[k]]
+        stage.append_batch(live, torch.stack([frames[k][t] for k in live]))
+        if t < len(codes):
+            stage.append("q", codes[t : t + 1])
+        for k in got:
+            if t + 1 == (len(codes) if k == "q" else lengths[k]):
+                stage.finish(k)
+        for ch in stage.step():
+            first_at.setdefault(ch.req_id, t + 1)
+            got[ch.req_id].append(ch)
+    assert first_at["long"] == F + L and first_at["q"] > F + L  # codes: the exact right context
+    assert stage.early.calls == 1  # only the long hidden-state stream took the early path
+    np.testing.assert_allclose(joined(got["q"]), one_shot(dvae, vocos, codes, codes=True), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(joined(got["short"]), one_shot(dec, vocos, frames["short"]), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        joined(got["long"])[512 * F :], one_shot(dec, vocos, frames["long"])[512 * F :], rtol=0, atol=1e-5
+    )
+
+
+def test_bucketed_decoder_pads_rows_and_keeps_each_rows_samples(tiny) -> None:
+    dec, _, vocos = tiny
+    early = FirstChunkDecoder(dec, vocos, F, L, max_rows=6)
+    assert early.row_buckets == [1, 2, 4, 6]
+    x = _frames(6 * (F + L), 4).view(6, F + L, 64)
+    eager = early(x)  # graphs not enabled: the plain decode
+    early.enable_graphs()
+    early(x[[5, 4, 3, 2, 1, 0]])  # leaves other rows in the static buffer
+    for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6
+        np.testing.assert_allclose(early(x[:b]).numpy(), eager[:b].numpy(), rtol=0, atol=1e-6)
+    assert eager.shape == (6, 512 * F) and eager.dtype == torch.float32
+
+
+def test_no_early_decoder_where_the_exact_chunk_is_as_early(tiny) -> None:
+    dec, _, vocos = tiny
+    assert IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F, first_chunk_lookahead=13).early is None
+    with pytest.raises(ValueError, match="first_chunk_lookahead"):
+        IncrementalAudioStage(dec, None, vocos, first_chunk_lookahead=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"first_chunk_lookahead_frames": 0}, "first_chunk_lookahead_frames must be >= 1"),
+        ({"first_chunk_lookahead_frames": 16, "lookahead_frames": 16}, "exact vocoder only"),
+    ],
+)
+def test_engine_config_rejects_bad_first_chunk_lookahead(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
