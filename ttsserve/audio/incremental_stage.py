@@ -269,7 +269,7 @@ class IncrementalAudioStage(StreamingStage):
         for i in range(0, len(due), early.max_rows):
             part = due[i : i + early.max_rows]
             x = pool.gather([st.slot for _, st in part], [-st.base for _, st in part], [early.width] * len(part))
-            pieces.append(early(x).reshape(-1))
+            pieces.append(early(x).reshape(-1).clone())  # the next call may replay the same static buffer
             for req_id, st in part:
                 st.num_emitted_samples = early.samples
                 specs.append(ChunkSpec(req_id, 0, False))
