@@ -114,3 +114,14 @@ def test_no_early_decoder_where_the_exact_chunk_is_as_early(tiny) -> None:
 def test_engine_config_rejects_bad_first_chunk_lookahead(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_a_failed_capture_leaves_the_plain_decode(tiny, caplog) -> None:
+    dec, _, vocos = tiny
+    early = FirstChunkDecoder(dec, vocos, F, L, max_rows=4)
+    x = _frames(3 * (F + L), 6).view(3, F + L, 64)
+    ref = early(x)
+    early.device = torch.device("cuda")  # its capture path; on a machine without CUDA every allocation there fails
+    early.enable_graphs()
+    assert early.x is None and not early.graphs and "decoding eagerly" in caplog.text
+    np.testing.assert_array_equal(early(x).numpy(), ref.numpy())

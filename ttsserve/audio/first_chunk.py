@@ -39,6 +39,8 @@ class FirstChunkDecoder:
         self.samples = 2 * vocos.hop_length * first_frames
         self.row_buckets = [1 << k for k in range(max_rows.bit_length()) if 1 << k < max_rows] + [max_rows]
         self.device = next(vocos.parameters()).device
+        # full-length masks: the masked ISTFT (vocos.istft_rows) has no host sync, torch.istft's check has one
+        self.lens = torch.full((self.max_rows,), self.width, dtype=torch.int64, device=self.device)
         self.x: Tensor | None = None  # [max_rows, C, width] in the decoder's dtype, once graphs are enabled
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.outputs: dict[int, Tensor] = {}
@@ -49,14 +51,25 @@ class FirstChunkDecoder:
         return self.row_buckets[-1]
 
     def _decode(self, x: Tensor) -> Tensor:
-        """x [B, C, width] (decoder dtype) -> [B, samples] fp32."""
-        mel = self.decoder(x)
-        return self.vocos(mel.to(next(self.vocos.parameters()).dtype))[:, : self.samples].float()
+        """x [B, C, width] (decoder dtype) -> [B, samples] fp32. Graph-capturable."""
+        lens = self.lens[: x.shape[0]]
+        mel = self.decoder(x, lens)
+        return self.vocos(mel.to(next(self.vocos.parameters()).dtype), 2 * lens)[:, : self.samples].float()
 
     @torch.no_grad()
     def enable_graphs(self) -> None:
         """Static buffers for every row bucket and, on CUDA, one captured graph each, largest first into one
-        memory pool. Off CUDA the buckets run eagerly on the same buffers (tests of the padding)."""
+        memory pool. Off CUDA the buckets run eagerly on the same buffers (tests of the padding). A capture that
+        fails leaves the plain decode (slower, the same samples) and says so."""
+        try:
+            self._capture_all()
+        except Exception as exc:
+            if self.device.type != "cuda":
+                raise
+            logger.warning("first-chunk vocoder graphs failed (%s: %s); decoding eagerly", type(exc).__name__, exc)
+            self.x, self.graphs, self.outputs = None, {}, {}
+
+    def _capture_all(self) -> None:
         t0 = time.perf_counter()
         c = self.decoder.hidden_size
         self.x = torch.zeros(self.max_rows, c, self.width, dtype=self.decoder.coef.dtype, device=self.device)
