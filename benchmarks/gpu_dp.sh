@@ -6,7 +6,8 @@
 # seconds until the killed core is back in /ready). Every step writes under OUT as it goes.
 #   bash benchmarks/gpu_dp.sh OUT
 # Env: NS ("1 <GPU count>"), API_PER_CORE (API servers per core, 12 for N=1 and at most 64 in all), DUR seconds
-#      per point (20), CLIENT_PROCS load-generator processes per 256 streams (4), KILL=0 skips the kill run.
+#      per point (20), CLIENT_PROCS load-generator processes per 256 streams (8, at most half the cores: four at 512
+#      streams let one process stall 2.5 s on an H100 host), KILL=0 skips the kill run.
 # Scaling efficiency = audio-s/s at N / (N x audio-s/s at N=1), from the two runs of the same call.
 set -u
 OUT=${1:?usage: $0 OUT}
@@ -39,7 +40,7 @@ start_server() {  # N M LOG
 
 for n in ${NS:-1 $GPUS}; do
     m=$(( n * ${API_PER_CORE:-12} )); [ $m -gt 64 ] && m=64
-    procs=$(( n * ${CLIENT_PROCS:-4} ))
+    procs=$(( n * ${CLIENT_PROCS:-8} )); [ $procs -gt $(( $(nproc) / 2 )) ] && procs=$(( $(nproc) / 2 ))
     d="$OUT/n$n"; mkdir -p "$d"
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) start_server "$n" "$m" "$d/server.log"
     timeout 300 python3 -m ttsserve.entrypoints.cli bench serve --url http://127.0.0.1:$port \

@@ -4,8 +4,9 @@
 # 1. cold start: `ttsserve serve` to /ready (and to warm: graphs deferred past /ready captured) with caches warm (COLD_RUNS starts; the first fills the caches
 #    a fresh machine lacks: dummy checkpoint, Triton / inductor, Python bytecode), bench/coldstart.py's JSON;
 # 2. served: one server (`--api-server-count 12` + SERVE_ARGS), then `bench serve` at each SERVE_POINTS item
-#    (format:concurrency or format:qps<rate>, optionally :client processes), DUR seconds each, CLIENT_PROCS (4)
-#    load-generator processes unless the point names its own (its report then under serve_FMT_LOAD_pN);
+#    (format:concurrency or format:qps<rate>, optionally :client processes), DUR seconds each, CLIENT_PROCS
+#    load-generator processes unless the point names its own (its report then under serve_FMT_LOAD_pN); neither:
+#    bench serve's default (one per 32 streams or 50 req/s, at most half the cores: 8 at 512 on 16 cores);
 # 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s;
 # 4. targets.json: every headline target checked against those reports (benchmarks/targets_summary.py).
 # Env: PARTS (default "cold serve offline"; "variant" adds a second server with VARIANT_ARGS, default
@@ -49,7 +50,8 @@ serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serv
     for point in $3; do
         IFS=: read -r fmt load procs <<< "$point"
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
-        timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args --client-procs "${procs:-${CLIENT_PROCS:-4}}" \
+        n=${procs:-${CLIENT_PROCS:-}}  # unset: bench serve's own (one per 32 streams or 50 req/s, <= cores / 2)
+        timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args ${n:+--client-procs $n} \
             --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
             --out "$1/serve_${fmt}_${load}${procs:+_p$procs}" > "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" 2>&1
         echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" | tail -1

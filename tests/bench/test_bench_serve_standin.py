@@ -166,6 +166,7 @@ def test_client_processes_split_the_load_and_keep_request_ids() -> None:
         if seed != 3:
             assert r.num_samples == expected_samples(seed), seed
     assert len(s["client_cpu"]) == 2 and all(0 <= c < 2 for c in s["client_cpu"])
+    assert len(s["client_stall_s"]) == 2 and all(0 <= x < 0.2 for x in s["client_stall_s"])
     assert 0 < res.wall_s < 30
     with pytest.raises(ValueError, match="client_procs"):
         ServeSpec(url=srv.url, concurrency=[1], client_procs=0)
@@ -176,7 +177,7 @@ def test_auto_client_procs(monkeypatch):
 
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert [auto_client_procs("concurrency", c) for c in (1, 32, 33, 128, 256, 1024)] == [1, 1, 2, 4, 8, 8]
-    assert auto_client_procs("qps", 50.0) == 1
+    assert [auto_client_procs("qps", q) for q in (5.0, 50.0, 51.0, 400.0)] == [1, 1, 2, 8]
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert auto_client_procs("concurrency", 128) == 1  # a 2-core machine keeps one process
 
@@ -213,3 +214,34 @@ def test_per_core_series_fold_into_server_totals() -> None:
         "0": {"steps_per_s": 5.0, "waiting_mean": 0.0},
         "1": {"steps_per_s": 10.0, "waiting_mean": 2.0},
     }
+
+
+def test_a_stalled_client_loop_is_measured_and_reported(monkeypatch, tmp_path) -> None:
+    """A load-generator loop held 0.4 s (here: a blocking sleep while a byte count runs) shows in the summary
+    and in the report's client column: that delay is the client's, not the server's."""
+    import time
+
+    from ttsserve.bench import serving
+
+    counter = serving._sample_counter
+    held = []
+
+    def slow_counter(fmt):
+        count = counter(fmt)
+
+        def feed(chunk: bytes) -> int:
+            if not held:
+                held.append(1)
+                time.sleep(0.4)
+            return count(chunk)
+
+        return feed
+
+    monkeypatch.setattr(serving, "_sample_counter", slow_counter)
+    with LiveServer(standin_app()) as srv:
+        spec = ServeSpec(url=srv.url, concurrency=[2], num_requests=4, duration=30, max_new_tokens=None, client_procs=1)
+        results = run_serving(spec, progress=False)
+    (stall,) = results[0].summary()["client_stall_s"]
+    assert 0.3 < stall < 2
+    out = write_report(build_report("serve", results, {"spec": {}}, {"command": "t"}), results, tmp_path, plots=False)
+    assert "stalled 0." in (out / "report.md").read_text()

@@ -128,9 +128,9 @@ def _add_serve(sub) -> None:
         "--client-procs",
         type=int,
         default=None,
-        help="load-generator processes (default: one per 32 closed-loop streams, at most half the "
-        "cores; one Python client stops keeping up before the server does; the report's "
-        "client CPU column shows each process's load)",
+        help="load-generator processes (default: one per 32 closed-loop streams or 50 req/s, at most half "
+        "the cores; one Python client stops keeping up before the server does; the report's "
+        "client CPU column shows each process's load and any stall of its event loop)",
     )
     _add_common(p)
     p.set_defaults(func=cmd_serve)

@@ -33,9 +33,9 @@ def spread(load_kind: str, load: float, items: list, procs: int) -> list[tuple[f
 
 async def drive_in_processes(
     spec, load_kind: str, load: float, items: list, procs: int
-) -> tuple[list[RequestRecord], list[float], float]:
-    """Run the point over `procs` processes -> (every record, each process's CPU per wall second, wall
-    seconds). RuntimeError if a process fails to start or report."""
+) -> tuple[list[RequestRecord], list[float], list[float], float]:
+    """Run the point over `procs` processes -> (every record, each process's CPU per wall second, each one's
+    longest event-loop stall, wall seconds). RuntimeError if a process fails to start or report."""
     ctx = mp.get_context("spawn")  # fork would copy this process's event loop and open sockets
     shares = spread(load_kind, load, items, procs)
     barrier, results = ctx.Barrier(len(shares) + 1), ctx.Queue()
@@ -64,8 +64,8 @@ async def drive_in_processes(
     failed = [r for r in replies if isinstance(r, str)]
     if failed:
         raise RuntimeError(f"a bench client process failed: {failed[0]}")
-    records = [RequestRecord(**r) for recs, _ in replies for r in recs]
-    return records, [cpu for _, cpu in replies], wall
+    records = [RequestRecord(**r) for recs, _, _ in replies for r in recs]
+    return records, [cpu for _, cpu, _ in replies], [stall for _, _, stall in replies], wall
 
 
 def _client_main(spec, load_kind: str, load: float, items: list, seed: int, barrier, results) -> None:
@@ -79,7 +79,7 @@ def _client_main(spec, load_kind: str, load: float, items: list, seed: int, barr
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         barrier.wait(START_TIMEOUT_S)
-        records, cpu = asyncio.run(drive_load(spec, load_kind, load, items, seed))
-        results.put(([asdict(r) for r in records], cpu))
+        records, cpu, stall = asyncio.run(drive_load(spec, load_kind, load, items, seed))
+        results.put(([asdict(r) for r in records], cpu, stall))
     except BaseException as e:  # the parent must hear of it, whatever it is
         results.put(f"{type(e).__name__}: {e}")

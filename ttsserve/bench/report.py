@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ttsserve.bench.results import RunResult
 
+CLIENT_STALL_WARN_S = 0.2  # a load-generator event-loop stall the serve report points out
+
 REPORT_VERSION = 1
 
 
@@ -111,8 +113,9 @@ def _pcts(d: dict, keys=("p50", "p90", "p99")) -> str:
 
 
 def _client_cpu(s: dict) -> str:
-    cpu = s.get("client_cpu") or []
-    return f"{max(cpu):.2f} x {len(cpu)}" if cpu else "-"
+    cpu, stall = s.get("client_cpu") or [], s.get("client_stall_s") or []
+    text = f"{max(cpu):.2f} x {len(cpu)}" if cpu else "-"
+    return text + (f", stalled {max(stall):.2f} s" if stall and max(stall) >= CLIENT_STALL_WARN_S else "")
 
 
 def _pair(q: dict | None) -> str:
@@ -210,7 +213,9 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
         lines += [
             "",
             "client CPU = cores busy per load-generator process (its most loaded one, x the number "
-            "of processes); near 1.0 the client, not the server, limits the figures: raise --client-procs.",
+            "of processes); near 1.0 the client, not the server, limits the figures: raise --client-procs. "
+            f"'stalled X s': a process's event loop was held X s at once (>= {CLIENT_STALL_WARN_S} s shown), "
+            "and its requests' TTFA and latency include that delay: raise --client-procs or free cores.",
         ]
     lines += [
         "",

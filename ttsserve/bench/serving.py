@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -232,21 +233,40 @@ async def _open_loop(client, spec: ServeSpec, items: Items, qps: float, seed: in
 
 async def drive_load(
     spec: ServeSpec, load_kind: str, load: float, items: Items, seed: int, on_done=lambda: None
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[RequestRecord], float, float]:
     """Run one share of a load point from this process -> (records, the CPU this process used per wall
-    second while it ran: 1.0 = one core busy, where one Python client stops keeping up)."""
+    second while it ran: 1.0 = one core busy, where one Python client stops keeping up, and the longest time
+    its event loop was late: every request of the process waits that long, which TTFA then counts)."""
     import httpx
 
     # An idle connection is dropped by the client before any server's keep-alive timer can close it (uvicorn's
     # default is 5 s, as httpx's expiry): with equal timers a request sent as the server closes is reset.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=CLIENT_KEEPALIVE_S)
     cpu0, t0 = time.process_time(), time.perf_counter()
+    stop = asyncio.Event()
+    lag = asyncio.create_task(_loop_lag(stop))
     async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
         if load_kind == "concurrency":
             records = await _closed_loop(client, spec, items, int(load), on_done)
         else:
             records = await _open_loop(client, spec, items, float(load), seed, on_done)
-    return records, (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
+    stop.set()
+    return records, (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9), await lag
+
+
+LAG_TICK_S = 0.05
+
+
+async def _loop_lag(stop: asyncio.Event) -> float:
+    """The most a LAG_TICK_S sleep of this event loop overslept until `stop`: how long the loop was held
+    (a busy or descheduled client). At 512 streams from 4 processes on an H100 host, one process's first
+    chunks all arrived 2.5 s late while the server's logs showed no delay."""
+    worst = 0.0
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(LAG_TICK_S)
+        worst = max(worst, time.perf_counter() - t - LAG_TICK_S)
+    return worst
 
 
 async def _scrape(client) -> dict[str, float]:
@@ -259,17 +279,18 @@ async def _scrape(client) -> dict[str, float]:
 
 
 CLIENTS_PER_PROC = 32  # closed-loop streams one Python client process keeps up with (on the 16-core H200 host)
+RATE_PER_PROC = 50.0  # open-loop arrivals a second per process: about as many streams at once (~1 s each)
 
 
 def auto_client_procs(load_kind: str, load: float) -> int:
-    """Client processes for a point when --client-procs is not given: one per 32 closed-loop streams, at
-    most half this machine's cores (the server usually shares them); 1 for an open loop. On an H200 host
-    one process at 128 streams measured TTFA p99 7.3 s against 0.73 s for four."""
+    """Client processes for a point when --client-procs is not given: one per 32 closed-loop streams or 50
+    open-loop req/s, at most half this machine's cores (the server usually shares them). On an H200 host one
+    process at 128 streams measured TTFA p99 7.3 s against 0.73 s for four; on an H100 host four at 512 streams
+    had one process stall 2.5 s (TTFA p99 1.07 s) where eight gave 0.41 s."""
     import os
 
-    if load_kind != "concurrency":
-        return 1
-    return max(1, min(-(-int(load) // CLIENTS_PER_PROC), (os.cpu_count() or 2) // 2))
+    per_proc = CLIENTS_PER_PROC if load_kind == "concurrency" else RATE_PER_PROC
+    return max(1, min(math.ceil(load / per_proc), (os.cpu_count() or 2) // 2))
 
 
 async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool = True) -> RunResult:
@@ -300,11 +321,11 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
         if procs == 1:
             bar = tqdm(total=len(texts), unit="req", disable=not progress, leave=False, desc=f"{load_kind} {load:g}")
             t0 = time.perf_counter()
-            records, cpu = await drive_load(spec, load_kind, load, items, spec.seed, lambda: bar.update(1))
-            wall, client_cpu = time.perf_counter() - t0, [cpu]
+            records, cpu, stall = await drive_load(spec, load_kind, load, items, spec.seed, lambda: bar.update(1))
+            wall, client_cpu, client_stall = time.perf_counter() - t0, [cpu], [stall]
             bar.close()
         else:
-            records, client_cpu, wall = await drive_in_processes(spec, load_kind, load, items, procs)
+            records, client_cpu, client_stall, wall = await drive_in_processes(spec, load_kind, load, items, procs)
         stop.set()
         await sampler_task
         after = await _scrape(client)
@@ -326,6 +347,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
             "stream": spec.stream,
             "endpoint": spec.path,
             "client_cpu": client_cpu,
+            "client_stall_s": client_stall,
             **{k: v for k, v in figures.items() if k != "preemptions"},
         },
     )
