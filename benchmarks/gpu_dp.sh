@@ -6,8 +6,8 @@
 # seconds until the killed core is back in /ready). Every step writes under OUT as it goes.
 #   bash benchmarks/gpu_dp.sh OUT
 # Env: NS ("1 <GPU count>"), API_PER_CORE (API servers per core, 12 for N=1 and at most 64 in all), DUR seconds
-#      per point (20), CLIENT_PROCS load-generator processes per 256 streams (8, at most half the cores: four at 512
-#      streams let one process stall 2.5 s on an H100 host), KILL=0 skips the kill run.
+#      per point (20), CLIENT_PROCS load-generator processes per 256 streams (8, at most half the cores: with four at 512
+#      streams one process's first chunks arrived together 2.5 s late on an H100 host), KILL=0 skips the kill run.
 # Scaling efficiency = audio-s/s at N / (N x audio-s/s at N=1), from the two runs of the same call.
 set -u
 OUT=${1:?usage: $0 OUT}

@@ -285,8 +285,9 @@ RATE_PER_PROC = 50.0  # open-loop arrivals a second per process: about as many s
 def auto_client_procs(load_kind: str, load: float) -> int:
     """Client processes for a point when --client-procs is not given: one per 32 closed-loop streams or 50
     open-loop req/s, at most half this machine's cores (the server usually shares them). On an H200 host one
-    process at 128 streams measured TTFA p99 7.3 s against 0.73 s for four; on an H100 host four at 512 streams
-    had one process stall 2.5 s (TTFA p99 1.07 s) where eight gave 0.41 s."""
+    process at 128 streams measured TTFA p99 7.3 s against 0.73 s for four; on an H100 host, four at 512 streams
+    gave TTFA p99 1.07 s (one process's first chunks arrived together 2.5 s late, the server's logs showing no
+    delay) where eight gave 0.41 s."""
     import os
 
     per_proc = CLIENTS_PER_PROC if load_kind == "concurrency" else RATE_PER_PROC
