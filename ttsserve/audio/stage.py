@@ -37,8 +37,8 @@ from ttsserve.h2d import to_device
 __all__ = ["AudioChunk", "AudioStage", "context_frames"]
 
 # With shape buckets, a call's window width is padded to a multiple of this many frames (and its rows to a power
-# of two): on CUDA every new (rows, width) of the eager networks paid a first-use cost (served at 128 streams on an
-# H100, unbucketed: 65 ms of vocoder per engine step, steps of 160 ms), and windows of every width come and go.
+# of two): on CUDA the eager networks' first call of a (rows, width) took 170-330 ms against 5-12 ms for the next
+# (H100, benchmarks/vocoder_stage_profile.py --shape-sweep), and served windows come in every width.
 SHAPE_FRAME_STEP = 16
 
 
