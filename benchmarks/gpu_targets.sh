@@ -10,7 +10,8 @@
 # 3. offline: `bench offline` 1 x 10 s and OFFLINE_BATCH x 10 s;
 # 4. targets.json: every headline target checked against those reports (benchmarks/targets_summary.py).
 # Env: PARTS (default "cold serve offline"; "variant" adds a second server with VARIANT_ARGS, default
-#      --first-chunk-lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant) picks the parts;
+#      --first-chunk-lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant, and
+#      with "offline" also bench offline 1 x 10 s with those flags) picks the parts;
 #      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH. Each part writes as it goes, so a call cut short
 #      keeps what it measured.
 set -u
@@ -66,12 +67,15 @@ if [[ $parts == *" variant "* ]]; then  # the same points on a server with other
     serve_points "$OUT/variant" "${VARIANT_ARGS:---first-chunk-lookahead-frames 16}" "${VARIANT_POINTS:-pcm:128 pcm:512}"
 fi
 
+offline() {  # DIR "ENGINE FLAGS" BATCH: bench offline at 469 frames (10 s) a request, under DIR/offline_bBATCH
+    timeout 240 $CLI bench offline $MODEL_ARGS $2 --dtype bfloat16 --batch-sizes "$3" --frames 469 \
+        --lengths fixed --rounds 2 --no-plots --no-progress --out "$1/offline_b$3" > "$1/offline_b$3.txt" 2>&1
+    echo "bench offline batch $3 ($2) rc=$?"; tail -4 "$1/offline_b$3.txt"
+}
 if [[ $parts == *" offline "* ]]; then
-    for b in 1 "${OFFLINE_BATCH:-512}"; do
-        timeout 240 $CLI bench offline $MODEL_ARGS --dtype bfloat16 --batch-sizes "$b" --frames 469 \
-            --lengths fixed --rounds 2 --no-plots --no-progress --out "$OUT/offline_b$b" > "$OUT/offline_b$b.txt" 2>&1
-        echo "bench offline batch $b rc=$?"; tail -4 "$OUT/offline_b$b.txt"
-    done
+    for b in 1 "${OFFLINE_BATCH:-512}"; do offline "$OUT" "" "$b"; done
+    # the variant's flags on one 10-s utterance too (its first audio), when the variant part runs
+    [[ $parts == *" variant "* ]] && offline "$OUT/variant" "${VARIANT_ARGS:---first-chunk-lookahead-frames 16}" 1
 fi
 
 # every target, met or not, as one JSON (what benchmarks/results/gpu/ keeps)

@@ -107,7 +107,12 @@ def summarize(out: Path) -> dict:
         points = sorted(p.name for p in variant.iterdir() if (p / "report.json").exists())
         summary["variant"] = {
             "serve_args": (variant / "serve_args.txt").read_text().strip(),
-            "points": {name: _served(variant, name) for name in points},
+            "points": {
+                name: _offline(variant, int(name[len("offline_b") :]))
+                if name.startswith("offline_b")
+                else _served(variant, name)
+                for name in points
+            },
         }
     return summary
 

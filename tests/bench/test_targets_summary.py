@@ -46,9 +46,11 @@ def test_targets_are_judged_on_their_figures_and_missing_runs_never_pass(tmp_pat
         assert got[missing] == {"target": got[missing]["target"], "measured": False, "met": False}
     _report(tmp_path / "variant" / "serve_pcm_128", 950, ttfa_p99=0.12)
     (tmp_path / "variant" / "serve_args.txt").write_text("--lookahead-frames 16\n")
+    _report(tmp_path / "variant" / "offline_b1", 30, ttfa_p99=0.06, latency_p99=0.3)
     variant = targets_summary.summarize(tmp_path)["variant"]
     assert variant["serve_args"] == "--lookahead-frames 16"
     assert variant["points"]["serve_pcm_128"]["ttfa_p99_s"] == 0.12
+    assert variant["points"]["offline_b1"] == {"audio_s_per_s": 30, "latency_p50_s": 0.15, "ttfa_p50_s": 0.03}
 
 
 def test_a_point_run_with_its_own_client_processes_counts(tmp_path: Path) -> None:
