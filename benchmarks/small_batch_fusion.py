@@ -1,0 +1,216 @@
+"""Would fusing a decode layer's small ops into its linears pay at small batch? Measured before any engine change.
+
+At one stream a decode step is kernel-count bound: per layer the GPT runs add_rmsnorm, the qkv linear, attention,
+o_proj, add_rmsnorm, the gate_up linear, silu_mul and the down linear (layers/triton_fused.py, cuBLAS). This
+script times, inside CUDA graphs (as the engine replays them), each pair the issue names against one Triton
+kernel that does both:
+- add_rmsnorm + qkv linear (768 -> 2304) and add_rmsnorm + gate_up linear (768 -> 6144): a linear whose
+  prologue adds the residual and normalizes its input rows (every program recomputes the rows' RMS, 768 values);
+- silu_mul + down linear (3072 -> 768): a linear whose prologue is SiLU(gate) * up.
+It checks the fused outputs against the pair's first, then prints microseconds per layer-equivalent call for each
+batch size. The fused kernels live here until they pay; the engine does not use them.
+
+    python3 benchmarks/small_batch_fusion.py [--batches 1 4 16] [--dtype bfloat16] [--reps 20]
+    TRITON_INTERPRET=1 python3 benchmarks/small_batch_fusion.py --device cpu --dtype float32 --check-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from ttsserve.layers import triton_fused  # noqa: E402
+
+NONE, ADD_RMSNORM, SILU_MUL = 0, 1, 2
+
+
+@triton.jit
+def _prologue_linear_kernel(
+    h_ptr,
+    res_ptr,
+    nw_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    M,
+    N,
+    K,
+    stride_h,
+    stride_r,
+    stride_w,
+    stride_o,
+    stride_s,
+    eps,
+    PROLOGUE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N),): out[:M, n-block] = prologue(h) @ w[n-block].T, w [N, K] row-major.
+    ADD_RMSNORM: x = rmsnorm(h + res) * nw (program 0 also stores h + res to sum); SILU_MUL: h is [M, 2K] and
+    x = silu(h[:, :K]) * h[:, K:]; rounding as layers/triton_fused.py's kernels round."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = ns < N
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            m2 = rmask[:, None] & (ks < K)[None, :]
+            h = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=m2, other=0.0)
+            r = tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
+            s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            if pid == 0:
+                tl.store(sum_ptr + rows[:, None] * stride_s + ks[None, :], s, mask=m2)
+            sf = s.to(tl.float32)
+            ss += tl.sum(sf * sf, axis=1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        m2 = rmask[:, None] & kmask[None, :]
+        h = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=m2, other=0.0)
+        if PROLOGUE == 1:
+            r = tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
+            s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0)
+            x = ((s.to(tl.float32) * inv[:, None]).to(h.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(h.dtype)
+        elif PROLOGUE == 2:
+            u = tl.load(h_ptr + rows[:, None] * stride_h + K + ks[None, :], mask=m2, other=0.0)
+            g = h.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(h.dtype)
+            x = (silu.to(tl.float32) * u.to(tl.float32)).to(h.dtype)
+        else:
+            x = h
+        w = tl.load(w_ptr + ns[:, None] * stride_w + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + ns[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=rmask[:, None] & nmask[None, :],
+    )
+
+
+def prologue_linear(h, weight, prologue, residual=None, norm_weight=None, eps=1e-6, block_n=32, block_k=128):
+    """prologue(h) @ weight.T -> ([M, N], h + residual for ADD_RMSNORM else None); M <= 16."""
+    m = h.shape[0]
+    n, k = weight.shape
+    assert m <= 16 and weight.stride(1) == 1 and h.stride(1) == 1
+    out = torch.empty(m, n, dtype=h.dtype, device=h.device)
+    total = torch.empty(m, k, dtype=h.dtype, device=h.device) if prologue == ADD_RMSNORM else out
+    res = residual if residual is not None else h
+    nw = norm_weight if norm_weight is not None else weight
+    _prologue_linear_kernel[(triton.cdiv(n, block_n),)](
+        h,
+        res,
+        nw,
+        weight,
+        out,
+        total,
+        m,
+        n,
+        k,
+        h.stride(0),
+        res.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        total.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        IEEE=h.dtype == torch.float32,
+        BLOCK_M=16,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out, (total if prologue == ADD_RMSNORM else None)
+
+
+def _cases(m: int, dtype, dev, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
+
+    h, res, nw = rnd(m, 768), rnd(m, 768), rnd(768, scale=0.1) + 1
+    gu = rnd(m, 6144)
+    w_qkv, w_gu, w_down = rnd(2304, 768, scale=0.03), rnd(6144, 768, scale=0.03), rnd(768, 3072, scale=0.02)
+    lin, norm = torch.nn.functional.linear, triton_fused.add_rmsnorm
+    unfused = {
+        "add_rmsnorm + qkv": lambda: lin(norm(h, res, nw, 1e-6)[0], w_qkv),
+        "add_rmsnorm + gate_up": lambda: lin(norm(h, res, nw, 1e-6)[0], w_gu),
+        "silu_mul + down": lambda: lin(triton_fused.silu_mul(gu), w_down),
+    }
+    fused = {
+        "add_rmsnorm + qkv": lambda: prologue_linear(h, w_qkv, ADD_RMSNORM, res, nw)[0],
+        "add_rmsnorm + gate_up": lambda: prologue_linear(h, w_gu, ADD_RMSNORM, res, nw)[0],
+        "silu_mul + down": lambda: prologue_linear(gu, w_down, SILU_MUL)[0],
+    }
+    sums = (lambda: norm(h, res, nw, 1e-6)[1], lambda: prologue_linear(h, w_qkv, ADD_RMSNORM, res, nw)[1])
+    return unfused, fused, sums
+
+
+def check(m: int, dtype, dev) -> None:
+    unfused, fused, (sum_ref, sum_fused) = _cases(m, dtype, dev)
+    assert torch.equal(sum_ref(), sum_fused()), "the residual stream h + res"
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name in unfused:
+        a, b = unfused[name]().float(), fused[name]().float()
+        err = ((a - b).norm() / a.norm()).item()
+        print(f"batch {m:2d} {name}: relative L2 difference {err:.2e}")
+        assert err < tol, (name, err)
+
+
+def graph_us(fn, reps: int) -> float:
+    """Microseconds per call of fn, reps calls captured in one CUDA graph and replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (20 * reps) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--reps", type=int, default=20, help="calls per graph (one per layer of the GPT)")
+    p.add_argument("--check-only", action="store_true")
+    a = p.parse_args()
+    dtype, dev = getattr(torch, a.dtype), torch.device(a.device)
+    for m in a.batches:
+        check(m, dtype, dev)
+    if a.check_only:
+        return
+    for m in a.batches:
+        unfused, fused, _ = _cases(m, dtype, dev)
+        for name in unfused:
+            u, f = graph_us(unfused[name], a.reps), graph_us(fused[name], a.reps)
+            print(f"batch {m:2d} {name}: unfused {u:.2f} us, fused {f:.2f} us ({u / f:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
