@@ -17,6 +17,7 @@ batch size. The fused kernels live here until they pay; the engine does not use 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -140,7 +141,7 @@ def prologue_linear(h, weight, prologue, residual=None, norm_weight=None, eps=1e
     return out, (total if prologue == ADD_RMSNORM else None)
 
 
-def _cases(m: int, dtype, dev, seed: int = 0):
+def _cases(m: int, dtype, dev, block_n: int = 32, block_k: int = 128, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
@@ -155,24 +156,26 @@ def _cases(m: int, dtype, dev, seed: int = 0):
         "add_rmsnorm + gate_up": lambda: lin(norm(h, res, nw, 1e-6)[0], w_gu),
         "silu_mul + down": lambda: lin(triton_fused.silu_mul(gu), w_down),
     }
+    fuse = functools.partial(prologue_linear, block_n=block_n, block_k=block_k)
     fused = {
-        "add_rmsnorm + qkv": lambda: prologue_linear(h, w_qkv, ADD_RMSNORM, res, nw)[0],
-        "add_rmsnorm + gate_up": lambda: prologue_linear(h, w_gu, ADD_RMSNORM, res, nw)[0],
-        "silu_mul + down": lambda: prologue_linear(gu, w_down, SILU_MUL)[0],
+        "add_rmsnorm + qkv": lambda: fuse(h, w_qkv, ADD_RMSNORM, res, nw)[0],
+        "add_rmsnorm + gate_up": lambda: fuse(h, w_gu, ADD_RMSNORM, res, nw)[0],
+        "silu_mul + down": lambda: fuse(gu, w_down, SILU_MUL)[0],
     }
     sums = (lambda: norm(h, res, nw, 1e-6)[1], lambda: prologue_linear(h, w_qkv, ADD_RMSNORM, res, nw)[1])
     return unfused, fused, sums
 
 
-def check(m: int, dtype, dev) -> None:
-    unfused, fused, (sum_ref, sum_fused) = _cases(m, dtype, dev)
-    assert torch.equal(sum_ref(), sum_fused()), "the residual stream h + res"
+def check(m: int, dtype, dev, blocks: list[tuple[int, int]]) -> None:
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for name in unfused:
-        a, b = unfused[name]().float(), fused[name]().float()
-        err = ((a - b).norm() / a.norm()).item()
-        print(f"batch {m:2d} {name}: relative L2 difference {err:.2e}")
-        assert err < tol, (name, err)
+    for bn, bk in blocks:
+        unfused, fused, (sum_ref, sum_fused) = _cases(m, dtype, dev, bn, bk)
+        assert torch.equal(sum_ref(), sum_fused()), "the residual stream h + res"
+        for name in unfused:
+            a, b = unfused[name]().float(), fused[name]().float()
+            err = ((a - b).norm() / a.norm()).item()
+            print(f"batch {m:2d} {name} (BLOCK_N {bn}, BLOCK_K {bk}): relative L2 difference {err:.2e}")
+            assert err < tol, (name, err)
 
 
 def graph_us(fn, reps: int) -> float:
@@ -199,17 +202,25 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--reps", type=int, default=20, help="calls per graph (one per layer of the GPT)")
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
     a = p.parse_args()
     dtype, dev = getattr(torch, a.dtype), torch.device(a.device)
     for m in a.batches:
-        check(m, dtype, dev)
+        check(m, dtype, dev, [(bn, bk) for bn in a.block_n for bk in a.block_k])
     if a.check_only:
         return
     for m in a.batches:
-        unfused, fused, _ = _cases(m, dtype, dev)
+        unfused = _cases(m, dtype, dev)[0]
         for name in unfused:
-            u, f = graph_us(unfused[name], a.reps), graph_us(fused[name], a.reps)
-            print(f"batch {m:2d} {name}: unfused {u:.2f} us, fused {f:.2f} us ({u / f:.2f}x)")
+            u = graph_us(unfused[name], a.reps)
+            for bn in a.block_n:
+                for bk in a.block_k:
+                    f = graph_us(_cases(m, dtype, dev, bn, bk)[1][name], a.reps)
+                    print(
+                        f"batch {m:2d} {name}: unfused {u:.2f} us, fused (BLOCK_N {bn}, BLOCK_K {bk}) {f:.2f} us "
+                        f"({u / f:.2f}x)"
+                    )
 
 
 if __name__ == "__main__":
