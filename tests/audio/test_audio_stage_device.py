@@ -4,6 +4,7 @@ event stands in for CUDA's on the CPU), and on CUDA a stage streams what the CPU
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from audio_stage_testutil import STAGES, joined, one_shot, random_nets, stream
 from audio_stage_testutil import tiny as tiny  # a fixture, used by name
 
+from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.stage import AudioChunk
 
 
@@ -37,8 +39,6 @@ def test_cuda_early_first_chunk_graphs_match_cpu() -> None:
     what the CPU's exact stage with the same early chunk streams, within fp16's error."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ttsserve.audio.incremental_stage import IncrementalAudioStage
-
     dec, _, vocos = random_nets(12, hidden=768, dec_dim=512, dec_layers=12, voc_dim=512, voc_layers=8)
     frames = torch.randn(3, 200, 768, generator=torch.Generator().manual_seed(14))
     kw = dict(first_chunk_frames=8, first_chunk_lookahead=16)
@@ -79,7 +79,11 @@ class _FakeEvent:
         self.done = self.waited = True
 
 
-@pytest.mark.parametrize("stage_cls", STAGES)
+@pytest.mark.parametrize(
+    "stage_cls",
+    [*STAGES, functools.partial(IncrementalAudioStage, first_chunk_lookahead=3)],
+    ids=["windowed", "incremental", "incremental-early-first-chunk"],
+)
 def test_deferred_calls_are_read_back_when_finished_without_waiting(tiny, stage_cls) -> None:
     """A deferred stage never waits for a call the device is still running (that wait held the served engine's
     host loop for the vocoder's device time every step): step() and poll() hand out the finished calls in
