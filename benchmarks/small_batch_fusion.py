@@ -8,7 +8,8 @@ kernel that does both:
   prologue adds the residual and normalizes its input rows (every program recomputes the rows' RMS, 768 values);
 - silu_mul + down linear (3072 -> 768): a linear whose prologue is SiLU(gate) * up.
 It checks the fused outputs against the pair's first, then prints microseconds per layer-equivalent call for each
-batch size. The fused kernels live here until they pay; the engine does not use them.
+batch size and tile size. The kernels are layers/triton_fused_linear.py's; the engine runs them only with
+$TTSSERVE_DECODE_OPS=triton-fused-linears until this shows they pay.
 
     python3 benchmarks/small_batch_fusion.py [--batches 1 4 16] [--dtype bfloat16] [--reps 20]
     TRITON_INTERPRET=1 python3 benchmarks/small_batch_fusion.py --device cpu --dtype float32 --check-only
@@ -23,122 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from ttsserve.layers import triton_fused  # noqa: E402
-
-NONE, ADD_RMSNORM, SILU_MUL = 0, 1, 2
-
-
-@triton.jit
-def _prologue_linear_kernel(
-    h_ptr,
-    res_ptr,
-    nw_ptr,
-    w_ptr,
-    out_ptr,
-    sum_ptr,
-    M,
-    N,
-    K,
-    stride_h,
-    stride_r,
-    stride_w,
-    stride_o,
-    stride_s,
-    eps,
-    PROLOGUE: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Grid (cdiv(N, BLOCK_N),): out[:M, n-block] = prologue(h) @ w[n-block].T, w [N, K] row-major.
-    ADD_RMSNORM: x = rmsnorm(h + res) * nw (program 0 also stores h + res to sum); SILU_MUL: h is [M, 2K] and
-    x = silu(h[:, :K]) * h[:, K:]; rounding as layers/triton_fused.py's kernels round."""
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = ns < N
-    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            m2 = rmask[:, None] & (ks < K)[None, :]
-            h = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=m2, other=0.0)
-            r = tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
-            s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-            if pid == 0:
-                tl.store(sum_ptr + rows[:, None] * stride_s + ks[None, :], s, mask=m2)
-            sf = s.to(tl.float32)
-            ss += tl.sum(sf * sf, axis=1)
-        inv = 1.0 / tl.sqrt(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        m2 = rmask[:, None] & kmask[None, :]
-        h = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=m2, other=0.0)
-        if PROLOGUE == 1:
-            r = tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=m2, other=0.0)
-            s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-            nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0)
-            x = ((s.to(tl.float32) * inv[:, None]).to(h.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(h.dtype)
-        elif PROLOGUE == 2:
-            u = tl.load(h_ptr + rows[:, None] * stride_h + K + ks[None, :], mask=m2, other=0.0)
-            g = h.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(h.dtype)
-            x = (silu.to(tl.float32) * u.to(tl.float32)).to(h.dtype)
-        else:
-            x = h
-        w = tl.load(w_ptr + ns[:, None] * stride_w + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    tl.store(
-        out_ptr + rows[:, None] * stride_o + ns[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=rmask[:, None] & nmask[None, :],
-    )
-
-
-def prologue_linear(h, weight, prologue, residual=None, norm_weight=None, eps=1e-6, block_n=32, block_k=128):
-    """prologue(h) @ weight.T -> ([M, N], h + residual for ADD_RMSNORM else None); M <= 16."""
-    m = h.shape[0]
-    n, k = weight.shape
-    assert m <= 16 and weight.stride(1) == 1 and h.stride(1) == 1
-    out = torch.empty(m, n, dtype=h.dtype, device=h.device)
-    total = torch.empty(m, k, dtype=h.dtype, device=h.device) if prologue == ADD_RMSNORM else out
-    res = residual if residual is not None else h
-    nw = norm_weight if norm_weight is not None else weight
-    _prologue_linear_kernel[(triton.cdiv(n, block_n),)](
-        h,
-        res,
-        nw,
-        weight,
-        out,
-        total,
-        m,
-        n,
-        k,
-        h.stride(0),
-        res.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        total.stride(0),
-        eps,
-        PROLOGUE=prologue,
-        IEEE=h.dtype == torch.float32,
-        BLOCK_M=16,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
-    return out, (total if prologue == ADD_RMSNORM else None)
+from ttsserve.layers.triton_fused_linear import ADD_RMSNORM, SILU_MUL, prologue_linear  # noqa: E402
 
 
 def _cases(m: int, dtype, dev, block_n: int = 32, block_k: int = 128, seed: int = 0):
