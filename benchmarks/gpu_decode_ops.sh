@@ -3,7 +3,8 @@
 # per step under a served-like load (gpu_step_profile.py) and `ttsserve serve` to /ready (bench coldstart, caches
 # warm: the first start of the call fills them and is reported apart), real-size dummy, bf16:
 #   bash benchmarks/gpu_decode_ops.sh OUT
-# Env: MODES (default "compile triton triton-compiled-sampler triton-eager-sampler"), PARTS (default "profile cold"), CONCURRENCY
+# Env: MODES (default "compile triton triton-compiled-sampler triton-eager-sampler"), PARTS (default "profile cold";
+# "offline": bench offline at OFFLINE_BATCHES, default 1,4, x 10 s per mode), CONCURRENCY
 # (default 256,512), COLD_RUNS (default 1 per mode and capture choice), BACKGROUND (default "0 1": every graph
 # before /ready, then --background-graph-capture), SERVE_ARGS (serve flags, default --api-server-count 12).
 set -u
@@ -35,5 +36,11 @@ for mode in $MODES; do
                 ${SERVE_ARGS:---api-server-count 12} $flag > "$log.txt" 2>&1
             echo "coldstart $mode $flag rc=$?"; grep -E "^run|cold start" "$log.txt"
         done
+    fi
+    if [[ $parts == *" offline "* ]]; then  # one 10-s utterance end to end: where launches per frame count most
+        timeout 150 python3 -m ttsserve.entrypoints.cli bench offline --device cuda --load-format dummy --dummy-size real \
+            --dtype bfloat16 --batch-sizes "${OFFLINE_BATCHES:-1,4}" --frames 469 --lengths fixed --rounds 3 --no-plots \
+            --no-progress --out "$OUT/offline_$mode" > "$OUT/offline_$mode.txt" 2>&1
+        echo "offline $mode rc=$?"; grep -A4 "^| backend" "$OUT/offline_$mode.txt" | tail -2
     fi
 done
