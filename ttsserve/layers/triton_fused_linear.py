@@ -17,7 +17,7 @@ import triton.language as tl
 from ttsserve.layers import triton_fused
 
 MAX_ROWS = 16  # one BLOCK_M of rows: every program reads all of them
-NONE, ADD_RMSNORM, SILU_MUL = 0, 1, 2
+ADD_RMSNORM, SILU_MUL = 1, 2  # the kernel's PROLOGUE (0: none)
 
 
 @triton.jit

@@ -149,7 +149,8 @@ class DecodeOps:
 def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
     """GPT.forward (model/gpt.py) restructured for fusion: each block's residual add goes into the next
     RMSNorm, RoPE goes into the attention (ctx.attend(..., rope=(cos, sin)) on unrotated q / k views),
-    SiLU-and-mul is one op. Same arithmetic; x: [T, H] -> [T, H]."""
+    SiLU-and-mul is one op, and each norm / SiLU-and-mul is handed the linear after it (ops.add_rmsnorm_linear,
+    ops.silu_mul_linear: one kernel where fused). Same arithmetic; x: [T, H] -> [T, H]."""
     cfg = gpt.cfg
     h = x.to(gpt.dtype)
     cos, sin = gpt.rotary(positions, h.dtype)
