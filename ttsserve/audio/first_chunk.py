@@ -39,6 +39,7 @@ class FirstChunkDecoder:
         self.samples = 2 * vocos.hop_length * first_frames
         self.row_buckets = [1 << k for k in range(max_rows.bit_length()) if 1 << k < max_rows] + [max_rows]
         self.device = next(vocos.parameters()).device
+        self.vocos_dtype = next(vocos.parameters()).dtype
         # full-length masks: the masked ISTFT (vocos.istft_rows) has no host sync, torch.istft's check has one
         self.lens = torch.full((self.max_rows,), self.width, dtype=torch.int64, device=self.device)
         self.x: Tensor | None = None  # [max_rows, C, width] in the decoder's dtype, once graphs are enabled
@@ -54,7 +55,7 @@ class FirstChunkDecoder:
         """x [B, C, width] (decoder dtype) -> [B, samples] fp32. Graph-capturable."""
         lens = self.lens[: x.shape[0]]
         mel = self.decoder(x, lens)
-        return self.vocos(mel.to(next(self.vocos.parameters()).dtype), 2 * lens)[:, : self.samples].float()
+        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, : self.samples].float()
 
     @torch.no_grad()
     def enable_graphs(self) -> None:

@@ -130,19 +130,21 @@ def prologue_linear(h, weight, prologue, residual=None, norm_weight=None, eps=1e
     return out, (total if prologue == ADD_RMSNORM else None)
 
 
-def _dense_weight(linear) -> torch.Tensor | None:
-    """The [N, K] weight of a plain bias-free nn.Linear with unit column stride, else None."""
-    if type(linear) is not torch.nn.Linear or linear.bias is not None or linear.weight.stride(1) != 1:
+def _fusable_weight(x: torch.Tensor, linear) -> torch.Tensor | None:
+    """The [N, K] weight when the kernel takes x [T, *] and `linear`: 1 <= T <= MAX_ROWS, unit column strides,
+    a plain bias-free nn.Linear; else None (the caller runs the pair)."""
+    if not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1 or type(linear) is not torch.nn.Linear:
         return None
-    return linear.weight
+    w = linear.weight
+    return w if linear.bias is None and w.stride(1) == 1 else None
 
 
 def add_rmsnorm_linear(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, linear
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rmsnorm(residual + x) * norm_weight), residual + x) for x, residual [T, K]."""
-    w = _dense_weight(linear)
-    if w is None or x.shape[0] > MAX_ROWS or x.stride(1) != 1 or residual.stride(1) != 1 or not x.shape[0]:
+    w = _fusable_weight(x, linear)
+    if w is None or residual.stride(1) != 1:
         normed, total = triton_fused.add_rmsnorm(x, residual, norm_weight, eps)
         return linear(normed), total
     return prologue_linear(x, w, ADD_RMSNORM, residual, norm_weight, eps)
@@ -150,7 +152,7 @@ def add_rmsnorm_linear(
 
 def silu_mul_linear(gate_up: torch.Tensor, linear) -> torch.Tensor:
     """linear(silu(gate_up[:, :K]) * gate_up[:, K:]) for gate_up [T, 2K]."""
-    w = _dense_weight(linear)
-    if w is None or gate_up.shape[0] > MAX_ROWS or gate_up.stride(1) != 1 or not gate_up.shape[0]:
+    w = _fusable_weight(gate_up, linear)
+    if w is None:
         return linear(triton_fused.silu_mul(gate_up))
     return prologue_linear(gate_up, w, SILU_MUL)[0]
