@@ -12,7 +12,8 @@
 # Env: PARTS (default "cold serve offline"; "variant" adds a second server with VARIANT_ARGS, default
 #      --first-chunk-lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant, and
 #      with "offline" also bench offline 1 x 10 s with those flags) picks the parts;
-#      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH. Each part writes as it goes, so a call cut short
+#      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
+#      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them). Each part writes as it goes, so a call cut short
 #      keeps what it measured.
 set -u
 OUT=${1:?usage: $0 OUT}
@@ -33,6 +34,13 @@ if [[ $parts == *" cold "* ]]; then
     grep -E "^run|cold start" "$OUT/coldstart.txt"
 fi
 
+spy() {  # OUT.raw: with SPY=1 and py-spy installed, 6 s of the engine core's stacks mid-point (spy_summary.py)
+    command -v py-spy > /dev/null || return
+    sleep $(( ${DUR:-20} / 2 ))
+    pid=$(curl -s localhost:8000/ready | python3 -c "import json,sys; print(json.load(sys.stdin)['cores'][0]['pid'])")
+    py-spy record --pid "$pid" --duration 6 --rate 200 --nonblocking --format raw -o "$1" > /dev/null 2>&1
+}
+
 serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serve at each point, reports under DIR
     mkdir -p "$1"; echo "$2" > "$1/serve_args.txt"
     $CLI serve $MODEL_ARGS --port 8000 --api-server-count 12 $2 > "$1/server.log" 2>&1 &
@@ -52,6 +60,7 @@ serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serv
         IFS=: read -r fmt load procs <<< "$point"
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
         n=${procs:-${CLIENT_PROCS:-}}  # unset: bench serve's own (one per 32 streams or 50 req/s, <= cores / 2)
+        [ "${SPY:-0}" = 1 ] && spy "$1/spy_${fmt}_${load}${procs:+_p$procs}.raw" &
         timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args ${n:+--client-procs $n} \
             --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
             --out "$1/serve_${fmt}_${load}${procs:+_p$procs}" > "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" 2>&1

@@ -1,6 +1,7 @@
-"""The exact stage's early first chunk (first_chunk_lookahead, audio/first_chunk.py): the first audio leaves after
-first_chunk_frames + L frames, equals the windowed stage's first chunk at lookahead L, and every later sample is
-the exact one; code streams, short finished streams and the bucketed decoder."""
+"""The exact stage's early chunks (first_chunk_lookahead, audio/first_chunk.py): the first audio leaves after
+first_chunk_frames + L frames and equals the windowed stage's first chunk at lookahead L, each early chunk is the
+one-shot decode of its window, the exact stage's first samples follow as soon as it has them, and every later
+sample is the exact one; code streams, short finished streams and the bucketed decoder."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from audio_stage_testutil import joined, one_shot
 from audio_stage_testutil import tiny as tiny  # a fixture, used by name
 
-from ttsserve.audio.first_chunk import FirstChunkDecoder
+from ttsserve.audio.first_chunk import FirstChunkDecoder, early_chunk_ends
 from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.stage import AudioStage
 from ttsserve.config import EngineConfig
@@ -22,34 +23,49 @@ def _frames(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
 
 
-def _first_audio_at(stage, req_id: str, frames: torch.Tensor) -> tuple[int, list]:
-    """Append one frame a step; -> (frames in when the first chunk came, every chunk)."""
+def _chunks_at(stage, req_id: str, frames: torch.Tensor) -> tuple[list[int], list]:
+    """Append one frame a step; -> (frames in when each chunk came, every chunk)."""
     stage.add_request(req_id)
-    chunks, first_at = [], None
+    chunks, at = [], []
     for i in range(frames.shape[0]):
         stage.append(req_id, frames[i : i + 1])
-        chunks += stage.step()
-        if chunks and first_at is None:
-            first_at = i + 1
+        new = stage.step()
+        chunks += new
+        at += [i + 1] * len(new)
     stage.finish(req_id)
     chunks += stage.step()
-    return first_at, chunks + stage.flush()
+    return at, chunks + stage.flush()
 
 
-def test_first_chunk_leaves_after_its_lookahead_and_the_rest_is_exact(tiny) -> None:
+def test_early_chunk_ends_double_while_their_window_is_shorter_than_the_exact_first_call() -> None:
+    assert early_chunk_ends(8, 16, 60) == [8, 16, 32]  # real size: windows 24, 32, 48 frames
+    assert early_chunk_ends(16, 16, 60) == [16, 32]
+    assert early_chunk_ends(8, 52, 60) == [] == early_chunk_ends(8, 60, 60)
+
+
+@pytest.mark.parametrize("first", [F, 2])
+def test_early_chunks_leave_after_their_lookahead_and_the_rest_is_exact(tiny, first) -> None:
     dec, _, vocos = tiny
     frames = _frames(90, 1)
-    exact_at, exact = _first_audio_at(IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F), "r", frames)
-    stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F, first_chunk_lookahead=L)
-    early_at, early = _first_audio_at(stage, "r", frames)
-    assert (early_at, exact_at) == (F + L, F + stage.right_context_frames)
-    windowed = _first_audio_at(AudioStage(dec, None, vocos, first_chunk_frames=F, lookahead_frames=L), "r", frames)[1]
-    head = 512 * F
-    assert len(early[0].samples) == head == len(windowed[0].samples)
+    exact_at, exact = _chunks_at(IncrementalAudioStage(dec, None, vocos, first_chunk_frames=first), "r", frames)
+    stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=first, first_chunk_lookahead=L)
+    early_at, early = _chunks_at(stage, "r", frames)
+    first_call = first + stage.right_context_frames
+    ends = stage.early.decoder.ends
+    assert ends == early_chunk_ends(first, L, first_call) and len(ends) >= 2
+    assert exact_at[0] == first_call
+    # one chunk per early end as its window comes in, then the exact stage's as soon as it has new samples
+    assert early_at[: len(ends) + 1] == [e + L for e in ends] + [ends[-1] + first_call]
+    assert [c.start_sample for c in early[: len(ends)]] == [512 * e for e in [0, *ends[:-1]]]
+    windowed = _chunks_at(AudioStage(dec, None, vocos, first_chunk_frames=first, lookahead_frames=L), "r", frames)[1]
     np.testing.assert_allclose(early[0].samples, windowed[0].samples, rtol=0, atol=1e-6)
     got, ref = joined(early), one_shot(dec, vocos, frames)
+    for k, e in enumerate(ends):  # each early chunk: its window's one-shot decode
+        lo = 512 * (ends[k - 1] if k else 0)
+        np.testing.assert_allclose(got[lo : 512 * e], one_shot(dec, vocos, frames[: e + L])[lo : 512 * e], atol=1e-5)
+    head = 512 * ends[-1]
     assert got.shape == ref.shape == joined(exact).shape
-    np.testing.assert_allclose(got[head:], ref[head:], rtol=0, atol=1e-5)  # exact from the first chunk's end
+    np.testing.assert_allclose(got[head:], ref[head:], rtol=0, atol=1e-5)  # exact from the last early end
     seam = np.abs(got[:head] - ref[:head]).max()
     assert 0 < seam < 0.1 * np.abs(ref).max()  # approximate, and close
 
@@ -76,25 +92,28 @@ def test_code_streams_and_short_finished_streams_stay_exact(tiny) -> None:
             first_at.setdefault(ch.req_id, t + 1)
             got[ch.req_id].append(ch)
     assert first_at["long"] == F + L and first_at["q"] > F + L  # codes: the exact right context
-    assert stage.early.calls == 1  # only the long hidden-state stream took the early path
+    assert stage.early.decoder.calls == len(stage.early.decoder.ends)  # only the long hidden-state stream went early
+    head = 512 * stage.early.decoder.ends[-1]
     np.testing.assert_allclose(joined(got["q"]), one_shot(dvae, vocos, codes, codes=True), rtol=0, atol=1e-5)
     np.testing.assert_allclose(joined(got["short"]), one_shot(dec, vocos, frames["short"]), rtol=0, atol=1e-5)
     np.testing.assert_allclose(
-        joined(got["long"])[512 * F :], one_shot(dec, vocos, frames["long"])[512 * F :], rtol=0, atol=1e-5
+        joined(got["long"])[head:], one_shot(dec, vocos, frames["long"])[head:], rtol=0, atol=1e-5
     )
 
 
 def test_bucketed_decoder_pads_rows_and_keeps_each_rows_samples(tiny) -> None:
     dec, _, vocos = tiny
-    early = FirstChunkDecoder(dec, vocos, F, L, max_rows=6)
-    assert early.row_buckets == [1, 2, 4, 6]
-    x = _frames(6 * (F + L), 4).view(6, F + L, 64)
-    eager = early(x)  # graphs not enabled: the plain decode
-    early.enable_graphs()
-    early(x[[5, 4, 3, 2, 1, 0]])  # leaves other rows in the static buffer
-    for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6
-        np.testing.assert_allclose(early(x[:b]).numpy(), eager[:b].numpy(), rtol=0, atol=1e-6)
-    assert eager.shape == (6, 512 * F) and eager.dtype == torch.float32
+    early = FirstChunkDecoder(dec, vocos, [F, 2 * F], L, max_rows=6)
+    assert early.row_buckets == [1, 2, 4, 6] and early.widths == [F + L, 2 * F + L]
+    for e, w in zip(early.ends, early.widths):
+        x = _frames(6 * w, 4 + e).view(6, w, 64)
+        eager = early(x)  # graphs not enabled: the plain decode
+        assert eager.shape == (6, 512 * e) and eager.dtype == torch.float32
+        if not early.x:
+            early.enable_graphs()
+        early(x[[5, 4, 3, 2, 1, 0]])  # leaves other rows in the static buffer
+        for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6
+            np.testing.assert_allclose(early(x[:b]).numpy(), eager[:b].numpy(), rtol=0, atol=1e-6)
 
 
 def test_no_early_decoder_where_the_exact_chunk_is_as_early(tiny) -> None:
@@ -118,10 +137,10 @@ def test_engine_config_rejects_bad_first_chunk_lookahead(kwargs, match) -> None:
 
 def test_a_failed_capture_leaves_the_plain_decode(tiny, caplog) -> None:
     dec, _, vocos = tiny
-    early = FirstChunkDecoder(dec, vocos, F, L, max_rows=4)
+    early = FirstChunkDecoder(dec, vocos, [F], L, max_rows=4)
     x = _frames(3 * (F + L), 6).view(3, F + L, 64)
     ref = early(x)
     early.device = torch.device("cuda")  # its capture path; on a machine without CUDA every allocation there fails
     early.enable_graphs()
-    assert early.x is None and not early.graphs and "decoding eagerly" in caplog.text
+    assert not early.x and not early.graphs and "decoding eagerly" in caplog.text
     np.testing.assert_array_equal(early(x).numpy(), ref.numpy())

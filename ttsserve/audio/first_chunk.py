@@ -1,20 +1,27 @@
-"""An early first chunk for the exact incremental vocoder: the first F frames' audio decoded from a window of
-F + L frames (L the first chunk's lookahead), long before the exact stage can emit them.
+"""Early chunks for the exact incremental vocoder: a stream's first audio decoded from windows of its first frames
+alone, long before the exact stage can emit it.
 
 The exact stage emits a frame's samples once the 52 frames of its right context have arrived (the conv stack's lag
-and half an FFT), so the first audio waits for F + 52 frames. A one-shot decode of frames [0, F + L) gives the
-first F frames' samples with exact left edges (the utterance starts there too) and a right edge that has seen L
-frames instead of 52: with L = 16 they differ from the exact samples by 6.9e-6 at most, under a quarter of one
-16-bit step (docs/MODEL.md). The exact stage then goes on from sample F * 512 and never emits those samples
-again, so the stream has one seam, at the end of its first chunk.
+and half an FFT), so the first audio waits for F + 52 frames. A one-shot decode of frames [0, e + L) gives the first
+e frames' samples with exact left edges (the utterance starts there too) and a right edge that has seen L frames
+instead of 52: with L = 16 they differ from the exact samples by 6.9e-6 at most, under a quarter of one 16-bit step
+(docs/MODEL.md).
 
-The decode has one shape per call, [B, F + L] frames: on CUDA one graph per power-of-two row bucket (a handful,
-captured at set-up), so a call is one replay instead of a few hundred kernel launches. Rows past B in a bucket
+One early chunk is not enough under load: after it the exact stage's first new samples wait until frame F + 52, so
+the F frames out must cover 52 - L frames of generation (4.5x real time per stream at F = 8, L = 16; 512 H100
+streams run at about 4x). So early chunks end at e = F, 2F, 4F, ... while the window e + L is shorter than the exact
+first call's F + 52 frames: 8, 16, 32 at F = 8, L = 16, the last at frame 48 with 32 frames of audio out. Each
+emits [previous end, e); the exact stage goes on from the last end (its first call waits until it has new samples to
+emit: last end + F + 52 frames), so a stream's early samples are approximate and the rest exact.
+
+Each window has one shape per call, [B, e + L] frames: on CUDA one graph per (window, power-of-two row bucket),
+captured at set-up, so a call is one replay instead of a few hundred kernel launches. Rows past B in a bucket
 compute whatever the static buffer holds and are dropped (every op of the networks is per row).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -22,29 +29,43 @@ import torch
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import HiddenDecoder
+from ttsserve.audio.frame_pool import FramePool
+from ttsserve.audio.stream_base import ChunkSpec, Stream
 from ttsserve.audio.vocos import Vocos
 from ttsserve.graph_capture import capture
 
 logger = logging.getLogger(__name__)
 
 
-class FirstChunkDecoder:
-    """decoder + Vocos over [B, F + L] windows of hidden states -> the first F frames' samples of each row."""
+def early_chunk_ends(first_frames: int, lookahead: int, exact_first_call: int) -> list[int]:
+    """Frames each early chunk ends at: first_frames doubling while the window (end + lookahead) is shorter than
+    the exact stage's first call (first chunk + right context). Empty: the exact first chunk is as early."""
+    ends, e = [], first_frames
+    while e + lookahead < exact_first_call:
+        ends.append(e)
+        e *= 2
+    return ends
 
-    def __init__(self, decoder: HiddenDecoder, vocos: Vocos, first_frames: int, lookahead: int, max_rows: int) -> None:
-        if first_frames < 1 or lookahead < 1 or max_rows < 1:
-            raise ValueError(f"need first_frames, lookahead, max_rows >= 1: {first_frames}, {lookahead}, {max_rows}")
+
+class FirstChunkDecoder:
+    """decoder + Vocos over [B, e + L] windows of hidden states -> the first e frames' samples of each row, for
+    each early chunk end e of `ends`."""
+
+    def __init__(self, decoder: HiddenDecoder, vocos: Vocos, ends: list[int], lookahead: int, max_rows: int) -> None:
+        if not ends or min(ends) < 1 or lookahead < 1 or max_rows < 1:
+            raise ValueError(f"need ends, lookahead, max_rows >= 1: {ends}, {lookahead}, {max_rows}")
         self.decoder, self.vocos = decoder, vocos
-        self.width = first_frames + lookahead
-        self.samples = 2 * vocos.hop_length * first_frames
+        self.ends = sorted(ends)
+        self.widths = [e + lookahead for e in self.ends]
+        self.samples_per_frame = 2 * vocos.hop_length
         self.row_buckets = [1 << k for k in range(max_rows.bit_length()) if 1 << k < max_rows] + [max_rows]
         self.device = next(vocos.parameters()).device
         self.vocos_dtype = next(vocos.parameters()).dtype
         # full-length masks: the masked ISTFT (vocos.istft_rows) has no host sync, torch.istft's check has one
-        self.lens = torch.full((self.max_rows,), self.width, dtype=torch.int64, device=self.device)
-        self.x: Tensor | None = None  # [max_rows, C, width] in the decoder's dtype, once graphs are enabled
-        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
-        self.outputs: dict[int, Tensor] = {}
+        self.lens = torch.full((self.max_rows,), self.widths[-1], dtype=torch.int64, device=self.device)
+        self.x: dict[int, Tensor] = {}  # window -> [max_rows, C, window] in the decoder's dtype, once enabled
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # (window, rows)
+        self.outputs: dict[tuple[int, int], Tensor] = {}
         self.calls = 0
 
     @property
@@ -52,62 +73,118 @@ class FirstChunkDecoder:
         return self.row_buckets[-1]
 
     def _decode(self, x: Tensor) -> Tensor:
-        """x [B, C, width] (decoder dtype) -> [B, samples] fp32. Graph-capturable."""
-        lens = self.lens[: x.shape[0]]
+        """x [B, C, e + L] (decoder dtype) -> [B, e * 512] fp32. Graph-capturable."""
+        b, width = x.shape[0], x.shape[2]
+        lens = self.lens[:b].clamp(max=width)
         mel = self.decoder(x, lens)
-        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, : self.samples].float()
+        samples = self.samples_per_frame * self.ends[self.widths.index(width)]
+        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, :samples].float()
 
     @torch.no_grad()
     def enable_graphs(self) -> None:
-        """Static buffers for every row bucket and, on CUDA, one captured graph each, largest first into one
-        memory pool. Off CUDA the buckets run eagerly on the same buffers (tests of the padding). A capture that
-        fails leaves the plain decode (slower, the same samples) and says so."""
+        """Static buffers for every window and row bucket and, on CUDA, one captured graph each, largest first
+        into one memory pool. Off CUDA the buckets run eagerly on the same buffers (tests of the padding). A
+        capture that fails leaves the plain decode (slower, the same samples) and says so."""
         try:
             self._capture_all()
         except Exception as exc:
             if self.device.type != "cuda":
                 raise
-            logger.warning("first-chunk vocoder graphs failed (%s: %s); decoding eagerly", type(exc).__name__, exc)
-            self.x, self.graphs, self.outputs = None, {}, {}
+            logger.warning("early-chunk vocoder graphs failed (%s: %s); decoding eagerly", type(exc).__name__, exc)
+            self.x, self.graphs, self.outputs = {}, {}, {}
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
-        c = self.decoder.hidden_size
-        self.x = torch.zeros(self.max_rows, c, self.width, dtype=self.decoder.coef.dtype, device=self.device)
+        c, dtype, cuda = self.decoder.hidden_size, self.decoder.coef.dtype, self.device.type == "cuda"
         pool = None
-        for b in reversed(self.row_buckets):
-            if self.device.type != "cuda":
-                self.graphs[b] = None
-                continue
-            self._decode(self.x[:b])  # warm-up: cuDNN / cuFFT pick kernels and plans outside the capture
-            graph = torch.cuda.CUDAGraph()
-            self.outputs[b] = capture(graph, lambda b=b: self._decode(self.x[:b]), pool)
-            pool = pool or graph.pool()
-            graph.replay()  # a graph's first launch uploads it: not in a served step
-            self.graphs[b] = graph
-        if self.device.type == "cuda":
+        for w in reversed(self.widths):
+            x = self.x[w] = torch.zeros(self.max_rows, c, w, dtype=dtype, device=self.device)
+            for b in reversed(self.row_buckets):
+                if not cuda:
+                    self.graphs[w, b] = None
+                    continue
+                self._decode(x[:b])  # warm-up: cuDNN / cuFFT pick kernels and plans outside the capture
+                graph = torch.cuda.CUDAGraph()
+                self.outputs[w, b] = capture(graph, lambda x=x, b=b: self._decode(x[:b]), pool)
+                pool = pool or graph.pool()
+                graph.replay()  # a graph's first launch uploads it: not in a served step
+                self.graphs[w, b] = graph
+        if cuda:
             torch.cuda.synchronize()
             logger.info(
-                "captured %d first-chunk vocoder CUDA graphs (rows 1..%d, %d frames) in %.1f s",
+                "captured %d early-chunk vocoder CUDA graphs (rows 1..%d, windows %s frames) in %.1f s",
                 len(self.graphs),
                 self.max_rows,
-                self.width,
+                self.widths,
                 time.perf_counter() - t0,
             )
 
     @torch.no_grad()
     def __call__(self, frames: Tensor) -> Tensor:
-        """frames [B, width, C] (any float dtype), B <= max_rows -> [B, samples] fp32 on the device. With graphs:
-        a view of a static buffer, valid until the next call (stream order keeps a queued crop safe)."""
-        b = frames.shape[0]
-        assert frames.shape[1] == self.width and 1 <= b <= self.max_rows, (frames.shape, self.width, self.max_rows)
+        """frames [B, e + L, C] (any float dtype; e one of ends), B <= max_rows -> [B, e * 512] fp32 on the
+        device. With graphs: a view of a static buffer, valid until the next call (stream order keeps a queued
+        crop safe)."""
+        b, w = frames.shape[:2]
+        assert w in self.widths and 1 <= b <= self.max_rows, (frames.shape, self.widths, self.max_rows)
         self.calls += 1
-        if self.x is None:
+        if w not in self.x:
             return self._decode(frames.transpose(1, 2).to(self.decoder.coef.dtype))
         bucket = next(r for r in self.row_buckets if r >= b)
-        self.x[:b].copy_(frames.transpose(1, 2))
-        graph = self.graphs[bucket]
+        x = self.x[w]
+        x[:b].copy_(frames.transpose(1, 2))
+        graph = self.graphs[w, bucket]
         if graph is None:
-            return self._decode(self.x[:bucket])[:b]
+            return self._decode(x[:bucket])[:b]
         graph.replay()
-        return self.outputs[bucket][:b]
+        return self.outputs[w, bucket][:b]
+
+
+class EarlyChunks:
+    """Which hidden-state streams have an early chunk due, and their decode. Owned by the exact stage
+    (audio/incremental_stage.py), which adds each hidden-state stream and launches these before its own calls."""
+
+    def __init__(self, decoder: FirstChunkDecoder, exact_first_call: int) -> None:
+        self.decoder = decoder
+        self.exact_first_call = exact_first_call  # frames the exact stage's first call needs
+        self._awaiting: set[str] = set()  # streams that may still get an early chunk: few, not every stream
+
+    def add_request(self, req_id: str) -> None:
+        self._awaiting.add(req_id)
+
+    def due(self, streams: dict[str, Stream]) -> dict[tuple[int, int], list[tuple[str, Stream]]]:
+        """Streams with an early chunk to leave now, by (frames out, chunk end): the latest end whose window is in,
+        past what is out. A stream leaves the set once its last early chunk is out, once it is gone or finished,
+        or once the exact stage can emit past its early audio (its first call + the frames out)."""
+        due: dict[tuple[int, int], list[tuple[str, Stream]]] = {}
+        dec, spf = self.decoder, self.decoder.samples_per_frame
+        for req_id in list(self._awaiting):
+            st = streams.get(req_id)
+            out = 0 if st is None else st.num_emitted_samples // spf
+            if st is None or st.finished or st.num_frames >= out + self.exact_first_call:
+                self._awaiting.discard(req_id)
+                continue
+            k = bisect.bisect_right(dec.widths, st.num_frames) - 1  # the latest window that is in
+            if k >= 0 and dec.ends[k] > out:
+                due.setdefault((out, dec.ends[k]), []).append((req_id, st))
+                if k == len(dec.ends) - 1:
+                    self._awaiting.discard(req_id)
+        return due
+
+    def launch(self, streams: dict[str, Stream], pool: FramePool) -> tuple[list[Tensor], list[ChunkSpec], list[int]]:
+        """Decode the due early chunks -> (flat samples per call, specs, sizes): each stream's samples
+        [out, end) * 512. The exact stage then emits from the stream's num_emitted_samples on."""
+        pieces, specs, sizes = [], [], []
+        if not self._awaiting:
+            return pieces, specs, sizes
+        dec, spf = self.decoder, self.decoder.samples_per_frame
+        for (out, end), due in self.due(streams).items():
+            width = dec.widths[dec.ends.index(end)]
+            for i in range(0, len(due), dec.max_rows):
+                part = due[i : i + dec.max_rows]
+                x = pool.gather([st.slot for _, st in part], [-st.base for _, st in part], [width] * len(part))
+                pieces.append(dec(x)[:, out * spf :].reshape(-1).clone())  # the next call may replay the buffer
+                for req_id, st in part:
+                    st.num_emitted_samples = end * spf
+                    specs.append(ChunkSpec(req_id, out * spf, False))
+                sizes += [(end - out) * spf] * len(part)
+        return pieces, specs, sizes

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
-from ttsserve.audio.first_chunk import FirstChunkDecoder
+from ttsserve.audio.first_chunk import EarlyChunks, FirstChunkDecoder, early_chunk_ends
 from ttsserve.audio.incremental import (
     NOT_FINISHED,
     IncrementalDecoder,
@@ -35,6 +35,10 @@ from ttsserve.audio.stream_base import (
 )
 from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
+
+# rows of one early-chunk call: a step starts a few streams (about 2 at 512 H100 streams), a burst takes several
+# calls, and each (window, row bucket) is a graph captured at set-up
+EARLY_MAX_ROWS = 32
 
 if TYPE_CHECKING:
     from ttsserve.audio.vocoder_graphs import VocoderGraphs
@@ -57,8 +61,8 @@ class IncrementalAudioStage(StreamingStage):
     stage's 168, so twice its rows per call take about as much activation memory: fewer calls, and a call is
     bound by the host's kernel launches on a GPU). cadence k: calls happen on every k-th step() only, each for
     every stream due by then, so streams that arrived at different times share calls. first_chunk_lookahead L:
-    a hidden-state stream's first chunk leaves once it has first_chunk_frames + L frames, decoded from them alone
-    (audio/first_chunk.py: one seam, within 7e-6 at L = 16); None: every sample exact.
+    a hidden-state stream's first audio leaves once it has first_chunk_frames + L frames, in early chunks decoded
+    from its first frames alone (audio/first_chunk.py: within 7e-6 of exact at L = 16); None: every sample exact.
     """
 
     def __init__(
@@ -114,13 +118,13 @@ class IncrementalAudioStage(StreamingStage):
         self._state_slot: dict[str, int] = {}
         self._free_slots.append(self._allocate_slot())  # sizes the state tensors (state_bytes_per_request)
         self.graphs: dict[bool, VocoderGraphs] = {}
-        self.early: FirstChunkDecoder | None = None  # hidden-state streams' early first chunk (audio/first_chunk.py)
-        self._awaiting_first: set[str] = set()  # hidden-state streams that may still get an early first chunk
+        self.early: EarlyChunks | None = None  # hidden-state streams' early chunks (audio/first_chunk.py)
         if first_chunk_lookahead is not None and self.decoder is not None:
-            if first_chunk_frames + first_chunk_lookahead < self._first_call_frames:  # else the exact one is as early
-                self.early = FirstChunkDecoder(
-                    self.decoder, self.vocos, first_chunk_frames, first_chunk_lookahead, max_windows_per_call
-                )
+            ends = early_chunk_ends(first_chunk_frames, first_chunk_lookahead, self._first_call_frames)
+            if ends:  # else the exact first chunk is as early
+                rows = min(max_windows_per_call, EARLY_MAX_ROWS)
+                decoder = FirstChunkDecoder(self.decoder, self.vocos, ends, first_chunk_lookahead, rows)
+                self.early = EarlyChunks(decoder, self._first_call_frames)
 
     @property
     def state_bytes_per_request(self) -> int:
@@ -136,7 +140,7 @@ class IncrementalAudioStage(StreamingStage):
         self._vocos.reset(slot)
         self._state_slot[req_id] = slot
         if self.early is not None and not use_codes:
-            self._awaiting_first.add(req_id)
+            self.early.add_request(req_id)
 
     def abort(self, req_id: str) -> None:
         super().abort(req_id)
@@ -184,7 +188,7 @@ class IncrementalAudioStage(StreamingStage):
         for graphs in self.graphs.values():
             graphs.capture(defer=defer)
         if self.early is not None:
-            self.early.enable_graphs()
+            self.early.decoder.enable_graphs()
 
     def graph_families(self) -> list[VocoderGraphs]:
         """The captured call graphs, one family per decoder kind (num_pending, capture_next())."""
@@ -214,6 +218,7 @@ class IncrementalAudioStage(StreamingStage):
         if self._steps % self.cadence and not self._first_chunk_due():
             return feeds, empty  # off-cadence step: due streams wait for the next shared call
         first_call, max_call, chunks = self._first_call_frames, self.max_call_frames, self._chunk_table
+        spf = self.samples_per_frame
         for req_id, st in (self._streams if streams is None else streams).items():
             if st.final_out:
                 continue
@@ -225,7 +230,9 @@ class IncrementalAudioStage(StreamingStage):
                 n = self._frames_to_finish(st) - fed
             else:
                 n = st.num_frames - fed
-                if n < (first_call if fed == 0 else chunks[min(st.num_chunks, 32)]):
+                # a first call past early chunks waits until it has samples beyond them to emit
+                need = first_call + st.num_emitted_samples // spf if fed == 0 else chunks[min(st.num_chunks, 32)]
+                if n < need:
                     continue
             if n > 0:
                 feeds.append(_Feed(req_id, st, min(n, max_call)))
@@ -233,8 +240,8 @@ class IncrementalAudioStage(StreamingStage):
 
     def _first_chunk_due(self) -> bool:
         """A stream can emit its first audio: the cadence does not hold it back (its wait is the time to first
-        audio), and the call it makes takes every other due stream along. A stream whose early first chunk
-        left already waits for the cadence like any other."""
+        audio), and the call it makes takes every other due stream along. A stream whose early chunks left
+        already waits for the cadence like any other."""
         need = self._first_call_frames
         return any(
             st.num_emitted_frames == 0
@@ -244,40 +251,9 @@ class IncrementalAudioStage(StreamingStage):
             for st in self._streams.values()
         )
 
-    def _early_due(self) -> list[tuple[str, Stream]]:
-        """Hidden-state streams whose early first chunk can leave now: none of their audio out yet, its window
-        in, and the exact first call not yet due (a stream past it, or finished, gets exact audio at once)."""
-        if not self._awaiting_first:
-            return []
-        lo, hi, due = self.early.width, self._first_call_frames, []
-        for req_id in list(self._awaiting_first):  # the few streams without audio, not every stream
-            st = self._streams.get(req_id)
-            if st is None or st.finished or st.num_emitted_samples or st.num_frames >= hi:
-                self._awaiting_first.discard(req_id)  # gone, or the exact stage emits its first samples
-            elif st.num_frames >= lo:
-                due.append((req_id, st))
-                self._awaiting_first.discard(req_id)
-        return due
-
-    def _launch_early(self, due: list[tuple[str, Stream]]) -> tuple[list[Tensor], list[ChunkSpec], list[int]]:
-        """Decode the early first chunks of `due` -> (flat samples per call, specs, sizes); the exact stage
-        then emits from sample first_chunk_frames * 512 on (_emit starts at num_emitted_samples)."""
-        pieces, specs = [], []
-        if not due:
-            return pieces, specs, []
-        pool, early = self._pools[False], self.early
-        for i in range(0, len(due), early.max_rows):
-            part = due[i : i + early.max_rows]
-            x = pool.gather([st.slot for _, st in part], [-st.base for _, st in part], [early.width] * len(part))
-            pieces.append(early(x).reshape(-1).clone())  # the next call may replay the same static buffer
-            for req_id, st in part:
-                st.num_emitted_samples = early.samples
-                specs.append(ChunkSpec(req_id, 0, False))
-        return pieces, specs, [early.samples] * len(due)
-
     def _launch(self) -> Pending | None:
         self._steps += 1
-        pieces, specs, sizes = self._launch_early(self._early_due())
+        pieces, specs, sizes = self.early.launch(self._streams, self._pools[False]) if self.early else ([], [], [])
         feeds, empty = self._plan()
         while feeds:  # a burst of frames can need several calls of at most max_call_frames
             feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind
