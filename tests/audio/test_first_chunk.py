@@ -70,6 +70,35 @@ def test_early_chunks_leave_after_their_lookahead_and_the_rest_is_exact(tiny, fi
     assert 0 < seam < 0.1 * np.abs(ref).max()  # approximate, and close
 
 
+def test_streams_at_different_early_chunks_share_a_step(tiny) -> None:
+    """Streams started 2 frames apart are due for different early chunks in the same steps (one gather, one
+    decode per chunk end): each stream's audio is what it gets alone."""
+    dec, _, vocos = tiny
+    frames = {k: _frames(40, 20 + i) for i, k in enumerate("abc")}
+    alone = {k: joined(_chunks_at(_early_stage(dec, vocos), k, f)[1]) for k, f in frames.items()}
+    stage, got = _early_stage(dec, vocos), {k: [] for k in frames}
+    groups, due = [], stage.early.due
+    stage.early.due = lambda streams: groups.append(d := due(streams)) or d  # how many chunk ends in a step
+    for t in range(44):
+        live = [k for i, k in enumerate(frames) if 0 <= t - 2 * i < 40]
+        for k in [k for i, k in enumerate(frames) if t == 2 * i]:
+            stage.add_request(k)
+        stage.append_batch(live, torch.stack([frames[k][t - 2 * "abc".index(k)] for k in live]))
+        for k in [k for i, k in enumerate(frames) if t - 2 * i == 39]:
+            stage.finish(k)
+        for ch in stage.step():
+            got[ch.req_id].append(ch)
+    for ch in stage.flush():
+        got[ch.req_id].append(ch)
+    assert max(map(len, groups)) >= 2
+    for k in frames:
+        np.testing.assert_allclose(joined(got[k]), alone[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def _early_stage(dec, vocos) -> IncrementalAudioStage:
+    return IncrementalAudioStage(dec, None, vocos, first_chunk_frames=2, first_chunk_lookahead=L)
+
+
 def test_code_streams_and_short_finished_streams_stay_exact(tiny) -> None:
     dec, dvae, vocos = tiny
     stage = IncrementalAudioStage(dec, dvae, vocos, first_chunk_frames=F, first_chunk_lookahead=L)

@@ -172,17 +172,24 @@ class EarlyChunks:
 
     def launch(self, streams: dict[str, Stream], pool: FramePool) -> tuple[list[Tensor], list[ChunkSpec], list[int]]:
         """Decode the due early chunks -> (flat samples per call, specs, sizes): each stream's samples
-        [out, end) * 512. The exact stage then emits from the stream's num_emitted_samples on."""
+        [out, end) * 512. The exact stage then emits from the stream's num_emitted_samples on. One gather of
+        every due stream's frames, as wide as the widest window (each gather is several launches and a copy)."""
         pieces, specs, sizes = [], [], []
-        if not self._awaiting:
+        due = self.due(streams) if self._awaiting else {}
+        if not due:
             return pieces, specs, sizes
         dec, spf = self.decoder, self.decoder.samples_per_frame
-        for (out, end), due in self.due(streams).items():
-            width = dec.widths[dec.ends.index(end)]
-            for i in range(0, len(due), dec.max_rows):
-                part = due[i : i + dec.max_rows]
-                x = pool.gather([st.slot for _, st in part], [-st.base for _, st in part], [width] * len(part))
-                pieces.append(dec(x)[:, out * spf :].reshape(-1).clone())  # the next call may replay the buffer
+        rows = [st for group in due.values() for _, st in group]  # each group's rows contiguous
+        width = dec.widths[dec.ends.index(max(end for _, end in due))]
+        x = pool.gather([st.slot for st in rows], [-st.base for st in rows], [width] * len(rows))
+        row = 0
+        for (out, end), group in due.items():
+            w = dec.widths[dec.ends.index(end)]
+            for i in range(0, len(group), dec.max_rows):
+                part = group[i : i + dec.max_rows]
+                wav = dec(x[row : row + len(part), :w])
+                pieces.append(wav[:, out * spf :].reshape(-1).clone())  # the next call may replay the buffer
+                row += len(part)
                 for req_id, st in part:
                     st.num_emitted_samples = end * spf
                     specs.append(ChunkSpec(req_id, out * spf, False))
