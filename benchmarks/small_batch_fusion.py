@@ -1,4 +1,5 @@
-"""Would fusing a decode layer's small ops into its linears pay at small batch? Measured before any engine change.
+"""Would fusing a decode layer's small ops into its linears pay at small batch? Measured: no, so the engine runs
+the pairs.
 
 At one stream a decode step is kernel-count bound: per layer the GPT runs add_rmsnorm, the qkv linear, attention,
 o_proj, add_rmsnorm, the gate_up linear, silu_mul and the down linear (layers/triton_fused.py, cuBLAS). This
@@ -8,8 +9,9 @@ kernel that does both:
   prologue adds the residual and normalizes its input rows (every program recomputes the rows' RMS, 768 values);
 - silu_mul + down linear (3072 -> 768): a linear whose prologue is SiLU(gate) * up.
 It checks the fused outputs against the pair's first, then prints microseconds per layer-equivalent call for each
-batch size and tile size. The kernels are layers/triton_fused_linear.py's; the engine runs them only with
-$TTSSERVE_DECODE_OPS=triton-fused-linears until this shows they pay.
+batch size and tile size. The kernels are benchmarks/fused_linear_kernels.py's. On an H100 (bf16, 1-16 rows)
+the norm fusions ran at 0.58-0.95x the pair's speed at their best tiles and the SiLU one at 0.08-0.26x; wired
+into the engine they made a 10-s utterance take 0.65 s instead of 0.37 s (BENCHMARKS.md).
 
     python3 benchmarks/small_batch_fusion.py [--batches 1 4 16] [--dtype bfloat16] [--reps 20]
     TRITON_INTERPRET=1 python3 benchmarks/small_batch_fusion.py --device cpu --dtype float32 --check-only
@@ -26,8 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from fused_linear_kernels import ADD_RMSNORM, SILU_MUL, prologue_linear  # noqa: E402
+
 from ttsserve.layers import triton_fused  # noqa: E402
-from ttsserve.layers.triton_fused_linear import ADD_RMSNORM, SILU_MUL, prologue_linear  # noqa: E402
 
 
 def _cases(m: int, dtype, dev, block_n: int = 32, block_k: int = 128, seed: int = 0):

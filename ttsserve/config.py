@@ -24,11 +24,9 @@ def compile_level() -> str:
 # kernels (layers/triton_fused.py) and the code sampler as one Triton kernel (sample/triton_sampler.py): nothing
 # torch.compile'd (on an H100 9.3-13.2 s to /ready, caches warm); "triton-compiled-sampler": the sampler
 # torch.compile'd instead (as fast within 0.1 ms a step at 256 / 512 rows: benchmarks/sampler_micro.py; 13 s more
-# start); "triton-eager-sampler": the sampler op by op; "triton-fused-linears": "triton" plus, at <= 16 rows,
-# add_rmsnorm and silu_mul fused into the linear after them (layers/triton_fused_linear.py; not measured yet:
-# benchmarks/small_batch_fusion.py); "compile": every op torch.compile'd.
+# start); "triton-eager-sampler": the sampler op by op; "compile": every op torch.compile'd.
 DECODE_OPS_ENV = "TTSSERVE_DECODE_OPS"
-DECODE_OPS_MODES = ("triton", "triton-compiled-sampler", "triton-eager-sampler", "triton-fused-linears", "compile")
+DECODE_OPS_MODES = ("triton", "triton-compiled-sampler", "triton-eager-sampler", "compile")
 
 
 def decode_ops_mode() -> str:

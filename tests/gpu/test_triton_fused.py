@@ -16,7 +16,7 @@ from triton_env import require_cuda_or_interpreter  # noqa: E402
 
 require_cuda_or_interpreter()
 
-from ttsserve.layers import triton_fused, triton_fused_linear  # noqa: E402
+from ttsserve.layers import triton_fused  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
 from ttsserve.sample import sampler, triton_sampler  # noqa: E402
 
@@ -80,50 +80,6 @@ def test_qkv_rotary_matches_torch(dtype: torch.dtype) -> None:
     assert got[2].data_ptr() == qkv[:, (hq + hkv) * d :].data_ptr()  # v is a view of qkv
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 16, 17])
-def test_fused_linears_match_the_pairs(dtype: torch.dtype, rows: int) -> None:
-    """add_rmsnorm + linear and silu_mul + linear as one kernel (<= 16 rows; 17 takes the pair itself)."""
-    torch.manual_seed(rows)
-    qkv = torch.nn.Linear(768, 2304, bias=False).to(DEVICE, dtype)
-    down = torch.nn.Linear(3072, 768, bias=False).to(DEVICE, dtype)
-    x, res = _randn(rows, 768, dtype=dtype, seed=1), _randn(rows, 768, dtype=dtype, seed=2)
-    w, gate_up = 1 + 0.1 * _randn(768, dtype=dtype, seed=3), _randn(rows, 6144, dtype=dtype, seed=4)
-    with torch.no_grad():
-        out, total = triton_fused_linear.add_rmsnorm_linear(x, res, w, 1e-6, qkv)
-        normed, want_total = triton_fused.add_rmsnorm(x, res, w, 1e-6)
-        assert torch.equal(total, want_total)
-        _close(out, qkv(normed))
-        _close(triton_fused_linear.silu_mul_linear(gate_up, down), down(triton_fused.silu_mul(gate_up)))
-        biased = torch.nn.Linear(768, 64).to(DEVICE, dtype)  # a bias: the pair
-        out, _ = triton_fused_linear.add_rmsnorm_linear(x, res, w, 1e-6, biased)
-        assert torch.equal(out, biased(normed))
-
-
-def test_gpt_forward_with_fused_linears(tiny_cpu_or_cuda_gpt) -> None:
-    """The decode body's GPT with the fused-linears ops gives the plain ops' hidden states (fp32)."""
-    from ttsserve.attention.dense import DenseAttention
-
-    gpt = tiny_cpu_or_cuda_gpt
-    x = _randn(3, gpt.cfg.hidden_size, dtype=torch.float32, seed=5)
-    positions = torch.arange(3, device=DEVICE)
-    fused = decode_ops.DecodeOps(compile=True, triton=True, sampler="eager", fuse_linears=True)
-    assert fused.add_rmsnorm_linear is triton_fused_linear.add_rmsnorm_linear
-    with torch.inference_mode():
-        want = decode_ops.fused_gpt_forward(gpt, decode_ops.DecodeOps(False), x, positions, DenseAttention(99))
-        got = decode_ops.fused_gpt_forward(gpt, fused, x, positions, DenseAttention(99))
-    _close(got, want)
-
-
-@pytest.fixture(scope="module")
-def tiny_cpu_or_cuda_gpt():
-    from ttsserve.config import EngineConfig
-    from ttsserve.model.chattts import load_model
-
-    cfg = EngineConfig(load_format="dummy", dummy_size="tiny", device=DEVICE.type, dtype="float32")
-    return load_model(cfg).gpt
-
-
 def test_decode_ops_mode(monkeypatch) -> None:
     monkeypatch.delenv(decode_ops.DECODE_OPS_ENV, raising=False)
     cuda = torch.device("cuda")
@@ -136,15 +92,11 @@ def test_decode_ops_mode(monkeypatch) -> None:
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-eager-sampler")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.silu_mul is triton_fused.silu_mul and ops.sample is sampler.sample and not ops.traced
-    monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "triton-fused-linears")
-    ops = decode_ops.DecodeOps.for_device(cuda)
-    assert ops.silu_mul_linear is triton_fused_linear.silu_mul_linear
-    assert ops.sample is triton_sampler.sample_or_reference
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "compile")
     ops = decode_ops.DecodeOps.for_device(cuda)
     assert ops.rmsnorm is not triton_fused.rmsnorm and ops.traced
     assert not decode_ops.DecodeOps.for_device(torch.device("cpu")).compiled
     monkeypatch.setenv(decode_ops.DECODE_OPS_ENV, "fast")
-    modes = "triton, triton-compiled-sampler, triton-eager-sampler, triton-fused-linears, compile"
+    modes = "triton, triton-compiled-sampler, triton-eager-sampler, compile"
     with pytest.raises(ValueError, match=f"must be one of {modes}"):
         decode_ops.DecodeOps.for_device(cuda)

@@ -176,7 +176,7 @@ def test_run_serve_reports_bad_decode_ops(capsys, monkeypatch):
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--load-format", "dummy", "--dummy-size", "tiny"])
     assert run_serve(args) == 2
     err = capsys.readouterr().err
-    modes = "triton, triton-compiled-sampler, triton-eager-sampler, triton-fused-linears, compile"
+    modes = "triton, triton-compiled-sampler, triton-eager-sampler, compile"
     assert f"TTSSERVE_DECODE_OPS must be one of {modes}, got 'fast'" in err
 
 

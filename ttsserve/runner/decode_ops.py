@@ -59,29 +59,12 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def _norm_linear(add_rmsnorm):
-    """add_rmsnorm_linear from an add_rmsnorm: the pair, unfused."""
-
-    def add_rmsnorm_linear(x, residual, weight, eps: float, linear):
-        normed, total = add_rmsnorm(x, residual, weight, eps)
-        return linear(normed), total
-
-    return add_rmsnorm_linear
-
-
-def _silu_linear(silu_mul):
-    """silu_mul_linear from a silu_mul: the pair, unfused."""
-    return lambda gate_up, linear: linear(silu_mul(gate_up))
-
-
-# $TTSSERVE_DECODE_OPS (config.py) -> (Triton norms / SiLU / RoPE, the sampler's implementation, small-batch
-# linears fused with the op before them)
+# $TTSSERVE_DECODE_OPS (config.py) -> (Triton norms / SiLU / RoPE, the sampler's implementation)
 _MODES = {
-    "triton": (True, "triton", False),
-    "triton-compiled-sampler": (True, "compile", False),
-    "triton-eager-sampler": (True, "eager", False),
-    "triton-fused-linears": (True, "triton", True),
-    "compile": (False, "compile", False),
+    "triton": (True, "triton"),
+    "triton-compiled-sampler": (True, "compile"),
+    "triton-eager-sampler": (True, "eager"),
+    "compile": (False, "compile"),
 }
 assert tuple(_MODES) == DECODE_OPS_MODES
 
@@ -95,12 +78,9 @@ class DecodeOps:
 
     _compiled: ClassVar[dict[str, object]] = {}  # one compilation per process, shared by every engine
 
-    def __init__(
-        self, compile: bool, triton: bool = False, sampler: str = "compile", fuse_linears: bool = False
-    ) -> None:
+    def __init__(self, compile: bool, triton: bool = False, sampler: str = "compile") -> None:
         """compile: torch.compile what Triton does not take (nothing when False); triton: the Triton norms / SiLU /
-        RoPE; sampler: "triton" (sample/triton_sampler.py), "compile" or "eager" (sample/sampler.py); fuse_linears:
-        add_rmsnorm / silu_mul fused into the linear after them at <= 16 rows (layers/triton_fused_linear.py)."""
+        RoPE; sampler: "triton" (sample/triton_sampler.py), "compile" or "eager" (sample/sampler.py)."""
         from ttsserve.sample.sampler import sample
 
         fns = {
@@ -125,14 +105,7 @@ class DecodeOps:
             from ttsserve.sample.triton_sampler import sample_or_reference
 
             fns["sample"] = sample_or_reference
-        fns["add_rmsnorm_linear"] = _norm_linear(fns["add_rmsnorm"])
-        fns["silu_mul_linear"] = _silu_linear(fns["silu_mul"])
-        if fuse_linears:
-            from ttsserve.layers import triton_fused_linear
-
-            fns["add_rmsnorm_linear"] = triton_fused_linear.add_rmsnorm_linear
-            fns["silu_mul_linear"] = triton_fused_linear.silu_mul_linear
-        self.compiled = bool(to_compile and compile) or triton or sampler == "triton" or fuse_linears
+        self.compiled = bool(to_compile and compile) or triton or sampler == "triton"
         self.traced = bool(to_compile and compile)  # torch.compile traces at first call: precompile() does it early
         for name, fn in fns.items():
             setattr(self, name, fn)
@@ -142,15 +115,14 @@ class DecodeOps:
         """The ops of $TTSSERVE_DECODE_OPS on CUDA; the plain functions elsewhere."""
         if device.type != "cuda":
             return cls(compile=False)
-        triton, sampler, fuse_linears = _MODES[decode_ops_mode()]
-        return cls(compile=True, triton=triton, sampler=sampler, fuse_linears=fuse_linears)
+        triton, sampler = _MODES[decode_ops_mode()]
+        return cls(compile=True, triton=triton, sampler=sampler)
 
 
 def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
     """GPT.forward (model/gpt.py) restructured for fusion: each block's residual add goes into the next
     RMSNorm, RoPE goes into the attention (ctx.attend(..., rope=(cos, sin)) on unrotated q / k views),
-    SiLU-and-mul is one op, and each norm / SiLU-and-mul is handed the linear after it (ops.add_rmsnorm_linear,
-    ops.silu_mul_linear: one kernel where fused). Same arithmetic; x: [T, H] -> [T, H]."""
+    SiLU-and-mul is one op. Same arithmetic; x: [T, H] -> [T, H]."""
     cfg = gpt.cfg
     h = x.to(gpt.dtype)
     cos, sin = gpt.rotary(positions, h.dtype)
@@ -158,14 +130,12 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
     for i, layer in enumerate(gpt.layers):
         norm = layer.input_layernorm
         if residual is None:
-            residual = h
-            qkv = layer.qkv_proj(ops.rmsnorm(h, norm.weight, norm.eps))
+            normed, residual = ops.rmsnorm(h, norm.weight, norm.eps), h
         else:
-            qkv, residual = ops.add_rmsnorm_linear(h, residual, norm.weight, norm.eps, layer.qkv_proj)
-        q, k, v = _split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            normed, residual = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
+        q, k, v = _split_qkv(layer.qkv_proj(normed), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attend(i, q, k, v, rope=(cos, sin))
         norm = layer.post_attention_layernorm
-        o = layer.o_proj(attn.reshape(t, -1))
-        gate_up, residual = ops.add_rmsnorm_linear(o, residual, norm.weight, norm.eps, layer.gate_up_proj)
-        h = ops.silu_mul_linear(gate_up, layer.down_proj)
+        normed, residual = ops.add_rmsnorm(layer.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
+        h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
     return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]
