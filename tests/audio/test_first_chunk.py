@@ -130,19 +130,33 @@ def test_code_streams_and_short_finished_streams_stay_exact(tiny) -> None:
     )
 
 
-def test_bucketed_decoder_pads_rows_and_keeps_each_rows_samples(tiny) -> None:
+@pytest.mark.parametrize("defer", [False, True])
+def test_bucketed_decoder_pads_rows_and_keeps_each_rows_samples(tiny, defer) -> None:
+    """Every window's calls pad to a row bucket; deferred, to its largest until capture_next() took the rest."""
     dec, _, vocos = tiny
     early = FirstChunkDecoder(dec, vocos, [F, 2 * F], L, max_rows=6)
     assert early.row_buckets == [1, 2, 4, 6] and early.widths == [F + L, 2 * F + L]
-    for e, w in zip(early.ends, early.widths):
-        x = _frames(6 * w, 4 + e).view(6, w, 64)
-        eager = early(x)  # graphs not enabled: the plain decode
-        assert eager.shape == (6, 512 * e) and eager.dtype == torch.float32
-        if not early.x:
-            early.enable_graphs()
-        early(x[[5, 4, 3, 2, 1, 0]])  # leaves other rows in the static buffer
-        for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6
-            np.testing.assert_allclose(early(x[:b]).numpy(), eager[:b].numpy(), rtol=0, atol=1e-6)
+    xs = {w: _frames(6 * w, 4 + w).view(6, w, 64) for w in early.widths}
+    eager = {w: early(x) for w, x in xs.items()}  # graphs not enabled: the plain decode
+    assert [eager[w].shape for w in early.widths] == [(6, 512 * e) for e in early.ends]
+    early.enable_graphs(defer=defer)
+    assert early.num_pending == (6 if defer else 0)  # 3 smaller buckets of each window
+    for _ in range(2):
+        for w, x in xs.items():
+            early(x[[5, 4, 3, 2, 1, 0]])  # leaves other rows in the static buffer
+            for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6; deferred at first: 6 for all
+                np.testing.assert_allclose(early(x[:b]).numpy(), eager[w][:b].numpy(), rtol=0, atol=1e-6)
+        while early.num_pending:
+            early.capture_next()
+    assert sorted(early.graphs) == sorted((w, b) for w in early.widths for b in early.row_buckets)
+
+
+def test_the_stage_hands_its_early_buckets_to_the_deferred_captures(tiny) -> None:
+    dec, _, vocos = tiny
+    stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F, first_chunk_lookahead=L)
+    stage.enable_cuda_graphs(4, row_buckets=[2, 4], frame_buckets=[8, 17], defer=True)
+    early = stage.early.decoder
+    assert early in stage.graph_families() and early.num_pending == len(early.widths) * (len(early.row_buckets) - 1)
 
 
 def test_no_early_decoder_where_the_exact_chunk_is_as_early(tiny) -> None:

@@ -15,7 +15,8 @@ emits [previous end, e); the exact stage goes on from the last end (its first ca
 emit: last end + F + 52 frames), so a stream's early samples are approximate and the rest exact.
 
 Each window has one shape per call, [B, e + L] frames: on CUDA one graph per (window, power-of-two row bucket),
-captured at set-up, so a call is one replay instead of a few hundred kernel launches. Rows past B in a bucket
+so a call is one replay instead of a few hundred kernel launches; 18 graphs took 5.3 s on an H100, so with deferred
+capture only each window's largest is captured before the engine is ready. Rows past B in a bucket
 compute whatever the static buffer holds and are dropped (every op of the networks is per row).
 """
 
@@ -66,6 +67,8 @@ class FirstChunkDecoder:
         self.x: dict[int, Tensor] = {}  # window -> [max_rows, C, window] in the decoder's dtype, once enabled
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # (window, rows)
         self.outputs: dict[tuple[int, int], Tensor] = {}
+        self.pending: list[tuple[int, int]] = []  # buckets left for capture_next(), largest first
+        self.pool = None  # the graphs' memory pool
         self.calls = 0
 
     @property
@@ -81,43 +84,61 @@ class FirstChunkDecoder:
         return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, :samples].float()
 
     @torch.no_grad()
-    def enable_graphs(self) -> None:
-        """Static buffers for every window and row bucket and, on CUDA, one captured graph each, largest first
-        into one memory pool. Off CUDA the buckets run eagerly on the same buffers (tests of the padding). A
-        capture that fails leaves the plain decode (slower, the same samples) and says so."""
+    def enable_graphs(self, defer: bool = False) -> None:
+        """Static buffers for every window and, on CUDA, one captured graph per (window, row bucket), largest
+        first into one memory pool. defer: each window's largest bucket only; capture_next() takes the others
+        (engine/deferred_capture.py) and until then a call replays the smallest captured bucket that holds it.
+        Off CUDA the buckets run eagerly on the same buffers (tests of the padding). A capture that fails at
+        set-up leaves the plain decode (slower, the same samples) and says so."""
+        keys = [(w, b) for w in reversed(self.widths) for b in reversed(self.row_buckets)]
+        now = [k for k in keys if k[1] == self.max_rows] if defer else keys
+        self.pending = [k for k in keys if k not in now]
+        t0 = time.perf_counter()
         try:
-            self._capture_all()
+            c, dtype = self.decoder.hidden_size, self.decoder.coef.dtype
+            for w in self.widths:
+                self.x[w] = torch.zeros(self.max_rows, c, w, dtype=dtype, device=self.device)
+            for key in now:
+                self.capture_one(*key)
         except Exception as exc:
             if self.device.type != "cuda":
                 raise
             logger.warning("early-chunk vocoder graphs failed (%s: %s); decoding eagerly", type(exc).__name__, exc)
-            self.x, self.graphs, self.outputs = {}, {}, {}
-
-    def _capture_all(self) -> None:
-        t0 = time.perf_counter()
-        c, dtype, cuda = self.decoder.hidden_size, self.decoder.coef.dtype, self.device.type == "cuda"
-        pool = None
-        for w in reversed(self.widths):
-            x = self.x[w] = torch.zeros(self.max_rows, c, w, dtype=dtype, device=self.device)
-            for b in reversed(self.row_buckets):
-                if not cuda:
-                    self.graphs[w, b] = None
-                    continue
-                self._decode(x[:b])  # warm-up: cuDNN / cuFFT pick kernels and plans outside the capture
-                graph = torch.cuda.CUDAGraph()
-                self.outputs[w, b] = capture(graph, lambda x=x, b=b: self._decode(x[:b]), pool)
-                pool = pool or graph.pool()
-                graph.replay()  # a graph's first launch uploads it: not in a served step
-                self.graphs[w, b] = graph
-        if cuda:
-            torch.cuda.synchronize()
+            self.x, self.graphs, self.outputs, self.pending = {}, {}, {}, []
+            return
+        if self.device.type == "cuda":
             logger.info(
-                "captured %d early-chunk vocoder CUDA graphs (rows 1..%d, windows %s frames) in %.1f s",
-                len(self.graphs),
+                "captured %d early-chunk vocoder CUDA graphs (rows ..%d, windows %s frames) in %.1f s; %d more "
+                "after start-up, between steps",
+                len(now),
                 self.max_rows,
                 self.widths,
                 time.perf_counter() - t0,
+                len(self.pending),
             )
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def capture_next(self) -> None:
+        """Capture the next pending bucket (between engine steps; stream order keeps a call in flight safe)."""
+        self.capture_one(*self.pending.pop(0))
+
+    @torch.no_grad()
+    def capture_one(self, w: int, b: int) -> None:
+        """The graph of window w at b rows (off CUDA: None, the eager call on the static buffer)."""
+        x = self.x[w]
+        if self.device.type != "cuda":
+            self.graphs[w, b] = None
+            return
+        self._decode(x[:b])  # warm-up: cuDNN / cuFFT pick kernels and plans outside the capture
+        graph = torch.cuda.CUDAGraph()
+        self.outputs[w, b] = capture(graph, lambda: self._decode(x[:b]), self.pool)
+        self.pool = self.pool or graph.pool()
+        graph.replay()  # a graph's first launch uploads it: not in a served step
+        torch.cuda.synchronize()
+        self.graphs[w, b] = graph
 
     @torch.no_grad()
     def __call__(self, frames: Tensor) -> Tensor:
@@ -129,7 +150,7 @@ class FirstChunkDecoder:
         self.calls += 1
         if w not in self.x:
             return self._decode(frames.transpose(1, 2).to(self.decoder.coef.dtype))
-        bucket = next(r for r in self.row_buckets if r >= b)
+        bucket = next(r for r in self.row_buckets if r >= b and (w, r) in self.graphs)  # max_rows always is
         x = self.x[w]
         x[:b].copy_(frames.transpose(1, 2))
         graph = self.graphs[w, bucket]

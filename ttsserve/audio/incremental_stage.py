@@ -188,11 +188,12 @@ class IncrementalAudioStage(StreamingStage):
         for graphs in self.graphs.values():
             graphs.capture(defer=defer)
         if self.early is not None:
-            self.early.decoder.enable_graphs()
+            self.early.decoder.enable_graphs(defer=defer)
 
-    def graph_families(self) -> list[VocoderGraphs]:
-        """The captured call graphs, one family per decoder kind (num_pending, capture_next())."""
-        return list(self.graphs.values())
+    def graph_families(self) -> list:
+        """The captured call graphs, one family per decoder kind, and the early chunks' (num_pending,
+        capture_next())."""
+        return list(self.graphs.values()) + ([self.early.decoder] if self.early else [])
 
     def _first_needed_frame(self, st: Stream) -> int:
         return st.num_emitted_frames  # frames before it are fed: their trace lives in the conv caches
