@@ -32,7 +32,7 @@ def vocoder_net_dtype(model) -> torch.dtype | None:
 def make_audio_stage(
     decoder: HiddenDecoder | None, dvae: DVAE | None, vocos: Vocos, *, lookahead_frames: int | None = None, **kwargs
 ) -> StreamingStage:
-    """The engine's stage: incremental when exact (lookahead None; first_chunk_lookahead: an early first chunk),
+    """The engine's stage: incremental when exact (lookahead None; first_chunk_lookahead: early chunks),
     windowed with a shorter lookahead."""
     if lookahead_frames is None:
         return IncrementalAudioStage(decoder, dvae, vocos, **kwargs)

@@ -49,8 +49,9 @@ HELP = {
     "kv_cache_dtype": "auto | fp8 (e4m3 KV cache with per-token-head scales; CUDA only)",
     "lookahead_frames": "right context of streamed windows; unset = exact (stitched stream == one-shot decode)",
     "first_chunk_frames": "frames in the first streamed audio chunk (later chunks double up to max_chunk_frames)",
-    "first_chunk_lookahead_frames": "exact vocoder: the first chunk leaves after this many frames of right context "
-    "instead of 52 (16: within 7e-6 of exact, a quarter of a 16-bit step), every later sample exact",
+    "first_chunk_lookahead_frames": "exact vocoder: the first audio leaves after this many frames of right context "
+    "instead of 52, in early chunks up to 32 frames (16: within 7e-6 of exact, a quarter of a 16-bit step), every "
+    "later sample exact",
     "block_size": "KV cache block size in frames (8, 16, 32, 64, 128)",
     "gpu_memory_utilization": "fraction of GPU memory for weights + activations + KV cache",
     "kv_cache_memory": "bytes for the KV pool (suffixes K/M/G/KiB/MiB/GiB accepted)",
