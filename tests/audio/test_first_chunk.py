@@ -11,7 +11,7 @@ import torch
 from audio_stage_testutil import joined, one_shot
 from audio_stage_testutil import tiny as tiny  # a fixture, used by name
 
-from ttsserve.audio.first_chunk import FirstChunkDecoder, early_chunk_ends
+from ttsserve.audio.first_chunk import EarlyChunkDecoder, early_chunk_ends
 from ttsserve.audio.incremental_stage import IncrementalAudioStage
 from ttsserve.audio.stage import AudioStage
 from ttsserve.config import EngineConfig
@@ -134,7 +134,7 @@ def test_code_streams_and_short_finished_streams_stay_exact(tiny) -> None:
 def test_bucketed_decoder_pads_rows_and_keeps_each_rows_samples(tiny, defer) -> None:
     """Every window's calls pad to a row bucket; deferred, to its largest until capture_next() took the rest."""
     dec, _, vocos = tiny
-    early = FirstChunkDecoder(dec, vocos, [F, 2 * F], L, max_rows=6)
+    early = EarlyChunkDecoder(dec, vocos, [F, 2 * F], L, max_rows=6)
     assert early.row_buckets == [1, 2, 4, 6] and early.widths == [F + L, 2 * F + L]
     xs = {w: _frames(6 * w, 4 + w).view(6, w, 64) for w in early.widths}
     eager = {w: early(x) for w, x in xs.items()}  # graphs not enabled: the plain decode
@@ -180,7 +180,7 @@ def test_engine_config_rejects_bad_first_chunk_lookahead(kwargs, match) -> None:
 
 def test_a_failed_capture_leaves_the_plain_decode(tiny, caplog) -> None:
     dec, _, vocos = tiny
-    early = FirstChunkDecoder(dec, vocos, [F], L, max_rows=4)
+    early = EarlyChunkDecoder(dec, vocos, [F], L, max_rows=4)
     x = _frames(3 * (F + L), 6).view(3, F + L, 64)
     ref = early(x)
     early.device = torch.device("cuda")  # its capture path; on a machine without CUDA every allocation there fails

@@ -48,7 +48,7 @@ def early_chunk_ends(first_frames: int, lookahead: int, exact_first_call: int) -
     return ends
 
 
-class FirstChunkDecoder:
+class EarlyChunkDecoder:
     """decoder + Vocos over [B, e + L] windows of hidden states -> the first e frames' samples of each row, for
     each early chunk end e of `ends`."""
 
@@ -164,7 +164,7 @@ class EarlyChunks:
     """Which hidden-state streams have an early chunk due, and their decode. Owned by the exact stage
     (audio/incremental_stage.py), which adds each hidden-state stream and launches these before its own calls."""
 
-    def __init__(self, decoder: FirstChunkDecoder, exact_first_call: int) -> None:
+    def __init__(self, decoder: EarlyChunkDecoder, exact_first_call: int) -> None:
         self.decoder = decoder
         self.exact_first_call = exact_first_call  # frames the exact stage's first call needs
         self._awaiting: set[str] = set()  # streams that may still get an early chunk: few, not every stream

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
-from ttsserve.audio.first_chunk import EarlyChunks, FirstChunkDecoder, early_chunk_ends
+from ttsserve.audio.first_chunk import EarlyChunkDecoder, EarlyChunks, early_chunk_ends
 from ttsserve.audio.incremental import (
     NOT_FINISHED,
     IncrementalDecoder,
@@ -37,7 +37,7 @@ from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
 
 # rows of one early-chunk call: a step starts a few streams (about 2 at 512 H100 streams), a burst takes several
-# calls, and each (window, row bucket) is a graph captured at set-up
+# calls, and each (window, power-of-two row bucket) is a CUDA graph
 EARLY_MAX_ROWS = 32
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class IncrementalAudioStage(StreamingStage):
             ends = early_chunk_ends(first_chunk_frames, first_chunk_lookahead, self._first_call_frames)
             if ends:  # else the exact first chunk is as early
                 rows = min(max_windows_per_call, EARLY_MAX_ROWS)
-                decoder = FirstChunkDecoder(self.decoder, self.vocos, ends, first_chunk_lookahead, rows)
+                decoder = EarlyChunkDecoder(self.decoder, self.vocos, ends, first_chunk_lookahead, rows)
                 self.early = EarlyChunks(decoder, self._first_call_frames)
 
     @property
