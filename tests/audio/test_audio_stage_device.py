@@ -35,7 +35,7 @@ def test_cuda_stage_matches_cpu(tiny, stage_cls) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("defer", [False, True])
-def test_cuda_early_first_chunk_graphs_match_cpu(defer) -> None:
+def test_cuda_early_chunk_graphs_match_cpu(defer) -> None:
     """The early chunks' CUDA graphs (fp16 networks as the engine runs them, row buckets padded; deferred: the
     largest buckets first, the rest captured between steps while streams run) stream what the CPU's exact
     stage with the same early chunks streams, within fp16's error."""

@@ -31,7 +31,7 @@ def _serve(model, **engine_kw) -> tuple[dict[str, np.ndarray], dict[str, int], i
     return {k: np.concatenate(v) for k, v in audio.items()}, first_step, head
 
 
-def test_early_first_chunk_in_the_engine(tiny_model):
+def test_early_chunks_in_the_engine(tiny_model):
     exact, exact_first, _ = _serve(tiny_model)
     early, early_first, head = _serve(tiny_model, first_chunk_lookahead_frames=3)
     assert head > 512 * FIRST  # more than one early chunk
@@ -43,7 +43,7 @@ def test_early_first_chunk_in_the_engine(tiny_model):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_early_first_chunk_across_preemption_and_abort(tiny_model, mode):
+def test_early_chunks_across_preemption_and_abort(tiny_model, mode):
     """A KV pool too small for the batch preempts streams after their early chunks; one request is
     aborted after its first audio. Every finished request's audio is the exact engine's past its early chunks,
     and the aborted one leaves no stream behind."""
