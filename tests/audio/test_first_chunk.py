@@ -71,14 +71,20 @@ def test_early_chunks_leave_after_their_lookahead_and_the_rest_is_exact(tiny, fi
 
 
 def test_streams_at_different_early_chunks_share_a_step(tiny) -> None:
-    """Streams started 2 frames apart are due for different early chunks in the same steps (one gather, one
-    decode per chunk end): each stream's audio is what it gets alone."""
+    """Streams started 2 frames apart are due for different early chunks in the same steps (one call for all):
+    each stream's audio is what it gets alone."""
     dec, _, vocos = tiny
     frames = {k: _frames(40, 20 + i) for i, k in enumerate("abc")}
     alone = {k: joined(_chunks_at(_early_stage(dec, vocos), k, f)[1]) for k, f in frames.items()}
     stage, got = _early_stage(dec, vocos), {k: [] for k in frames}
-    groups, due = [], stage.early.due
-    stage.early.due = lambda streams: groups.append(d := due(streams)) or d  # how many chunk ends in a step
+    ends, due = [], stage.early.due
+
+    def counted(streams):  # the chunk ends due in each step
+        rows = due(streams)
+        ends.append({end for *_, end in rows})
+        return rows
+
+    stage.early.due = counted
     for t in range(44):
         live = [k for i, k in enumerate(frames) if 0 <= t - 2 * i < 40]
         for k in [k for i, k in enumerate(frames) if t == 2 * i]:
@@ -90,7 +96,7 @@ def test_streams_at_different_early_chunks_share_a_step(tiny) -> None:
             got[ch.req_id].append(ch)
     for ch in stage.flush():
         got[ch.req_id].append(ch)
-    assert max(map(len, groups)) >= 2
+    assert max(map(len, ends)) >= 2
     for k in frames:
         np.testing.assert_allclose(joined(got[k]), alone[k], rtol=0, atol=1e-6, err_msg=k)
 
@@ -131,24 +137,28 @@ def test_code_streams_and_short_finished_streams_stay_exact(tiny) -> None:
 
 
 @pytest.mark.parametrize("defer", [False, True])
-def test_bucketed_decoder_pads_rows_and_keeps_each_rows_samples(tiny, defer) -> None:
-    """Every window's calls pad to a row bucket; deferred, to its largest until capture_next() took the rest."""
+def test_one_call_decodes_each_row_as_its_window_alone(tiny, defer) -> None:
+    """Rows of different windows share a call (each masked to its own window, its samples the one-shot decode of
+    that window); calls pad to a row bucket, deferred to the largest until capture_next() took the rest."""
     dec, _, vocos = tiny
     early = EarlyChunkDecoder(dec, vocos, [F, 2 * F], L, max_rows=6)
-    assert early.row_buckets == [1, 2, 4, 6] and early.widths == [F + L, 2 * F + L]
-    xs = {w: _frames(6 * w, 4 + w).view(6, w, 64) for w in early.widths}
-    eager = {w: early(x) for w, x in xs.items()}  # graphs not enabled: the plain decode
-    assert [eager[w].shape for w in early.widths] == [(6, 512 * e) for e in early.ends]
+    assert early.row_buckets == [1, 2, 4, 6] and early.widths == [F + L, 2 * F + L] and early.width == 2 * F + L
+    x = _frames(6 * early.width, 4).view(6, early.width, 64)
+    widths = [F + L, 2 * F + L, F + L, F + L, 2 * F + L, 2 * F + L]
+    alone = [one_shot(dec, vocos, x[r, :w])[: 512 * (w - L)] for r, w in enumerate(widths)]
+    eager = early(x, widths)  # graphs not enabled: the plain decode
+    assert eager.shape == (6, 512 * 2 * F) and eager.dtype == torch.float32
+    for r, w in enumerate(widths):
+        np.testing.assert_allclose(eager[r, : 512 * (w - L)].numpy(), alone[r], rtol=0, atol=1e-5)
     early.enable_graphs(defer=defer)
-    assert early.num_pending == (6 if defer else 0)  # 3 smaller buckets of each window
+    assert early.num_pending == (3 if defer else 0)  # the 3 smaller buckets
     for _ in range(2):
-        for w, x in xs.items():
-            early(x[[5, 4, 3, 2, 1, 0]])  # leaves other rows in the static buffer
-            for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6; deferred at first: 6 for all
-                np.testing.assert_allclose(early(x[:b]).numpy(), eager[w][:b].numpy(), rtol=0, atol=1e-6)
+        early(x[[5, 4, 3, 2, 1, 0]], widths[::-1])  # leaves other rows in the static buffers
+        for b in (1, 3, 6):  # buckets 1, 4 (a padding row), 6; deferred at first: 6 for all
+            np.testing.assert_allclose(early(x[:b], widths[:b]).numpy(), eager[:b].numpy(), rtol=0, atol=1e-6)
         while early.num_pending:
             early.capture_next()
-    assert sorted(early.graphs) == sorted((w, b) for w in early.widths for b in early.row_buckets)
+    assert sorted(early.graphs) == early.row_buckets
 
 
 def test_the_stage_hands_its_early_buckets_to_the_deferred_captures(tiny) -> None:
@@ -156,7 +166,7 @@ def test_the_stage_hands_its_early_buckets_to_the_deferred_captures(tiny) -> Non
     stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=F, first_chunk_lookahead=L)
     stage.enable_cuda_graphs(4, row_buckets=[2, 4], frame_buckets=[8, 17], defer=True)
     early = stage.early.decoder
-    assert early in stage.graph_families() and early.num_pending == len(early.widths) * (len(early.row_buckets) - 1)
+    assert early in stage.graph_families() and early.num_pending == len(early.row_buckets) - 1
 
 
 def test_no_early_decoder_where_the_exact_chunk_is_as_early(tiny) -> None:
@@ -182,8 +192,8 @@ def test_a_failed_capture_leaves_the_plain_decode(tiny, caplog) -> None:
     dec, _, vocos = tiny
     early = EarlyChunkDecoder(dec, vocos, [F], L, max_rows=4)
     x = _frames(3 * (F + L), 6).view(3, F + L, 64)
-    ref = early(x)
+    ref = early(x, [F + L] * 3)
     early.device = torch.device("cuda")  # its capture path; on a machine without CUDA every allocation there fails
     early.enable_graphs()
-    assert not early.x and not early.graphs and "decoding eagerly" in caplog.text
-    np.testing.assert_array_equal(early(x).numpy(), ref.numpy())
+    assert early.x is None and not early.graphs and "decoding eagerly" in caplog.text
+    np.testing.assert_array_equal(early(x, [F + L] * 3).numpy(), ref.numpy())

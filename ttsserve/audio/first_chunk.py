@@ -14,10 +14,11 @@ first call's F + 52 frames: 8, 16, 32 at F = 8, L = 16, the last at frame 48 wit
 emits [previous end, e); the exact stage goes on from the last end (its first call waits until it has new samples to
 emit: last end + F + 52 frames), so a stream's early samples are approximate and the rest exact.
 
-Each window has one shape per call, [B, e + L] frames: on CUDA one graph per (window, power-of-two row bucket),
-so a call is one replay instead of a few hundred kernel launches; 18 graphs took 5.3 s on an H100, so with deferred
-capture only each window's largest is captured before the engine is ready. Rows past B in a bucket
-compute whatever the static buffer holds and are dropped (every op of the networks is per row).
+Every call has one shape, [B, widest window] frames, each row masked to its own window (the networks mask every
+conv's input past a row's length, so a row decodes as its window alone): the step's due streams, whichever chunk
+they are at, share one call, and on CUDA a call is one replay of the graph of its power-of-two row bucket instead of
+a few hundred kernel launches. At small batch a replay costs its launches, not its rows: one graph per window took
+one replay per window a step. Rows past B in a bucket compute whatever the static buffers hold and are dropped.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from torch import Tensor
 
 from ttsserve.audio.decoder_net import HiddenDecoder
 from ttsserve.audio.frame_pool import FramePool
-from ttsserve.audio.stream_base import ChunkSpec, Stream
+from ttsserve.audio.stream_base import ChunkSpec, Stream, crop_rows
 from ttsserve.audio.vocos import Vocos
 from ttsserve.graph_capture import capture
+from ttsserve.h2d import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +51,8 @@ def early_chunk_ends(first_frames: int, lookahead: int, exact_first_call: int) -
 
 
 class EarlyChunkDecoder:
-    """decoder + Vocos over [B, e + L] windows of hidden states -> the first e frames' samples of each row, for
-    each early chunk end e of `ends`."""
+    """decoder + Vocos over [B, W] frames of hidden states (W the widest window), row b masked to its window
+    widths[b] -> the first ends[-1] frames' samples of each row (valid up to the row's own end)."""
 
     def __init__(self, decoder: HiddenDecoder, vocos: Vocos, ends: list[int], lookahead: int, max_rows: int) -> None:
         if not ends or min(ends) < 1 or lookahead < 1 or max_rows < 1:
@@ -58,16 +60,16 @@ class EarlyChunkDecoder:
         self.decoder, self.vocos = decoder, vocos
         self.ends = sorted(ends)
         self.widths = [e + lookahead for e in self.ends]
+        self.width = self.widths[-1]
         self.samples_per_frame = 2 * vocos.hop_length
         self.row_buckets = [1 << k for k in range(max_rows.bit_length()) if 1 << k < max_rows] + [max_rows]
         self.device = next(vocos.parameters()).device
         self.vocos_dtype = next(vocos.parameters()).dtype
-        # full-length masks: the masked ISTFT (vocos.istft_rows) has no host sync, torch.istft's check has one
-        self.lens = torch.full((self.max_rows,), self.widths[-1], dtype=torch.int64, device=self.device)
-        self.x: dict[int, Tensor] = {}  # window -> [max_rows, C, window] in the decoder's dtype, once enabled
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # (window, rows)
-        self.outputs: dict[tuple[int, int], Tensor] = {}
-        self.pending: list[tuple[int, int]] = []  # buckets left for capture_next(), largest first
+        self.x: Tensor | None = None  # [max_rows, C, width] in the decoder's dtype, once graphs are enabled
+        self.lens = torch.full((max_rows,), self.width, dtype=torch.int64, device=self.device)  # rows' windows
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # by row bucket
+        self.outputs: dict[int, Tensor] = {}
+        self.pending: list[int] = []  # row buckets left for capture_next(), largest first
         self.pool = None  # the graphs' memory pool
         self.calls = 0
 
@@ -75,44 +77,40 @@ class EarlyChunkDecoder:
     def max_rows(self) -> int:
         return self.row_buckets[-1]
 
-    def _decode(self, x: Tensor) -> Tensor:
-        """x [B, C, e + L] (decoder dtype) -> [B, e * 512] fp32. Graph-capturable."""
-        b, width = x.shape[0], x.shape[2]
-        lens = self.lens[:b].clamp(max=width)
+    def _decode(self, x: Tensor, lens: Tensor) -> Tensor:
+        """x [B, C, width] (decoder dtype), lens [B] -> [B, ends[-1] * 512] fp32. Graph-capturable (the masked
+        ISTFT has no host sync)."""
         mel = self.decoder(x, lens)
-        samples = self.samples_per_frame * self.ends[self.widths.index(width)]
-        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, :samples].float()
+        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, : self.samples_per_frame * self.ends[-1]].float()
 
     @torch.no_grad()
     def enable_graphs(self, defer: bool = False) -> None:
-        """Static buffers for every window and, on CUDA, one captured graph per (window, row bucket), largest
-        first into one memory pool. defer: each window's largest bucket only; capture_next() takes the others
-        (engine/deferred_capture.py) and until then a call replays the smallest captured bucket that holds it.
-        Off CUDA the buckets run eagerly on the same buffers (tests of the padding). A capture that fails at
-        set-up leaves the plain decode (slower, the same samples) and says so."""
-        keys = [(w, b) for w in reversed(self.widths) for b in reversed(self.row_buckets)]
-        now = [k for k in keys if k[1] == self.max_rows] if defer else keys
-        self.pending = [k for k in keys if k not in now]
+        """Static buffers and, on CUDA, one captured graph per row bucket, largest first into one memory pool.
+        defer: the largest only; capture_next() takes the others (engine/deferred_capture.py) and until then a
+        call replays the smallest captured bucket that holds it. Off CUDA the buckets run eagerly on the same
+        buffers (tests of the padding). A capture that fails at set-up leaves the plain decode (slower, the same
+        samples) and says so."""
+        buckets = self.row_buckets[::-1]
+        now, self.pending = (buckets[:1], buckets[1:]) if defer else (buckets, [])
         t0 = time.perf_counter()
         try:
             c, dtype = self.decoder.hidden_size, self.decoder.coef.dtype
-            for w in self.widths:
-                self.x[w] = torch.zeros(self.max_rows, c, w, dtype=dtype, device=self.device)
-            for key in now:
-                self.capture_one(*key)
+            self.x = torch.zeros(self.max_rows, c, self.width, dtype=dtype, device=self.device)
+            for b in now:
+                self.capture_one(b)
         except Exception as exc:
             if self.device.type != "cuda":
                 raise
             logger.warning("early-chunk vocoder graphs failed (%s: %s); decoding eagerly", type(exc).__name__, exc)
-            self.x, self.graphs, self.outputs, self.pending = {}, {}, {}, []
+            self.x, self.graphs, self.outputs, self.pending = None, {}, {}, []
             return
         if self.device.type == "cuda":
             logger.info(
-                "captured %d early-chunk vocoder CUDA graphs (rows ..%d, windows %s frames) in %.1f s; %d more "
-                "after start-up, between steps",
+                "captured %d early-chunk vocoder CUDA graphs (rows ..%d, %d frames) in %.1f s; %d more after "
+                "start-up, between steps",
                 len(now),
                 self.max_rows,
-                self.widths,
+                self.width,
                 time.perf_counter() - t0,
                 len(self.pending),
             )
@@ -123,41 +121,42 @@ class EarlyChunkDecoder:
 
     def capture_next(self) -> None:
         """Capture the next pending bucket (between engine steps; stream order keeps a call in flight safe)."""
-        self.capture_one(*self.pending.pop(0))
+        self.capture_one(self.pending.pop(0))
 
     @torch.no_grad()
-    def capture_one(self, w: int, b: int) -> None:
-        """The graph of window w at b rows (off CUDA: None, the eager call on the static buffer)."""
-        x = self.x[w]
+    def capture_one(self, b: int) -> None:
+        """The graph of b rows (off CUDA: None, the eager call on the static buffers)."""
         if self.device.type != "cuda":
-            self.graphs[w, b] = None
+            self.graphs[b] = None
             return
-        self._decode(x[:b])  # warm-up: cuDNN / cuFFT pick kernels and plans outside the capture
+        x, lens = self.x, self.lens
+        self._decode(x[:b], lens[:b])  # warm-up: cuDNN / cuFFT pick kernels and plans outside the capture
         graph = torch.cuda.CUDAGraph()
-        self.outputs[w, b] = capture(graph, lambda: self._decode(x[:b]), self.pool)
+        self.outputs[b] = capture(graph, lambda: self._decode(x[:b], lens[:b]), self.pool)
         self.pool = self.pool or graph.pool()
         graph.replay()  # a graph's first launch uploads it: not in a served step
         torch.cuda.synchronize()
-        self.graphs[w, b] = graph
+        self.graphs[b] = graph
 
     @torch.no_grad()
-    def __call__(self, frames: Tensor) -> Tensor:
-        """frames [B, e + L, C] (any float dtype; e one of ends), B <= max_rows -> [B, e * 512] fp32 on the
-        device. With graphs: a view of a static buffer, valid until the next call (stream order keeps a queued
-        crop safe)."""
-        b, w = frames.shape[:2]
-        assert w in self.widths and 1 <= b <= self.max_rows, (frames.shape, self.widths, self.max_rows)
+    def __call__(self, frames: Tensor, widths: list[int]) -> Tensor:
+        """frames [B, width, C] (any float dtype), widths [B] (each one of self.widths), B <= max_rows ->
+        [B, ends[-1] * 512] fp32 on the device, row b valid up to its own end. With graphs: a view of a static
+        buffer, valid until the next call (stream order keeps a queued crop safe)."""
+        b = frames.shape[0]
+        assert frames.shape[1] == self.width and len(widths) == b <= self.max_rows, (frames.shape, len(widths))
         self.calls += 1
-        if w not in self.x:
-            return self._decode(frames.transpose(1, 2).to(self.decoder.coef.dtype))
-        bucket = next(r for r in self.row_buckets if r >= b and (w, r) in self.graphs)  # max_rows always is
-        x = self.x[w]
-        x[:b].copy_(frames.transpose(1, 2))
-        graph = self.graphs[w, bucket]
+        lens = to_device(widths, frames.device)
+        if self.x is None:
+            return self._decode(frames.transpose(1, 2).to(self.decoder.coef.dtype), lens)
+        bucket = next(r for r in self.row_buckets if r >= b and r in self.graphs)  # max_rows always is
+        self.x[:b].copy_(frames.transpose(1, 2))
+        self.lens[:b].copy_(lens)
+        graph = self.graphs[bucket]
         if graph is None:
-            return self._decode(x[:bucket])[:b]
+            return self._decode(self.x[:bucket], self.lens[:bucket])[:b]
         graph.replay()
-        return self.outputs[w, bucket][:b]
+        return self.outputs[bucket][:b]
 
 
 class EarlyChunks:
@@ -172,11 +171,11 @@ class EarlyChunks:
     def add_request(self, req_id: str) -> None:
         self._awaiting.add(req_id)
 
-    def due(self, streams: dict[str, Stream]) -> dict[tuple[int, int], list[tuple[str, Stream]]]:
-        """Streams with an early chunk to leave now, by (frames out, chunk end): the latest end whose window is in,
-        past what is out. A stream leaves the set once its last early chunk is out, once it is gone or finished,
-        or once the exact stage can emit past its early audio (its first call + the frames out)."""
-        due: dict[tuple[int, int], list[tuple[str, Stream]]] = {}
+    def due(self, streams: dict[str, Stream]) -> list[tuple[str, Stream, int, int]]:
+        """Streams with an early chunk to leave now -> (id, stream, frames out, chunk end): the latest end whose
+        window is in, past what is out. A stream leaves the set once its last early chunk is out, once it is gone
+        or finished, or once the exact stage can emit past its early audio (its first call + the frames out)."""
+        due = []
         dec, spf = self.decoder, self.decoder.samples_per_frame
         for req_id in list(self._awaiting):
             st = streams.get(req_id)
@@ -186,33 +185,29 @@ class EarlyChunks:
                 continue
             k = bisect.bisect_right(dec.widths, st.num_frames) - 1  # the latest window that is in
             if k >= 0 and dec.ends[k] > out:
-                due.setdefault((out, dec.ends[k]), []).append((req_id, st))
+                due.append((req_id, st, out, dec.ends[k]))
                 if k == len(dec.ends) - 1:
                     self._awaiting.discard(req_id)
         return due
 
     def launch(self, streams: dict[str, Stream], pool: FramePool) -> tuple[list[Tensor], list[ChunkSpec], list[int]]:
-        """Decode the due early chunks -> (flat samples per call, specs, sizes): each stream's samples
-        [out, end) * 512. The exact stage then emits from the stream's num_emitted_samples on. One gather of
-        every due stream's frames, as wide as the widest window (each gather is several launches and a copy)."""
+        """Decode the due early chunks, every window in one call of at most max_rows rows -> (flat samples per
+        call, specs, sizes): each stream's samples [out, end) * 512. The exact stage then emits from the
+        stream's num_emitted_samples on."""
         pieces, specs, sizes = [], [], []
-        due = self.due(streams) if self._awaiting else {}
-        if not due:
-            return pieces, specs, sizes
+        due = self.due(streams) if self._awaiting else []
         dec, spf = self.decoder, self.decoder.samples_per_frame
-        rows = [st for group in due.values() for _, st in group]  # each group's rows contiguous
-        width = dec.widths[dec.ends.index(max(end for _, end in due))]
-        x = pool.gather([st.slot for st in rows], [-st.base for st in rows], [width] * len(rows))
-        row = 0
-        for (out, end), group in due.items():
-            w = dec.widths[dec.ends.index(end)]
-            for i in range(0, len(group), dec.max_rows):
-                part = group[i : i + dec.max_rows]
-                wav = dec(x[row : row + len(part), :w])
-                pieces.append(wav[:, out * spf :].reshape(-1).clone())  # the next call may replay the buffer
-                row += len(part)
-                for req_id, st in part:
-                    st.num_emitted_samples = end * spf
-                    specs.append(ChunkSpec(req_id, out * spf, False))
-                sizes += [(end - out) * spf] * len(part)
+        window = dict(zip(dec.ends, dec.widths))
+        for i in range(0, len(due), dec.max_rows):
+            part = due[i : i + dec.max_rows]
+            rows = [st for _, st, _, _ in part]
+            x = pool.gather([st.slot for st in rows], [-st.base for st in rows], [dec.width] * len(part))
+            wav = dec(x, [window[end] for *_, end in part])
+            starts = [out * spf for *_, out, _ in part]
+            counts = [(end - out) * spf for *_, out, end in part]
+            pieces.append(crop_rows(wav, starts, counts))  # a copy: the next call may replay the static buffer
+            for req_id, st, out, end in part:
+                st.num_emitted_samples = end * spf
+                specs.append(ChunkSpec(req_id, out * spf, False))
+            sizes += counts
         return pieces, specs, sizes
