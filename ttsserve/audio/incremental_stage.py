@@ -37,7 +37,7 @@ from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
 
 # rows of one early-chunk call: a step starts a few streams (about 2 at 512 H100 streams), a burst takes several
-# calls, and each (window, power-of-two row bucket) is a CUDA graph
+# calls, and each power-of-two row bucket is a CUDA graph
 EARLY_MAX_ROWS = 32
 
 if TYPE_CHECKING:
