@@ -150,6 +150,8 @@ def test_one_call_decodes_each_row_as_its_window_alone(tiny, defer) -> None:
     assert eager.shape == (6, 512 * 2 * F) and eager.dtype == torch.float32
     for r, w in enumerate(widths):
         np.testing.assert_allclose(eager[r, : 512 * (w - L)].numpy(), alone[r], rtol=0, atol=1e-5)
+    narrow = early(x[[0, 2], : F + L], [F + L] * 2)  # eager: as wide as the call's widest window
+    np.testing.assert_allclose(narrow.numpy(), eager[[0, 2], : 512 * F].numpy(), rtol=0, atol=1e-5)
     early.enable_graphs(defer=defer)
     assert early.num_pending == (3 if defer else 0)  # the 3 smaller buckets
     for _ in range(2):

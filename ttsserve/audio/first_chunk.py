@@ -14,11 +14,12 @@ first call's F + 52 frames: 8, 16, 32 at F = 8, L = 16, the last at frame 48 wit
 emits [previous end, e); the exact stage goes on from the last end (its first call waits until it has new samples to
 emit: last end + F + 52 frames), so a stream's early samples are approximate and the rest exact.
 
-Every call has one shape, [B, widest window] frames, each row masked to its own window (the networks mask every
-conv's input past a row's length, so a row decodes as its window alone): the step's due streams, whichever chunk
-they are at, share one call, and on CUDA a call is one replay of the graph of its power-of-two row bucket instead of
-a few hundred kernel launches. At small batch a replay costs its launches, not its rows: one graph per window took
-one replay per window a step. Rows past B in a bucket compute whatever the static buffers hold and are dropped.
+The step's due streams, whichever chunk they are at, share one call, each row masked to its own window (the
+networks mask every conv's input past a row's length, so a row decodes as its window alone). On CUDA every call has
+one shape, [B, widest window] frames, and is one replay of the graph of its power-of-two row bucket instead of a few
+hundred kernel launches: at small batch a replay costs its launches, not its rows (one graph per window took one
+replay per window a step). Rows past B in a bucket compute whatever the static buffers hold and are dropped. Eager
+(a CPU), a call is as wide as its widest row: there a padded frame costs its compute.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def early_chunk_ends(first_frames: int, lookahead: int, exact_first_call: int) -
 
 
 class EarlyChunkDecoder:
-    """decoder + Vocos over [B, W] frames of hidden states (W the widest window), row b masked to its window
-    widths[b] -> the first ends[-1] frames' samples of each row (valid up to the row's own end)."""
+    """decoder + Vocos over [B, W] frames of hidden states (W the widest window; eager: the call's widest), row b
+    masked to its window widths[b] -> each row's samples up to W - L frames (valid up to the row's own end)."""
 
     def __init__(self, decoder: HiddenDecoder, vocos: Vocos, ends: list[int], lookahead: int, max_rows: int) -> None:
         if not ends or min(ends) < 1 or lookahead < 1 or max_rows < 1:
@@ -78,10 +79,11 @@ class EarlyChunkDecoder:
         return self.row_buckets[-1]
 
     def _decode(self, x: Tensor, lens: Tensor) -> Tensor:
-        """x [B, C, width] (decoder dtype), lens [B] -> [B, ends[-1] * 512] fp32. Graph-capturable (the masked
+        """x [B, C, w] (decoder dtype), lens [B] <= w -> [B, (w - L) * 512] fp32. Graph-capturable (the masked
         ISTFT has no host sync)."""
         mel = self.decoder(x, lens)
-        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, : self.samples_per_frame * self.ends[-1]].float()
+        samples = self.samples_per_frame * (x.shape[2] - self.width + self.ends[-1])
+        return self.vocos(mel.to(self.vocos_dtype), 2 * lens)[:, :samples].float()
 
     @torch.no_grad()
     def enable_graphs(self, defer: bool = False) -> None:
@@ -138,13 +140,18 @@ class EarlyChunkDecoder:
         torch.cuda.synchronize()
         self.graphs[b] = graph
 
+    def call_width(self, widths: list[int]) -> int:
+        """Frames a call of rows with these windows takes: the widest window with graphs (one shape), else the
+        widest of the call's (eager, as on a CPU, a padded frame costs its compute)."""
+        return self.width if self.x is not None else max(widths)
+
     @torch.no_grad()
     def __call__(self, frames: Tensor, widths: list[int]) -> Tensor:
-        """frames [B, width, C] (any float dtype), widths [B] (each one of self.widths), B <= max_rows ->
-        [B, ends[-1] * 512] fp32 on the device, row b valid up to its own end. With graphs: a view of a static
-        buffer, valid until the next call (stream order keeps a queued crop safe)."""
+        """frames [B, call_width(widths), C] (any float dtype), widths [B] (each one of self.widths), B <=
+        max_rows -> [B, (call width - L) * 512] fp32 on the device, row b valid up to its own end. With graphs: a
+        view of a static buffer, valid until the next call (stream order keeps a queued crop safe)."""
         b = frames.shape[0]
-        assert frames.shape[1] == self.width and len(widths) == b <= self.max_rows, (frames.shape, len(widths))
+        assert frames.shape[1] == self.call_width(widths) and len(widths) == b <= self.max_rows, frames.shape
         self.calls += 1
         lens = to_device(widths, frames.device)
         if self.x is None:
@@ -200,9 +207,10 @@ class EarlyChunks:
         window = dict(zip(dec.ends, dec.widths))
         for i in range(0, len(due), dec.max_rows):
             part = due[i : i + dec.max_rows]
-            rows = [st for _, st, _, _ in part]
-            x = pool.gather([st.slot for st in rows], [-st.base for st in rows], [dec.width] * len(part))
-            wav = dec(x, [window[end] for *_, end in part])
+            rows, widths = [st for _, st, _, _ in part], [window[end] for *_, end in part]
+            width = dec.call_width(widths)
+            x = pool.gather([st.slot for st in rows], [-st.base for st in rows], [width] * len(part))
+            wav = dec(x, widths)
             starts = [out * spf for *_, out, _ in part]
             counts = [(end - out) * spf for *_, out, end in part]
             pieces.append(crop_rows(wav, starts, counts))  # a copy: the next call may replay the static buffer
