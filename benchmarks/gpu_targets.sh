@@ -11,7 +11,8 @@
 # 4. targets.json: every headline target checked against those reports (benchmarks/targets_summary.py).
 # Env: PARTS (default "cold serve offline"; "variant" adds a second server with VARIANT_ARGS, default
 #      --first-chunk-lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant, and
-#      with "offline" also bench offline 1 x 10 s with those flags) picks the parts;
+#      with "offline" also bench offline 1 x 10 s with those flags; VARIANT_POINTS= (empty): that offline run
+#      only) picks the parts;
 #      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
 #      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them). Each part writes as it goes, so a call cut short
 #      keeps what it measured.
@@ -72,11 +73,14 @@ serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serv
 if [[ $parts == *" serve "* ]]; then
     serve_points "$OUT" "${SERVE_ARGS:-}" "${SERVE_POINTS:-pcm:512 pcm:256 pcm:128 mp3:256 pcm:qps400}"
 fi
-if [[ $parts == *" variant "* ]]; then  # the same points on a server with other flags, under OUT/variant
-    serve_points "$OUT/variant" "${VARIANT_ARGS:---first-chunk-lookahead-frames 16}" "${VARIANT_POINTS:-pcm:128 pcm:512}"
+variant_args=${VARIANT_ARGS:---first-chunk-lookahead-frames 16}
+variant_points=${VARIANT_POINTS-pcm:128 pcm:512}  # set but empty: no variant server (its offline run only)
+if [[ $parts == *" variant "* && -n $variant_points ]]; then  # the same points on a server with other flags
+    serve_points "$OUT/variant" "$variant_args" "$variant_points"
 fi
 
 offline() {  # DIR "ENGINE FLAGS" BATCH: bench offline at 469 frames (10 s) a request, under DIR/offline_bBATCH
+    mkdir -p "$1"
     timeout 240 $CLI bench offline $MODEL_ARGS $2 --dtype bfloat16 --batch-sizes "$3" --frames 469 \
         --lengths fixed --rounds 2 --no-plots --no-progress --out "$1/offline_b$3" > "$1/offline_b$3.txt" 2>&1
     echo "bench offline batch $3 ($2) rc=$?"; tail -4 "$1/offline_b$3.txt"
@@ -84,7 +88,10 @@ offline() {  # DIR "ENGINE FLAGS" BATCH: bench offline at 469 frames (10 s) a re
 if [[ $parts == *" offline "* ]]; then
     for b in 1 "${OFFLINE_BATCH:-512}"; do offline "$OUT" "" "$b"; done
     # the variant's flags on one 10-s utterance too (its first audio), when the variant part runs
-    [[ $parts == *" variant "* ]] && offline "$OUT/variant" "${VARIANT_ARGS:---first-chunk-lookahead-frames 16}" 1
+    if [[ $parts == *" variant "* ]]; then
+        offline "$OUT/variant" "$variant_args" 1
+        echo "$variant_args" > "$OUT/variant/serve_args.txt"
+    fi
 fi
 
 # every target, met or not, as one JSON (what benchmarks/results/gpu/ keeps)
