@@ -97,6 +97,7 @@ def test_streams_at_different_early_chunks_share_a_step(tiny) -> None:
     for ch in stage.flush():
         got[ch.req_id].append(ch)
     assert max(map(len, ends)) >= 2
+    assert not stage.early._awaiting  # each stream left the set: a step looks at the few streams still early
     for k in frames:
         np.testing.assert_allclose(joined(got[k]), alone[k], rtol=0, atol=1e-6, err_msg=k)
 
