@@ -61,6 +61,7 @@ class EarlyChunkDecoder:
         self.decoder, self.vocos = decoder, vocos
         self.ends = sorted(ends)
         self.widths = [e + lookahead for e in self.ends]
+        self.window = dict(zip(self.ends, self.widths))  # chunk end -> its window
         self.width = self.widths[-1]
         self.samples_per_frame = 2 * vocos.hop_length
         self.row_buckets = [1 << k for k in range(max_rows.bit_length()) if 1 << k < max_rows] + [max_rows]
@@ -204,10 +205,9 @@ class EarlyChunks:
         pieces, specs, sizes = [], [], []
         due = self.due(streams) if self._awaiting else []
         dec, spf = self.decoder, self.decoder.samples_per_frame
-        window = dict(zip(dec.ends, dec.widths))
         for i in range(0, len(due), dec.max_rows):
             part = due[i : i + dec.max_rows]
-            rows, widths = [st for _, st, _, _ in part], [window[end] for *_, end in part]
+            rows, widths = [st for _, st, _, _ in part], [dec.window[end] for *_, end in part]
             width = dec.call_width(widths)
             x = pool.gather([st.slot for st in rows], [-st.base for st in rows], [width] * len(part))
             wav = dec(x, widths)

@@ -245,12 +245,14 @@ async def drive_load(
     cpu0, t0 = time.process_time(), time.perf_counter()
     stop = asyncio.Event()
     lag = asyncio.create_task(_loop_lag(stop))
-    async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
-        if load_kind == "concurrency":
-            records = await _closed_loop(client, spec, items, int(load), on_done)
-        else:
-            records = await _open_loop(client, spec, items, float(load), seed, on_done)
-    stop.set()
+    try:
+        async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
+            if load_kind == "concurrency":
+                records = await _closed_loop(client, spec, items, int(load), on_done)
+            else:
+                records = await _open_loop(client, spec, items, float(load), seed, on_done)
+    finally:
+        stop.set()  # the lag probe ends with the load, whatever ended it
     return records, (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9), await lag
 
 
