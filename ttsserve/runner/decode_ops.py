@@ -59,10 +59,6 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x)
-
-
 # $TTSSERVE_DECODE_OPS (config.py) -> (Triton norms / SiLU / RoPE, the sampler's implementation)
 _MODES = {
     "triton": (True, "triton"),
@@ -92,7 +88,6 @@ class DecodeOps:
             "add_rmsnorm": _add_rmsnorm,
             "qkv_rotary": _qkv_rotary,
             "silu_mul": _silu_mul,
-            "linear": _linear,
             "sample": sample,
         }
         to_compile = [] if triton else ["rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"]
@@ -102,11 +97,10 @@ class DecodeOps:
                 DecodeOps._compiled[name] = torch.compile(fns[name], dynamic=True)
             fns[name] = DecodeOps._compiled[name]
         if triton:
-            from ttsserve.layers import triton_fused, triton_gemv
+            from ttsserve.layers import triton_fused
 
             for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"):
                 fns[name] = getattr(triton_fused, name)
-            fns["linear"] = triton_gemv.linear  # one row: a GEMV kernel for the smaller linears
         if sampler == "triton":
             from ttsserve.sample.triton_sampler import sample_or_reference
 
@@ -139,10 +133,9 @@ def fused_gpt_forward(gpt, ops: DecodeOps, x: torch.Tensor, positions: torch.Ten
             normed, residual = ops.rmsnorm(h, norm.weight, norm.eps), h
         else:
             normed, residual = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
-        q, k, v = _split_qkv(ops.linear(layer.qkv_proj, normed), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = _split_qkv(layer.qkv_proj(normed), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attend(i, q, k, v, rope=(cos, sin))
         norm = layer.post_attention_layernorm
-        o = ops.linear(layer.o_proj, attn.reshape(t, -1))
-        normed, residual = ops.add_rmsnorm(o, residual, norm.weight, norm.eps)
-        h = ops.linear(layer.down_proj, ops.silu_mul(ops.linear(layer.gate_up_proj, normed)))
+        normed, residual = ops.add_rmsnorm(layer.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
+        h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
     return ops.add_rmsnorm(h, residual, gpt.norm.weight, gpt.norm.eps)[0]

@@ -11,9 +11,10 @@ What it gave (H100, bf16, in CUDA graphs): at one row, tile (2, 1024, 1), qkv 76
 cuBLAS's 3.21, o 768 -> 768 2.21 against 3.22, down 3072 -> 768 3.54 against 5.68, gate_up 768 -> 6144 5.51
 against 4.34; every shape slower from 4 rows. Launched with programmatic dependent launch (pdl=True: the first
 weight tile read before waiting for the previous kernel) the four linears took 18.1 us against 12.5 without.
-Wired into the decode graphs for one row (qkv, o and down) it cut the linears' kernel time from 0.40 to 0.32 ms a
-frame under the profiler, but one 10-s utterance took 326-328 ms with it and 326-331 ms without, interleaved in
-one call: the step loop's time did not move.
+Wired into the decode graphs for one row (qkv, o and down; commit `8804420`), the linears' kernels took 0.32
+ms a frame instead of 0.40 under the profiler, but one 10-s utterance took 326-328 ms with it and 326-331 ms
+without, interleaved in one call (bench offline, 3 rounds each), and py-spy found the step loop waiting for the
+device in 74 % of its samples with it against 68 % without: the wall did not move, so it is not kept.
 
 Arithmetic: products and sums in fp32, the result rounded once to x's dtype.
 """
@@ -25,8 +26,6 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 8
-GEMV_MAX_WEIGHT = 2_500_000  # elements: 768 x 3072 (down) takes the GEMV, 768 x 6144 (gate_up) cuBLAS
-TILE = (2, 1024, 1)  # (BLOCK_N, BLOCK_K, num_warps): the best at one row for qkv, o and down
 
 
 @triton.jit
@@ -111,21 +110,3 @@ def gemv(
         launch_pdl=pdl,
     )
     return out
-
-
-def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for x [T, K]: the GEMV where it measured faster than cuBLAS (one row, a bias-free 16-bit
-    nn.Linear of at most GEMV_MAX_WEIGHT elements, unit column strides), else the module itself."""
-    w = getattr(module, "weight", None)
-    if (
-        x.shape[0] != 1
-        or type(module) is not torch.nn.Linear
-        or module.bias is not None
-        or w.dtype != x.dtype
-        or x.dtype not in (torch.bfloat16, torch.float16)
-        or w.numel() > GEMV_MAX_WEIGHT
-        or x.stride(1) != 1
-        or w.stride(1) != 1
-    ):
-        return module(x)
-    return gemv(x, w, *TILE)
