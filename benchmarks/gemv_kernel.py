@@ -12,9 +12,10 @@ cuBLAS's 3.21, o 768 -> 768 2.21 against 3.22, down 3072 -> 768 3.54 against 5.6
 against 4.34; every shape slower from 4 rows. Launched with programmatic dependent launch (pdl=True: the first
 weight tile read before waiting for the previous kernel) the four linears took 18.1 us against 12.5 without.
 Wired into the decode graphs for one row (qkv, o and down; commit `8804420`), the linears' kernels took 0.32
-ms a frame instead of 0.40 under the profiler, but one 10-s utterance took 326-328 ms with it and 326-331 ms
-without, interleaved in one call (bench offline, 3 rounds each), and py-spy found the step loop waiting for the
-device in 74 % of its samples with it against 68 % without: the wall did not move, so it is not kept.
+ms a frame instead of 0.40 under the profiler (two leases), but one 10-s utterance took 326-328 ms with it and
+326-331 ms without, interleaved in one call (bench offline, 3 rounds each), and py-spy found the step loop
+waiting for the device in 74 % of its samples with it against 68 % without: the wall did not move, so it is not
+kept.
 
 Arithmetic: products and sums in fp32, the result rounded once to x's dtype.
 """
