@@ -14,7 +14,9 @@
 #      with "offline" also bench offline 1 x 10 s with those flags; VARIANT_POINTS= (empty): that offline run
 #      only) picks the parts;
 #      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
-#      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them). Each part writes as it goes, so a call cut short
+#      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them); PROFILE=1: a torch profiler trace of the
+#      engine core over the first PROFILE_S (4) seconds of each server's first point, its fresh first wave
+#      (traces/*.json.gz via POST /start_profile and /stop_profile, and trace_summary.py's reading beside it). Each part writes as it goes, so a call cut short
 #      keeps what it measured.
 set -u
 OUT=${1:?usage: $0 OUT}
@@ -35,6 +37,19 @@ if [[ $parts == *" cold "* ]]; then
     grep -E "^run|cold start" "$OUT/coldstart.txt"
 fi
 
+profile() {  # DIR: with PROFILE=1, a torch profiler trace of the engine core over the first PROFILE_S seconds of
+    # the load (the server runs with $TTSSERVE_TORCH_PROFILER_DIR=DIR/traces), summarised by trace_summary.py
+    sleep 0.5
+    curl -s -X POST localhost:8000/start_profile > /dev/null
+    sleep "${PROFILE_S:-4}"
+    curl -s -X POST localhost:8000/stop_profile > "$1/traces/stop_profile.json"
+    for _ in $(seq 600); do  # the core writes the trace on a thread: PATH.part.gz until it is complete
+        ls "$1"/traces/*.json.gz > /dev/null 2>&1 && ! ls "$1"/traces/*.part.gz > /dev/null 2>&1 && break
+        sleep 0.5
+    done
+    for t in "$1"/traces/*.json.gz; do python3 benchmarks/trace_summary.py "$t" > "${t%.json.gz}.summary.txt"; done
+}
+
 spy() {  # OUT.raw: with SPY=1 and py-spy installed, 6 s of the engine core's stacks mid-point (spy_summary.py)
     command -v py-spy > /dev/null || return
     sleep $(( ${DUR:-20} / 2 ))
@@ -44,7 +59,10 @@ spy() {  # OUT.raw: with SPY=1 and py-spy installed, 6 s of the engine core's st
 
 serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serve at each point, reports under DIR
     mkdir -p "$1"; echo "$2" > "$1/serve_args.txt"
+    [ "${PROFILE:-0}" = 1 ] && mkdir -p "$1/traces" && export TTSSERVE_TORCH_PROFILER_DIR="$1/traces"
     $CLI serve $MODEL_ARGS --port 8000 --api-server-count 12 $2 > "$1/server.log" 2>&1 &
+    unset TTSSERVE_TORCH_PROFILER_DIR
+    first=1
     server=$!
     for _ in $(seq 400); do
         curl -sf localhost:8000/ready > /dev/null 2>&1 && break
@@ -62,6 +80,8 @@ serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serv
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
         n=${procs:-${CLIENT_PROCS:-}}  # unset: bench serve's own (one per 32 streams or 50 req/s, <= cores / 2)
         [ "${SPY:-0}" = 1 ] && spy "$1/spy_${fmt}_${load}${procs:+_p$procs}.raw" &
+        [ "${PROFILE:-0}" = 1 ] && [ $first = 1 ] && profile "$1" &
+        first=0
         timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args ${n:+--client-procs $n} \
             --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
             --out "$1/serve_${fmt}_${load}${procs:+_p$procs}" > "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" 2>&1

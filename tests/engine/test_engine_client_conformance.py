@@ -129,6 +129,21 @@ def test_is_an_engine_client_with_model_info(make_client):
     assert not client.ready
 
 
+def test_profiling_off_is_an_invalid_request_on_every_client(make_client, monkeypatch):
+    """Without $TTSSERVE_TORCH_PROFILER_DIR (engine/profiler.py) start / stop refuse with the typed error and its
+    message, across the process boundary too; the client keeps serving."""
+    monkeypatch.delenv("TTSSERVE_TORCH_PROFILER_DIR", raising=False)
+
+    async def body(c: EngineClient):
+        for call, needle in ((c.start_profile, "profiling is off"), (c.stop_profile, "not running")):
+            with pytest.raises(InvalidRequestError, match=needle):
+                await call()
+        audio, _ = await _collect(c, _req())
+        return audio
+
+    assert run(make_client(), body).size > 0
+
+
 def test_a_request_streams_audio_to_one_finished_output(make_client):
     async def body(c: EngineClient):
         audio, outs = await _collect(c, _req(rid="mine"))

@@ -20,6 +20,7 @@ import numpy as np
 
 # The real contract types, so the fake cannot drift from what the engine yields.
 from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from ttsserve.engine.profiler import CoreProfiler, profiler_dir
 from ttsserve.engine.synthesis import AudioOutput, SegmentSpan
 from ttsserve.params import SynthesisRequest
 from ttsserve.text.speaker import decode_speaker
@@ -56,6 +57,7 @@ class FakeEngine:
         self.dead = False
         self.dead_reason: str | None = None
         self.drained_cleanly: bool | None = None
+        self.profiler = CoreProfiler(profiler_dir())
 
     async def start(self) -> None:
         self._started = True
@@ -92,6 +94,12 @@ class FakeEngine:
 
     def cores(self) -> list[dict]:
         return [{"core": 0, "ready": self.ready, "reason": self.dead_reason, "pid": None}]
+
+    async def start_profile(self) -> None:
+        self.profiler.start()
+
+    async def stop_profile(self) -> list[str]:
+        return [self.profiler.stop()]
 
     def random_speaker(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(HIDDEN).astype(np.float16)

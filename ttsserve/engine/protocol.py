@@ -59,6 +59,13 @@ class EngineClient(Protocol):
 
     def memory_report(self) -> str: ...
 
+    async def start_profile(self) -> None:
+        """Start the torch profiler in every engine core (engine/profiler.py). InvalidRequestError when
+        profiling is off ($TTSSERVE_TORCH_PROFILER_DIR unset) or already running."""
+
+    async def stop_profile(self) -> list[str]:
+        """Stop it -> the traces written, one per engine core. InvalidRequestError when it is not running."""
+
     def cores(self) -> list[dict[str, Any]]:
         """Each engine core's state, for /ready: {"core": i, "ready": bool, "reason": str | None} (one entry
         unless the client spreads requests over data-parallel cores)."""

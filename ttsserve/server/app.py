@@ -35,6 +35,7 @@ from ttsserve.server.limits import (
 )
 from ttsserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ttsserve.server.playground import register_playground
+from ttsserve.server.profile_routes import register_profile_routes
 from ttsserve.server.protocol import (
     ErrorResponse,
     ModelList,
@@ -177,6 +178,7 @@ def create_app(engine: EngineClient, cfg: ServerConfig | None = None, *, rate_li
     register_voice_routes(app, st, identity, ERROR_RESPONSES)
     register_playground(app)
     register_compat_routes(app, st, identity, ERROR_RESPONSES)
+    register_profile_routes(app, st, ERROR_RESPONSES)
 
     @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health():

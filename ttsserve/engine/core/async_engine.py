@@ -151,6 +151,23 @@ class AsyncEngine(LivenessReport):
     def cores(self) -> list[dict]:
         return [{"core": 0, "ready": self.ready, "reason": self.dead_reason, "pid": os.getpid()}]
 
+    async def start_profile(self) -> None:
+        await self._on_engine_thread(self.core.start_profile)
+
+    async def stop_profile(self) -> list[str]:
+        return [await self._on_engine_thread(self.core.stop_profile)]
+
+    async def _on_engine_thread(self, fn):
+        """fn() on the engine thread, between steps -> its result (its exception raised here). For what must
+        run where the torch ops run: the profiler, stopped on another thread than the one stepping, crashes."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        if not self.ready:
+            raise EngineOverloadedError("the engine is not accepting requests (starting or shutting down)")
+        done: Future = Future()
+        self._post(("call", fn, None, done))
+        return await asyncio.wrap_future(done)
+
     # ---- voices ------------------------------------------------------------------------------------
     def random_speaker(self, seed: int) -> np.ndarray:
         return self.core.random_speaker(seed)
@@ -208,6 +225,13 @@ class AsyncEngine(LivenessReport):
             if kind == "abort":
                 self.core.abort(payload)
                 self._streams.pop(payload, None)
+                continue
+            if kind == "call":  # _on_engine_thread
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(payload())
+                    except Exception as e:  # noqa: BLE001 - the caller's to raise
+                        fut.set_exception(e)
                 continue
             if not fut.set_running_or_notify_cancel():  # the consumer left before its turn
                 continue

@@ -246,6 +246,12 @@ class CoreClient(LivenessReport):
     def cores(self) -> list[dict]:
         return [self.core_state(0)]
 
+    async def start_profile(self) -> None:
+        await self.call("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        return [await self.call("stop_profile")]
+
     def core_state(self, index: int) -> dict:
         pid = None if self._info is None or self.dead else self._info.pid
         return {"core": index, "ready": self.ready, "reason": self.dead_reason, "pid": pid}

@@ -169,6 +169,12 @@ class DPClient:
     def memory_report(self) -> str:
         return "; ".join(f"core {i}: {c.memory_report()}" for i, c in enumerate(self.clients))
 
+    async def start_profile(self) -> None:
+        await asyncio.gather(*(c.start_profile() for c in self.clients))
+
+    async def stop_profile(self) -> list[str]:
+        return [p for paths in await asyncio.gather(*(c.stop_profile() for c in self.clients)) for p in paths]
+
     # ---- voices (every core has the same model: any live one answers) --------------------------------
     def _any(self) -> CoreClient:
         return next((c for c in self.clients if c.ready), self.clients[0])

@@ -20,6 +20,7 @@ import numpy as np
 from ttsserve.constants import MODEL_NAME, SAMPLE_RATE, speaker_stats
 from ttsserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from ttsserve.engine.load import OutstandingWork, estimate_frames
+from ttsserve.engine.profiler import CoreProfiler, profiler_dir
 from ttsserve.engine.synthesis import AudioOutput
 from ttsserve.params import SynthesisRequest
 from ttsserve.text.segments import Segment
@@ -43,6 +44,7 @@ class EngineCore:
         self.spk_std, self.spk_mean = np.asarray(std, np.float16), np.asarray(mean, np.float16)
         self.work = OutstandingWork()  # frames still to deliver: the load data-parallel routing weighs
         self._device_side_work = threading.Lock()  # held by encode_reference_audio and by a graph capture
+        self.profiler = CoreProfiler(profiler_dir())  # /start_profile, /stop_profile: engine/profiler.py
 
     # ---- requests ----------------------------------------------------------------------------------
     def add(self, req: SynthesisRequest, segments: list[Segment] | None = None) -> str:
@@ -126,6 +128,13 @@ class EngineCore:
 
     def memory_report(self) -> str:
         return self.engine.memory_report()
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """-> the trace's path."""
+        return self.profiler.stop()
 
     @property
     def hidden_size(self) -> int:

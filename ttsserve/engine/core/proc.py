@@ -118,6 +118,8 @@ class EngineCoreProc:
         self._methods: dict[str, Callable[..., Any]] = {
             "stats": core.stats,
             "memory_report": core.memory_report,
+            "start_profile": core.start_profile,
+            "stop_profile": core.stop_profile,
             "random_speaker": lambda seed: ArrayMsg.of(core.random_speaker(int(seed))),
             "parse_speaker": lambda s: ArrayMsg.of(core.parse_speaker(s)),
             "encode_reference_audio": lambda wav, rate: ArrayMsg.of(core.encode_reference_audio(wav.array(), rate)),

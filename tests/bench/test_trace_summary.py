@@ -1,0 +1,41 @@
+"""benchmarks/trace_summary.py on a trace with a known slow wait: the kernel that ran during the host's longest
+sync is named first, with the time it overlapped the wait, and host-only events never count as device time."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "benchmarks" / "trace_summary.py")
+trace_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace_summary)
+
+
+def _x(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_the_kernel_under_the_longest_wait_is_named(tmp_path):
+    events = [
+        _x("aten::mm", "cpu_op", 0, 50),  # host only: not device time
+        _x("gemm", "kernel", 0, 10),
+        _x("gemm", "kernel", 20, 10),
+        _x("cudaEventSynchronize", "cuda_runtime", 35, 400),  # waits from 35 to 435
+        _x("slow_kernel", "kernel", 30, 390),  # 30..420: 385 us inside the wait
+        _x("Memcpy DtoH", "gpu_memcpy", 425, 20),  # 425..445: 10 us inside it
+        _x("cudaStreamSynchronize", "cuda_runtime", 500, 5),
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = trace_summary.summarise(trace_summary.load(str(path)), top=5, waits=2)
+    assert s["device_busy_us"] == 10 + 10 + 390 + 20
+    assert s["by_name"][0] == ("slow_kernel", 390, 1) and ("gemm", 20, 2) in s["by_name"]
+    assert s["longest"][0] == ("slow_kernel", 390, 30)
+    first = s["waits"][0]
+    assert (first["name"], first["us"]) == ("cudaEventSynchronize", 400)
+    assert first["device"] == [("slow_kernel", 385), ("Memcpy DtoH", 10)]
+    assert s["waits"][1]["device"] == []  # nothing ran during the short one
