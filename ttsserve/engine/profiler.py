@@ -4,8 +4,8 @@ core (open it in https://ui.perfetto.dev or chrome://tracing). The trace holds t
 runtime calls (a wait for the device shows as cudaEventSynchronize) and, on CUDA, every kernel, copy and graph
 launch with its device time: what a py-spy profile of the step loop cannot say, such as which kernel held a
 slow step. The profiler slows the host while it runs, and stopping it holds the step loop while it sorts what it
-recorded (3 s after 4 s of a loaded 2-core CPU); the trace is then written on a thread of its own, as
-PATH.part.gz until it is complete (15 s for that one, 12 MB): profile seconds, not minutes.
+recorded (1-3 s after 2-4 s profiled on a loaded 2-core CPU); the trace is then written on a thread of its own,
+as PATH.part.gz until it is complete (8-15 s there, 12 MB): profile seconds, not minutes.
 
 Owned by the EngineCore (one thread); the clients forward start / stop to every core they hold.
 """
@@ -38,10 +38,6 @@ class CoreProfiler:
         self.out_dir = out_dir
         self._prof = None
         self._started = 0.0
-
-    @property
-    def running(self) -> bool:
-        return self._prof is not None
 
     def start(self) -> None:
         if self.out_dir is None:
