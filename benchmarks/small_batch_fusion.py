@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from fused_linear_kernels import ADD_RMSNORM, SILU_MUL, prologue_linear  # noqa: E402
+from graph_timing import capture_reps  # noqa: E402
 
 from ttsserve.layers import triton_fused  # noqa: E402
 
@@ -72,12 +73,7 @@ def check(m: int, dtype, dev, blocks: list[tuple[int, int]]) -> None:
 
 def graph_us(fn, reps: int) -> float:
     """Microseconds per call of fn, reps calls captured in one CUDA graph and replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph = capture_reps(fn, reps)
     graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 from gemv_kernel import gemv  # noqa: E402
+from graph_timing import capture_reps  # noqa: E402
 
 SHAPES = {"qkv": (2304, 768), "o": (768, 768), "gate_up": (6144, 768), "down": (768, 3072)}  # (N, K)
 TILES = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4)))  # (BLOCK_N, BLOCK_K, num_warps)
@@ -30,12 +31,7 @@ TILES = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4)))  # (B
 
 def graph_us(fn, reps: int) -> float:
     """Microseconds per call of fn, reps calls captured in one CUDA graph and replayed (median of 5)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph = capture_reps(fn, reps)
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
