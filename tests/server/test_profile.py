@@ -76,3 +76,14 @@ def test_without_the_variable_there_are_no_profile_routes(serve, monkeypatch):
         assert c.post("/start_profile").status_code == 404
         assert c.post("/stop_profile").status_code == 404
     assert ENV not in os.environ
+
+
+def test_a_dead_engine_is_a_503_not_a_crash(serve, monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV, str(tmp_path))
+    srv, engine = serve()
+    engine.dead, engine.dead_reason = True, "the engine core exited"
+    with srv.client() as c:
+        for route in ("/start_profile", "/stop_profile"):
+            r = c.post(route)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+            assert "exited" in r.json()["error"]["message"]
