@@ -43,11 +43,13 @@ profile() {  # DIR: with PROFILE=1, a torch profiler trace of the engine core ov
     curl -s -X POST localhost:8000/start_profile > /dev/null
     sleep "${PROFILE_S:-4}"
     curl -s -X POST localhost:8000/stop_profile > "$1/traces/stop_profile.json"
-    for _ in $(seq 600); do  # the core writes the trace on a thread: PATH.part.gz until it is complete
-        ls "$1"/traces/*.json.gz > /dev/null 2>&1 && ! ls "$1"/traces/*.part.gz > /dev/null 2>&1 && break
+    for _ in $(seq 240); do  # the core writes the trace on a thread: PATH.part.* until it is complete
+        ls "$1"/traces/*.json.gz > /dev/null 2>&1 && ! ls "$1"/traces/*.part.* > /dev/null 2>&1 && break
         sleep 0.5
     done
-    for t in "$1"/traces/*.json.gz; do python3 benchmarks/trace_summary.py "$t" > "${t%.json.gz}.summary.txt"; done
+    for t in "$1"/traces/*.json.gz; do
+        [ -e "$t" ] && python3 benchmarks/trace_summary.py "$t" > "${t%.json.gz}.summary.txt"
+    done
 }
 
 spy() {  # OUT.raw: with SPY=1 and py-spy installed, 6 s of the engine core's stacks mid-point (spy_summary.py)
@@ -80,13 +82,15 @@ serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serv
         if [[ $load == qps* ]]; then load_args="--qps ${load#qps}"; else load_args="--concurrency $load"; fi
         n=${procs:-${CLIENT_PROCS:-}}  # unset: bench serve's own (one per 32 streams or 50 req/s, <= cores / 2)
         [ "${SPY:-0}" = 1 ] && spy "$1/spy_${fmt}_${load}${procs:+_p$procs}.raw" &
-        [ "${PROFILE:-0}" = 1 ] && [ $first = 1 ] && profile "$1" &
+        if [ "${PROFILE:-0}" = 1 ] && [ $first = 1 ]; then profile "$1" & profiler=$!; fi
         first=0
         timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args ${n:+--client-procs $n} \
             --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
             --out "$1/serve_${fmt}_${load}${procs:+_p$procs}" > "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" 2>&1
         echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" | tail -1
     done
+    [ -n "${profiler:-}" ] && wait "$profiler"  # the trace is written by the server: keep it up until then
+    profiler=
     kill -INT $server; wait $server
 }
 

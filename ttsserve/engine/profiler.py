@@ -5,15 +5,17 @@ runtime calls (a wait for the device shows as cudaEventSynchronize) and, on CUDA
 launch with its device time: what a py-spy profile of the step loop cannot say, such as which kernel held a
 slow step. The profiler slows the host while it runs, and stopping it holds the step loop while it sorts what it
 recorded (1-3 s after 2-4 s profiled on a loaded 2-core CPU); the trace is then written on a thread of its own,
-as PATH.part.gz until it is complete (8-15 s there, 12 MB): profile seconds, not minutes.
+as PATH.part.json, then PATH.part.gz, until it is complete (8-15 s there, 12 MB): profile seconds, not minutes.
 
 Owned by the EngineCore (one thread); the clients forward start / stop to every core they hold.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -71,10 +73,17 @@ class CoreProfiler:
 
 
 def _write(prof, path: str) -> None:
+    """The trace as plain JSON (torch's C++ writer), then gzipped in 1-MiB blocks into PATH.part.gz and renamed.
+    torch's own gzip path copies the JSON line by line in Python, which starves behind a busy step loop's GIL
+    (a 4-s trace of a loaded H100 was still unwritten after the bench ended); zlib releases the GIL for a block."""
     t0 = time.monotonic()
+    part = path + ".part"
     try:
-        prof.export_chrome_trace(path + ".part.gz")  # the suffix tells torch to gzip it
-        os.replace(path + ".part.gz", path)
+        prof.export_chrome_trace(part + ".json")
+        with open(part + ".json", "rb") as src, gzip.open(part + ".gz", "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.remove(part + ".json")
+        os.replace(part + ".gz", path)
     except Exception:
         logger.exception("writing the profiler trace %s failed", path)
         return
