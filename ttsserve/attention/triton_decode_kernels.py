@@ -62,7 +62,15 @@ def _write_new_kv_fp8(
     tl.store(sdst + sc_v_offset, vs, mask=smask)
 
 
-@triton.jit
+# Triton compiles a kernel per specialisation (an integer argument equal to 1 or divisible by 16, every constexpr
+# value), on the first launch that needs it. The split count and the block table's row stride vary from call
+# to call on the eager path (small batches of prompts just prefilled): specialised on, a served step of a fresh
+# server waited ~500 ms for a compile (docs/ARCHITECTURE.md, "Kernels compiled while serving"). Not specialised
+# on, each kernel has one variant per constexpr set, all of them compiled before the engine is ready.
+_VARYING = ["num_splits", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def paged_decode_kernel(
     out_ptr,
     part_o_ptr,
@@ -222,7 +230,7 @@ def paged_decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_reduce_kernel(
     out_ptr,
     part_o_ptr,

@@ -118,6 +118,29 @@ class TritonPagedAttention:
             paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
         return out
 
+    def precompile_decode(self, kv_cache: torch.Tensor | FP8KVCache, num_heads: int, dtype: torch.dtype) -> None:
+        """Compile the eager decode path's kernels now: one sequence with one split and with two (the split
+        variant with its reduce), RoPE applied before the kernel as GPT.forward does. The decode graphs
+        compile their own launches at capture; the eager path (a few prompts just prefilled, decoding through
+        the general path) would otherwise compile these in a served step. Writes nothing (slot -1)."""
+        cache, _ = _split_cache(kv_cache)
+        num_kv_heads, head_dim, dev = cache.shape[3], cache.shape[4], cache.device
+        q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
+        kv = torch.zeros(2, 1, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        md = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=cache.shape[2],
+            cu_seqlens_q_cpu=[0, 1],
+            seq_lens_cpu=[1],
+        )
+        for splits in (1, 2):
+            paged_decode(torch.empty_like(q), q, kv[0], kv[1], kv_cache, md, 1.0, splits, self.tuning)
+
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
             self._num_sms[device] = (
@@ -322,7 +345,8 @@ def paged_decode(
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
-            SPLITS_POW2=max(triton.next_power_of_2(num_splits), 2),
+            # one variant for every split count up to the tuning's cap (no compile per new count while serving)
+            SPLITS_POW2=triton.next_power_of_2(max(num_splits, tuning.max_splits, 2)),
             num_warps=1,
         )
 

@@ -58,7 +58,7 @@ def reshape_and_cache_kernel(
         tl.store(dst + v_offset, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width: see triton_decode_kernels._VARYING
 def paged_prefill_kernel(
     out_ptr,
     q_ptr,

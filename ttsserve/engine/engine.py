@@ -30,6 +30,7 @@ from ttsserve.engine.step_stats import EngineCounters, StepTimings, engine_stats
 from ttsserve.engine.synthesis import AudioOutput, SynthesisTracker
 from ttsserve.model.chattts import ChatTTSModel, load_model, resolve_device
 from ttsserve.params import SynthesisRequest
+from ttsserve.runner.kernel_compiles import kernel_compiles
 from ttsserve.runner.kv_cache import plan_engine_batch
 from ttsserve.runner.model_runner import ModelRunner
 from ttsserve.runner.step_types import RunnerOutput, SequenceInputs
@@ -60,6 +61,8 @@ class Engine:
         burst = cfg.scheduler_steps(self.model.device.type)
         cuda_graphs = self.model.device.type == "cuda" and not cfg.enforce_eager
         defer = cuda_graphs and bool(cfg.background_graph_capture)  # engine/deferred_capture.py
+        self._compiles = kernel_compiles()  # before the runner: its start-up compiles are counted too
+        self._compiles.serving = False
         self.runner = ModelRunner(
             self.model,
             self.kv_spec,
@@ -114,6 +117,10 @@ class Engine:
         # the graphs' buckets left to capture between served steps (engine/deferred_capture.py)
         self.deferred = DeferredCapture(families, torch.cuda.synchronize) if defer else None
         logger.info(self.memory_report())
+        if self._compiles.count:
+            kc = self._compiles
+            logger.info("start-up: %d Triton kernels compiled or loaded from cache in %.1f s", kc.count, kc.seconds)
+        self._compiles.serving = True  # from here on a compile stalls a served step: logged as a warning
 
     def warm_up(self) -> None:
         """Serve a few synthetic requests to the end, then zero every counter (engine/warm_up.py)."""
@@ -245,7 +252,7 @@ class Engine:
         emit: called in mid-step with the outputs of the last call's vocoder if the device has finished it by
         then (poll_audio), so they can leave before this step's end; the rest are returned."""
         tm, clock = self.timings, time.perf_counter
-        t0, gc_s = clock(), self._gc.total_s()
+        t0, pauses = clock(), (self._gc.total_s(), self._compiles.seconds)
         if self._threads is not None:
             self._threads.tick()
         vocoder0 = (self.audio.calls_total, self.audio.frames_decoded_total)
@@ -298,7 +305,7 @@ class Engine:
         for name, dt in phases.items():
             setattr(tm, name, getattr(tm, name) + dt * 1e3)
         vocoder = (self.audio.calls_total - vocoder0[0], self.audio.frames_decoded_total - vocoder0[1])
-        self._account(t0, sched, phases, gc_s, vocoder)
+        self._account(t0, sched, phases, pauses, vocoder)
         return outputs
 
     def poll_audio(self) -> list[AudioOutput]:
@@ -319,10 +326,12 @@ class Engine:
             self.audio.append_batch(seq_ids, hiddens, None if counts.min(initial=m) >= m else counts)
             self.counters.frames += int(counts.sum())
 
-    def _account(self, t0: float, sched, phases: dict[str, float], gc_s: float, vocoder: tuple[int, int]) -> None:
+    def _account(self, t0: float, sched, phases: dict[str, float], pauses: tuple, vocoder: tuple[int, int]) -> None:
+        """pauses: (GC seconds, Triton compile seconds) of the process at the step's start."""
         ms = (time.perf_counter() - t0) * 1e3
-        gc_ms = (self._gc.total_s() - gc_s) * 1e3
-        self.counters.observe_step(ms, phases, len(sched.scheduled), sched.num_scheduled_tokens, gc_ms, vocoder)
+        gc_ms, compile_ms = (self._gc.total_s() - pauses[0]) * 1e3, (self._compiles.seconds - pauses[1]) * 1e3
+        n, tokens = len(sched.scheduled), sched.num_scheduled_tokens
+        self.counters.observe_step(ms, phases, n, tokens, gc_ms, vocoder, compile_ms)
         if sched.scheduled and self.controller.enabled:  # the goal is per frame: a burst makes num_steps each
             self.controller.observe(len(sched.scheduled), ms / max(map(_NUM_STEPS, sched.scheduled)))
 

@@ -107,9 +107,10 @@ class EngineCounters:
         tokens: int,
         gc_ms: float,
         vocoder: tuple[int, int] = (0, 0),
+        compile_ms: float = 0.0,
     ) -> None:
-        """One step's wall time (ms) with its phases (s), rows, scheduled tokens, the GC pause inside it (ms)
-        and its vocoder work (calls queued, frames they decode)."""
+        """One step's wall time (ms) with its phases (s), rows, scheduled tokens, the GC pause inside it (ms),
+        its vocoder work (calls queued, frames they decode) and the Triton compiles inside it (ms)."""
         self.steps += 1
         self.tokens_scheduled += tokens
         self.last_batch_size = rows
@@ -127,7 +128,7 @@ class EngineCounters:
                 gen2 = f", {len(gc.get_objects(2))} objects in generation 2" if gc_ms > 0 else ""
                 logger.info(
                     "slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
-                    "vocoder %d calls, %d frames; GC %.1f ms%s; %d slow steps so far)",
+                    "vocoder %d calls, %d frames; GC %.1f ms%s%s; %d slow steps so far)",
                     ms,
                     ema,
                     where,
@@ -136,6 +137,7 @@ class EngineCounters:
                     *vocoder,
                     gc_ms,
                     gen2,
+                    f"; Triton compiles {compile_ms:.1f} ms" if compile_ms > 0 else "",
                     self.slow_steps,
                 )
 

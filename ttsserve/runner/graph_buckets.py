@@ -1,7 +1,7 @@
 """The bucket bookkeeping of the runner's CUDA graph families (decode, piecewise prefill, sampler): which
 buckets are captured, which are left for later (largest first), and the smallest captured bucket for a size.
 
-A family captures every bucket at once, or with defer only its largest and the rest one per capture_next()
+A family captures every bucket at once, or with defer only its largest and smallest and the rest one per capture_next()
 (the engine's deferred captures, engine/deferred_capture.py); a size whose own bucket is not captured yet
 replays the smallest captured one above it, which is always there (the largest is captured first).
 """
@@ -29,14 +29,16 @@ class BucketedGraphs:
         self._captured: list[int] = []  # sorted
 
     def _reset_buckets(self, defer: bool) -> list[int]:
-        """Forget every graph -> the sizes to capture now, largest first (defer: the largest only; the rest
-        become pending)."""
+        """Forget every graph -> the sizes to capture now, largest first (defer: the largest and the smallest;
+        the rest become pending). The smallest too, because its kernels may be variants of their own (the
+        decode attention splits its context below ~44 rows; the sampler's one row): compiled in a deferred
+        capture, a fresh cache's compile (0.4-1.9 s on an H100) stalled the served steps around it."""
         self.graphs.clear()
         self.pool = None
         self._captured = []
         self.deferred = defer
-        now = self.sizes[::-1] if not defer else self.sizes[-1:]
-        self.pending = self.sizes[-2::-1] if defer else []
+        now = self.sizes[::-1] if not defer else sorted({self.sizes[-1], self.sizes[0]}, reverse=True)
+        self.pending = self.sizes[-2:0:-1] if defer else []
         return now
 
     def _add_graph(self, size: int, graph) -> None:

@@ -52,7 +52,7 @@ def _pick(items: list, idx) -> list:
 class ModelRunner:
     """max_num_seqs: rows of the persistent batch (grows if exceeded); max_model_len: positions per sequence
     (sizes the block tables and the graphs' attention split); enforce_eager: no CUDA graphs;
-    defer_graph_capture: capture each graph family's largest bucket only, the others later through
+    defer_graph_capture: capture each graph family's largest and smallest buckets only, the others later through
     graph_families() (engine/deferred_capture.py)."""
 
     def __init__(
@@ -103,6 +103,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager and graphable:
             build_cuda_graphs(self, kv, capture_sizes, max_num_seqs, max_num_batched_tokens, num_scheduler_steps, defer)
         self.kv = self.kv or kv.result()
+        if self.backend.name == "triton":  # its eager decode variants, compiled before the engine is ready
+            self.backend.precompile_decode(self.kv.layers[0], self.cfg.num_heads, self.dtype)
 
     def graph_families(self) -> list:
         """The CUDA graph families, in the order their deferred buckets pay: every decode step replays one."""

@@ -111,15 +111,16 @@ class PrefillGraphs(BucketedGraphs):
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
         """Warm and capture every piece of every bucket, largest first, into one memory pool (defer: the
-        largest bucket only; capture_next() takes the rest). If the torch.compile'd ops fail at these shapes,
-        capture again with the same ops uncompiled (slower pieces, never wrong), as the decode graphs do."""
-        fn = self._capture_largest if defer else self._capture_all
+        largest and smallest buckets only; capture_next() takes the rest). If the torch.compile'd ops fail at
+        these shapes, capture again with the same ops uncompiled (slower pieces, never wrong), as the decode
+        graphs do."""
+        fn = self._capture_first if defer else self._capture_all
         or_uncompiled(self, fn, "capturing the piecewise prefill graphs with compiled ops")
 
     def _capture_all(self) -> None:
         self._capture_sizes(self._reset_buckets(defer=False))
 
-    def _capture_largest(self) -> None:
+    def _capture_first(self) -> None:
         self._capture_sizes(self._reset_buckets(defer=True))
 
     def _capture_sizes(self, sizes: list[int]) -> None:

@@ -12,7 +12,8 @@ logger = logging.getLogger("ttsserve.runner.model_runner")
 
 def build_cuda_graphs(runner, kv, sizes, max_num_seqs: int, max_tokens: int, max_steps: int, defer: bool) -> None:
     """Set up the graph families (DecodeOps' torch.compile set-up imports for seconds while `kv`, a Future of
-    the KV cache, is allocated on its thread), then capture them (with `defer` only the largest buckets)."""
+    the KV cache, is allocated on its thread), then capture them (with `defer` only the largest and smallest
+    buckets)."""
     from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
     from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
     from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes

@@ -64,7 +64,7 @@ class SamplerGraphs(BucketedGraphs):
 
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
-        """Capture every bucket, largest first, into one pool (defer: the largest only, the rest by
+        """Capture every bucket, largest first, into one pool (defer: the largest and smallest only, the rest by
         capture_next()); with compiled ops that fail, again uncompiled."""
         or_uncompiled(self, lambda: self._capture_now(defer), "capturing the sampler graphs with compiled ops")
 

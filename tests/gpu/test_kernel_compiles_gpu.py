@@ -1,0 +1,57 @@
+"""No Triton compile in a served step: once TritonPagedAttention.precompile_decode has run, the eager decode path
+(any batch, context, split count or block-table width) launches only kernels already compiled, counted by the
+real JIT hooks (runner/kernel_compiles.py), and still matches the reference. CUDA only: the interpreter compiles
+nothing, so its hooks never run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("the JIT hooks run where Triton compiles: CUDA", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from triton_attention_util import check, make_case  # noqa: E402
+
+from ttsserve.attention.triton_paged import TritonPagedAttention, choose_num_splits  # noqa: E402
+from ttsserve.runner.kernel_compiles import kernel_compiles  # noqa: E402
+
+
+def test_the_hooks_see_a_real_compile():
+    import triton.language as tl
+
+    @triton.jit
+    def _fill(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, i.to(tl.float32), mask=i < n)
+
+    kc = kernel_compiles()
+    before = kc.count, kc.seconds
+    x = torch.empty(8, device="cuda")
+    _fill[(1,)](x, 8, BLOCK=8)
+    torch.cuda.synchronize()
+    assert kc.count == before[0] + 1 and kc.seconds > before[1]
+    assert kc.last.startswith("_fill(BLOCK=8;") and "ints divisible by 16: []" in kc.last  # n = 8
+    assert x.tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_decode_compiles_nothing_after_precompile(dtype):
+    gen = torch.Generator().manual_seed(7)
+    backend = TritonPagedAttention()
+    first = make_case([3], [1], 16, dtype, gen)
+    backend.precompile_decode(first.kv_cache, 12, dtype)
+    kc = kernel_compiles()
+    compiled = kc.count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = set()
+    for batch, ctx in [(1, 40), (1, 900), (3, 300), (5, 2000), (2, 17), (16, 128), (64, 700), (1, 3000)]:
+        lens = torch.randint(max(ctx // 2, 1), ctx + 1, (batch,), generator=gen).tolist()
+        case = make_case(lens, [1] * batch, 16, dtype, gen)  # block tables as wide as the longest context
+        splits.add(choose_num_splits(batch * 12, max(lens) + 1, sms, backend.tuning))
+        check(case, backend)
+    assert len(splits) >= 4  # one split, several, and 16 or more among them
+    assert kc.count == compiled, "a decode launch compiled a kernel after precompile_decode"
