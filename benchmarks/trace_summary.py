@@ -1,7 +1,10 @@
 """What a torch profiler trace of an engine core says (a Chrome trace from POST /stop_profile, gzipped or not):
 the device's busiest kernels, its longest single events, and, for each of the longest waits of the host for the
-device (cudaEventSynchronize / cudaStreamSynchronize / cudaDeviceSynchronize), what the device ran during it.
-Made for slow steps: a step that waits 0.4 s for the GPU names the kernels, copies or graphs that took it.
+device (cudaEventSynchronize / cudaStreamSynchronize / cudaDeviceSynchronize), what the device ran during it;
+and the host's longest silences (no torch op, no CUDA call on the thread that has the most events: Python
+outside torch, such as a Triton compile or a GC pause), with the event that ended each. Made for slow steps: a
+step that waits 0.4 s for the GPU names the kernels, copies or graphs that took it, and a step stalled on the
+host shows as a silence (a first-launch Triton compile: ~0.5 s, then cuLaunchKernelEx of that kernel).
 
     python3 benchmarks/trace_summary.py TRACE.json.gz [--top 15] [--waits 5]
 """
@@ -14,6 +17,7 @@ import json
 from collections import Counter
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
@@ -49,7 +53,24 @@ def summarise(events: list[dict], top: int = 15, waits: int = 5) -> dict:
         "by_name": [(n, t, count[n]) for n, t in total.most_common(top)],
         "longest": [(e["name"], e["dur"], e["ts"]) for e in longest],
         "waits": out_waits,
+        "silences": host_silences(events, waits),
     }
+
+
+def host_silences(events: list[dict], n: int) -> list[tuple[float, float, str]]:
+    """The n longest stretches with no host event on the busiest host thread (the step loop's) ->
+    [(us, start us, the name of the event that ended it)]."""
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
+    if not host:
+        return []
+    tid = Counter(e.get("tid") for e in host).most_common(1)[0][0]
+    host = sorted((e for e in host if e.get("tid") == tid), key=lambda e: e["ts"])
+    gaps, end = [], host[0]["ts"]
+    for e in host:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, e["name"]))
+        end = max(end, e["ts"] + e["dur"])
+    return sorted(gaps, reverse=True)[:n]
 
 
 def main() -> None:
@@ -70,6 +91,9 @@ def main() -> None:
         print(f"\nthe host waited {w['us'] / 1e3:.1f} ms in {w['name']} at {w['start'] / 1e3:.1f} ms; the device ran:")
         for name, us in w["device"]:
             print(f"  {us / 1e3:9.3f}  {name[:110]}")
+    print("\nthe host's longest silences on the step loop's thread (ms, start ms, the event that ended it):")
+    for us, ts, name in s["silences"]:
+        print(f"  {us / 1e3:9.3f}  {ts / 1e3:10.1f}  {name[:110]}")
 
 
 if __name__ == "__main__":

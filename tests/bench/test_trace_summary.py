@@ -1,5 +1,6 @@
 """benchmarks/trace_summary.py on a trace with a known slow wait: the kernel that ran during the host's longest
-sync is named first, with the time it overlapped the wait, and host-only events never count as device time."""
+sync is named first, with the time it overlapped the wait, and host-only events never count as device time; and
+on one with a known host silence (a compile before a launch), found on the step loop's thread."""
 
 from __future__ import annotations
 
@@ -39,3 +40,17 @@ def test_the_kernel_under_the_longest_wait_is_named(tmp_path):
     assert (first["name"], first["us"]) == ("cudaEventSynchronize", 400)
     assert first["device"] == [("slow_kernel", 385), ("Memcpy DtoH", 10)]
     assert s["waits"][1]["device"] == []  # nothing ran during the short one
+
+
+def test_a_host_silence_is_found_with_the_launch_that_ended_it():
+    loop, other = 1, 2
+    events = [
+        {**_x("aten::empty", "cpu_op", 0, 10), "tid": loop},
+        {**_x("cudaGraphLaunch", "cuda_runtime", 20, 5), "tid": loop},
+        {**_x("aten::slice", "cpu_op", 30, 2), "tid": loop},
+        {**_x("cuLaunchKernelEx", "cuda_driver", 532, 3), "tid": loop},  # 500 us of silence before it
+        {**_x("cudaGraphLaunch", "cuda_runtime", 540, 5), "tid": loop},
+        {**_x("aten::add", "cpu_op", 100, 2), "tid": other},  # another thread: no silence of the loop's ends here
+        _x("paged_decode_kernel", "kernel", 536, 30),  # device events are not host activity
+    ]
+    assert trace_summary.host_silences(events, 2) == [(500, 32, "cuLaunchKernelEx"), (10, 10, "cudaGraphLaunch")]
