@@ -1,7 +1,8 @@
 """No Triton compile in a served step: once TritonPagedAttention.precompile_decode has run, the eager decode path
-(any batch, context, split count or block-table width) launches only kernels already compiled, counted by the
-real JIT hooks (runner/kernel_compiles.py), and still matches the reference. CUDA only: the interpreter compiles
-nothing, so its hooks never run."""
+(any batch, context, split count or block-table width) launches only kernels already compiled, and once
+TritonQuantKernels.precompile has, the quantized linears at any row count; counted by the real JIT hooks
+(runner/kernel_compiles.py), the results still right. CUDA only: the interpreter compiles nothing, so its hooks
+never run."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ triton = pytest.importorskip("triton")
 from triton_attention_util import check, make_case  # noqa: E402
 
 from ttsserve.attention.triton_paged import TritonPagedAttention, choose_num_splits  # noqa: E402
+from ttsserve.layers.quant.linear import QuantLinear, precompile_quant_linears  # noqa: E402
+from ttsserve.layers.quant.quantize import QuantConfig  # noqa: E402
 from ttsserve.runner.kernel_compiles import kernel_compiles  # noqa: E402
 
 
@@ -55,3 +58,24 @@ def test_eager_decode_compiles_nothing_after_precompile(dtype):
         check(case, backend)
     assert len(splits) >= 4  # one split, several, and 16 or more among them
     assert kc.count == compiled, "a decode launch compiled a kernel after precompile_decode"
+
+
+@pytest.mark.parametrize("method", ["int8", "awq-int4"])
+def test_quantized_linears_compile_nothing_after_precompile(method):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qc = QuantConfig.for_method(method)
+    linears = [
+        QuantLinear.from_weight(torch.randn(n, k, generator=g, device="cuda") / k**0.5, qc)
+        for n, k in [(2304, 768), (768, 3072)]
+    ]
+    calls = precompile_quant_linears(torch.nn.ModuleList(linears), 700, torch.bfloat16)
+    assert calls >= 8  # several launch shapes per linear
+    kc = kernel_compiles()
+    compiled = kc.count
+    for m in [1, 2, 3, 7, 16, 17, 33, 100, 257, 512, 513, 700]:
+        for lin in linears:
+            x = torch.randn(m, lin.in_features, generator=g, device="cuda").to(torch.bfloat16)
+            ref = x.double() @ lin.dequantized_weight().double().T
+            got = lin(x).double()
+            assert float((got - ref).norm() / ref.norm()) < 2e-2
+    assert kc.count == compiled, "a quantized linear compiled a kernel after precompile"

@@ -27,7 +27,12 @@ from ttsserve.attention.dense import causal_sdpa  # noqa: E402
 from ttsserve.attention.triton_paged import TritonPagedAttention, write_kv_cache  # noqa: E402
 from ttsserve.layers.quant.kv_fp8 import FP8KVCache, quantize_fp8_rows, write_kv_fp8  # noqa: E402
 from ttsserve.layers.quant.quantize import QuantConfig, dequantize_weight, quantize_weight  # noqa: E402
-from ttsserve.layers.quant.triton_quant import QuantMMConfig, choose_config, quant_matmul  # noqa: E402
+from ttsserve.layers.quant.triton_quant import (  # noqa: E402
+    QuantMMConfig,
+    choose_config,
+    first_rows_per_config,
+    quant_matmul,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -81,6 +86,17 @@ def test_choose_config_regimes() -> None:
     assert choose_config(256, 768, 3072, 4, 128, 132) == QuantMMConfig(64, 64, 128, 4, 4, 3)
     assert choose_config(256, 6144, 768, 8, None, 132) == QuantMMConfig(64, 128, 128, 1, 4, 3)
     assert choose_config(4096, 2304, 768, 4, 128, 132) == QuantMMConfig(128, 128, 128, 1, 8, 3)
+
+
+def test_first_rows_per_config_covers_every_row_count() -> None:
+    """What TritonQuantKernels.precompile launches: each launch shape of 1..max_rows rows once, at its fewest rows."""
+    for n, k, bits, group in [(2304, 768, 8, None), (768, 3072, 8, None), (6144, 768, 4, 128)]:
+        firsts = first_rows_per_config(n, k, bits, group, 4096, 132)
+        configs = [choose_config(m, n, k, bits, group, 132) for m in firsts]
+        assert firsts[0] == 1 and len(set(configs)) == len(firsts) >= 4
+        for m in range(1, 4097):
+            cfg = choose_config(m, n, k, bits, group, 132)
+            assert cfg in configs and firsts[configs.index(cfg)] <= m
 
 
 # ---------------------------------------------------------------------------------------------- fp8 KV

@@ -23,6 +23,7 @@ import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, runner_backend
 from ttsserve.h2d import async_h2d
+from ttsserve.layers.quant.linear import precompile_quant_linears
 from ttsserve.model.chattts import ChatTTSModel
 from ttsserve.runner.input_batch import InputBatch, ScheduledColumns, StepArrays
 from ttsserve.runner.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -105,6 +106,8 @@ class ModelRunner:
         self.kv = self.kv or kv.result()
         if self.backend.name == "triton":  # its eager decode variants, compiled before the engine is ready
             self.backend.precompile_decode(self.kv.layers[0], self.cfg.num_heads, self.dtype)
+        if self.device.type == "cuda":  # and the quantized linears' launch shapes, for any step's rows
+            precompile_quant_linears(self.model.gpt, max(max_num_batched_tokens, max_num_seqs), self.dtype)
 
     def graph_families(self) -> list:
         """The CUDA graph families, in the order their deferred buckets pay: every decode step replays one."""

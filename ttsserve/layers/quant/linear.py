@@ -156,6 +156,17 @@ def quant_linears(module: nn.Module) -> list[QuantLinear]:
     return [m for m in module.modules() if isinstance(m, QuantLinear)]
 
 
+def precompile_quant_linears(module: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
+    """Compile the device kernels of the module's QuantLinears for every row count up to max_rows (a step's
+    tokens at most), where the kernels compile per launch shape (Triton) -> the calls made (0: none to do)."""
+    linears = quant_linears(module)
+    if not linears:
+        return 0
+    kernels = quant_kernels(linears[0].qweight.device.type)
+    precompile = getattr(kernels, "precompile", None)
+    return 0 if precompile is None else precompile(linears, max_rows, dtype)
+
+
 def cast_except_quant(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """model.to(device, dtype) except that QuantLinears only move: a cast would round their scales."""
 

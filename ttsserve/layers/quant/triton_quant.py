@@ -22,7 +22,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# M, the rows of one call, varies with every batch: specialised on (1, divisible by 16), each new class compiled in
+# a served step (docs/ARCHITECTURE.md, "Kernels compiled while serving"). The launch shapes by M
+# (choose_config) are compiled before ready by TritonQuantKernels.precompile.
+@triton.jit(do_not_specialize=["M"])
 def quant_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -123,6 +126,14 @@ def choose_config(m: int, n: int, k: int, bits: int, group_size: int | None, num
     return QuantMMConfig(block_m, block_n, block_k, split, 8 if block_m == 128 else 4, 3)
 
 
+def first_rows_per_config(n: int, k: int, bits: int, group_size: int | None, max_rows: int, num_sms: int) -> list[int]:
+    """The fewest rows (M) giving each distinct choose_config launch shape among M = 1..max_rows, ascending."""
+    firsts: dict[QuantMMConfig, int] = {}
+    for m in range(1, max_rows + 1):
+        firsts.setdefault(choose_config(m, n, k, bits, group_size, num_sms), m)
+    return sorted(firsts.values())
+
+
 def quant_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -197,6 +208,18 @@ class TritonQuantKernels:
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, qweight, scales, None, 8, None, self._sms(x.device))
+
+    def precompile(self, linears: list, max_rows: int, dtype: torch.dtype) -> int:
+        """Compile every launch shape a call of 1..max_rows rows through these QuantLinears can take (one call
+        of zeros each at the fewest rows giving it) -> the calls made. The engine's steps then compile nothing."""
+        calls = 0
+        shapes = {(q.out_features, q.in_features, q.bits, q.group_size): q for q in linears}
+        for (n, k, bits, group), lin in shapes.items():
+            for m in first_rows_per_config(n, k, bits, group, max_rows, self._sms(lin.qweight.device)):
+                x = torch.zeros(m, k, dtype=dtype, device=lin.qweight.device)
+                lin(x)
+                calls += 1
+        return calls
 
     def int4_linear(
         self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int
