@@ -64,7 +64,7 @@ def test_a_compile_while_serving_is_a_warning_naming_the_kernel(monkeypatch, cap
     (rec,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
     msg = rec.getMessage()
     assert "while serving" in msg and "paged_decode_kernel[num_warps=4](num_splits: constexpr[1])" in msg
-    assert kc.count == 2
+    assert kc.count == 2 and kc.while_serving == 1
 
 
 def test_without_triton_nothing_is_installed(monkeypatch):
@@ -111,6 +111,7 @@ def test_an_engine_step_holding_a_compile_reports_it(tiny_model, monkeypatch, ca
     assert any("while serving" in m and "toy_kernel" in m for m in msgs)
     slow = [m for m in msgs if m.startswith("slow engine step")]
     assert slow and "Triton compiles 1" in slow[0]  # 150 ms and up
+    assert e.stats()["kernel_compiles_while_serving_total"] == 1  # /metrics' counter
 
 
 def test_describe_names_the_constexprs_the_16_divisible_ints_and_the_unaligned_pointers():

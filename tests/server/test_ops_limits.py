@@ -68,6 +68,7 @@ def test_health_ready_models_metrics(serve_real):
     assert metric(text, "ttsserve_engine_time_to_first_audio_seconds_count") == sum(first["counts"]) == 1
     assert 0 < first["sum_s"] <= metric(text, "ttsserve_time_to_first_audio_seconds_sum", '{endpoint="synthesize"}')
     assert metric(text, "ttsserve_engine_slow_steps_total") == stats["slow_steps_total"]
+    assert metric(text, "ttsserve_engine_kernel_compiles_while_serving_total") == 0  # nothing compiles on a CPU
     for g in range(3):  # process-wide totals, read at the scrape: never above the stats read after it
         assert (
             0

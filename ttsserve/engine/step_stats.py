@@ -197,6 +197,7 @@ def engine_stats(engine) -> dict:
         "slow_steps_total": c.slow_steps,
         "gc_pause_seconds_total": list(engine._gc.seconds),
         "gc_collections_total": list(engine._gc.counts),
+        "kernel_compiles_while_serving_total": engine._compiles.while_serving,
         "batch_size_limit": engine.controller.limit,
         "last_batch_size": c.last_batch_size,
         "cuda_graphs": engine.runner.graphs is not None,

@@ -26,6 +26,7 @@ class KernelCompiles:
 
     def __init__(self) -> None:
         self.count, self.seconds, self.serving = 0, 0.0, False
+        self.while_serving = 0  # compiles after the engine was ready (each a stalled step)
         self.last = ""  # the last compile's kernel and specialisation (describe())
         self._started: dict[int, float] = {}  # thread -> perf_counter at its compile's start
         self._lock = threading.Lock()
@@ -44,6 +45,7 @@ class KernelCompiles:
             self.seconds += dt
         self.last = describe(kwargs)
         if self.serving:
+            self.while_serving += 1
             logger.warning(
                 "Triton compiled a kernel while serving (%.0f ms, the step waited): %s; a specialisation the "
                 "start-up did not reach",

@@ -50,6 +50,12 @@ _ENGINE_GAUGES = {
         "Engine steps over 4x the moving average (and 20 ms); the core logs one a while with what it held",
         "counter",
     ),
+    "kernel_compiles_while_serving_total": (
+        "ttsserve_engine_kernel_compiles_while_serving",
+        "Triton kernels compiled after the engine was ready (process-wide), each one stalling the step that "
+        "launched it; the core logs a warning naming it. 0 on a healthy server",
+        "counter",
+    ),
     "audio_collects_total": ("ttsserve_vocoder_results", "Vocoder calls whose audio was read back", "counter"),
     "audio_polled_total": (
         "ttsserve_vocoder_results_polled",
