@@ -127,3 +127,13 @@ def test_describe_names_the_constexprs_the_16_divisible_ints_and_the_unaligned_p
     got = kc_mod.describe({"compile": compile_, "fn": fn, "repr": "unused"})
     assert got == "toy_kernel(splits=1, BLOCK=64; ints divisible by 16: ['n']; pointers not 16-byte aligned: ['x_ptr'])"
     assert kc_mod.describe({"compile": {}, "repr": "toy_kernel[...]"}) == "toy_kernel[...]"  # another layout
+
+
+def test_the_hooks_are_installed_once_and_not_for_a_cpu_engine(monkeypatch):
+    installs = []
+    monkeypatch.setattr(kc_mod, "_COMPILES", None)
+    monkeypatch.setattr(kc_mod, "_install", installs.append)
+    kc = kc_mod.kernel_compiles(install=False)  # a CPU engine: Triton is not even imported
+    assert installs == [] and not kc.installed
+    assert kc_mod.kernel_compiles() is kc and kc_mod.kernel_compiles() is kc
+    assert installs == [kc] and kc.installed

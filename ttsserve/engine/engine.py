@@ -61,7 +61,8 @@ class Engine:
         burst = cfg.scheduler_steps(self.model.device.type)
         cuda_graphs = self.model.device.type == "cuda" and not cfg.enforce_eager
         defer = cuda_graphs and bool(cfg.background_graph_capture)  # engine/deferred_capture.py
-        self._compiles = kernel_compiles()  # before the runner: its start-up compiles are counted too
+        # before the runner: its start-up compiles are counted too
+        self._compiles = kernel_compiles(install=self.model.device.type == "cuda")
         self._compiles.serving = False
         self.runner = ModelRunner(
             self.model,

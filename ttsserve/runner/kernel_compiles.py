@@ -27,6 +27,7 @@ class KernelCompiles:
     def __init__(self) -> None:
         self.count, self.seconds, self.serving = 0, 0.0, False
         self.while_serving = 0  # compiles after the engine was ready (each a stalled step)
+        self.installed = False  # the hooks are in Triton's knobs (kernel_compiles())
         self.last = ""  # the last compile's kernel and specialisation (describe())
         self._started: dict[int, float] = {}  # thread -> perf_counter at its compile's start
         self._lock = threading.Lock()
@@ -78,11 +79,14 @@ def describe(hook_kwargs: dict) -> str:
 _COMPILES: KernelCompiles | None = None
 
 
-def kernel_compiles() -> KernelCompiles:
-    """The process's counter, its hooks installed on first use (chained after any already set)."""
+def kernel_compiles(install: bool = True) -> KernelCompiles:
+    """The process's counter; install: its hooks too (chained after any already set), once. A CPU engine passes
+    False: importing Triton (a CUDA build of torch ships it) would cost its start for nothing."""
     global _COMPILES
     if _COMPILES is None:
         _COMPILES = KernelCompiles()
+    if install and not _COMPILES.installed:
+        _COMPILES.installed = True
         _install(_COMPILES)
     return _COMPILES
 
