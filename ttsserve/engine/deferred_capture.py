@@ -5,9 +5,8 @@ buckets, 40 vocoder buckets) took 18 s of a 40-s start on an H200 (the vocoder's
 runs its call eagerly once before its capture). With `background_graph_capture` the runner and the audio
 stage capture only each family's largest bucket (the runner's: and smallest) before the engine is ready, so
 every batch already has a graph (the smallest captured bucket that holds it: more padding rows, the same rows'
-math), and this driver
-takes the others afterwards, largest first, on the engine's own thread: the engine-core loop calls run_one()
-between steps (engine/core/engine_core.py), never beside a step.
+math), and this driver takes the others afterwards, largest first, on the engine's own thread: the engine-core
+loop calls run_one() between steps (engine/core/engine_core.py), never beside a step.
 
 Each capture synchronizes the device first (a pipelined step in flight finishes; its results stay where the
 next step reads them) and writes only the graphs' static buffers and scratch rows / slots, which no request

@@ -10,9 +10,9 @@ Captured largest first so that every smaller graph fits in the memory pool of th
 `capture(defer=True)` only the largest and smallest are captured at once and `capture_next()` takes the
 others later, largest first (the engine does it between served steps: engine/deferred_capture.py), while a
 batch whose own bucket is not captured yet replays the smallest captured bucket above it (more padding rows,
-the same rows' math). The attention
-is captured with `max_seq_len = max_model_len`: the Triton kernel freezes its split count at capture and reads
-each sequence's length on the device, so one graph serves every context length up to max_model_len.
+the same rows' math). The attention is captured with `max_seq_len = max_model_len`: the Triton kernel freezes
+its split count at capture and reads each sequence's length on the device, so one graph serves every context
+length up to max_model_len.
 Graphs hold the addresses of the runner's persistent tensors; if one of those is reallocated (rows or history
 window grew) the runner's `generation` changes and the graphs are captured again before the next replay.
 """
@@ -194,8 +194,8 @@ class DecodeGraphs(BucketedGraphs):
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
         """Capture every bucket, largest first into one shared memory pool (defer: only the largest and smallest
-        now, the rest by capture_next()); if the torch.compile'd ops cannot be captured, capture again with the same
-        ops uncompiled. Off CUDA nothing is captured and run() calls the same body eagerly on the static
+        now, the rest by capture_next()); if the torch.compile'd ops cannot be captured, capture again with the
+        same ops uncompiled. Off CUDA nothing is captured and run() calls the same body eagerly on the static
         buffers (tests of the padding / indexing logic)."""
         self._or_uncompiled(lambda: self._capture_now(defer), "capturing the compiled decode step")
 

@@ -1,8 +1,8 @@
 """The bucket bookkeeping of the runner's CUDA graph families (decode, piecewise prefill, sampler): which
 buckets are captured, which are left for later (largest first), and the smallest captured bucket for a size.
 
-A family captures every bucket at once, or with defer only its largest and smallest and the rest one per capture_next()
-(the engine's deferred captures, engine/deferred_capture.py); a size whose own bucket is not captured yet
+A family captures every bucket at once, or with defer only its largest and smallest and the rest one per
+capture_next() (the engine's deferred captures, engine/deferred_capture.py); a size whose own bucket is not captured yet
 replays the smallest captured one above it, which is always there (the largest is captured first).
 """
 
