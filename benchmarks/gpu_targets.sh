@@ -16,7 +16,9 @@
 #      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
 #      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them); PROFILE=1: a torch profiler trace of the
 #      engine core over the first PROFILE_S (4) seconds of each server's first point, its fresh first wave
-#      (traces/*.json.gz via POST /start_profile and /stop_profile, and trace_summary.py's reading beside it). Each part writes as it goes, so a call cut short
+#      (traces/*.json.gz via POST /start_profile and /stop_profile, and trace_summary.py's reading beside it);
+#      FRESH_TRITON=1: each server starts with an empty Triton cache, as on a new machine (targets.json counts
+#      the kernels its log says were compiled while serving). Each part writes as it goes, so a call cut short
 #      keeps what it measured.
 set -u
 OUT=${1:?usage: $0 OUT}
@@ -62,6 +64,8 @@ spy() {  # OUT.raw: with SPY=1 and py-spy installed, 6 s of the engine core's st
 serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serve at each point, reports under DIR
     mkdir -p "$1"; echo "$2" > "$1/serve_args.txt"
     [ "${PROFILE:-0}" = 1 ] && mkdir -p "$1/traces" && export TTSSERVE_TORCH_PROFILER_DIR="$1/traces"
+    # FRESH_TRITON=1: an empty Triton cache for this server, as on a new machine (what compiles shows in the log)
+    [ "${FRESH_TRITON:-0}" = 1 ] && export TRITON_CACHE_DIR="$(mktemp -d /tmp/triton-fresh-XXXX)"
     $CLI serve $MODEL_ARGS --port 8000 --api-server-count 12 $2 > "$1/server.log" 2>&1 &
     unset TTSSERVE_TORCH_PROFILER_DIR
     first=1

@@ -60,6 +60,19 @@ def _target(name: str, figures: dict | None, checks: dict[str, bool] | None) -> 
     return {"target": name, "measured": True, "met": all(checks.values()), "checks": checks, **figures}
 
 
+def _server_log(d: Path) -> dict | None:
+    """What a served part's server.log says about stalls: the slow steps the core logged (one per 10 s at most)
+    and the Triton kernels compiled after /ready (every one logged; each a stalled step)."""
+    log = d / "server.log"
+    if not log.exists():
+        return None
+    text = log.read_text(errors="replace")
+    return {
+        "slow_step_lines": text.count("slow engine step:"),
+        "kernel_compiles_while_serving": text.count("compiled a kernel while serving"),
+    }
+
+
 def summarize(out: Path) -> dict:
     targets = []
     p512, p256, p128 = (_served(out, f"serve_pcm_{c}") for c in (512, 256, 128))
@@ -102,6 +115,8 @@ def summarize(out: Path) -> dict:
     )
     machine = (out / "machine.txt").read_text().splitlines() if (out / "machine.txt").exists() else []
     summary = {"machine": machine, "targets": targets}
+    if (log := _server_log(out)) is not None:
+        summary["server_log"] = log
     variant = out / "variant"
     if variant.is_dir():  # the same points with other serve flags: figures only, no target is judged on them
         points = sorted(p.name for p in variant.iterdir() if (p / "report.json").exists())
@@ -114,6 +129,8 @@ def summarize(out: Path) -> dict:
                 for name in points
             },
         }
+        if (log := _server_log(variant)) is not None:
+            summary["variant"]["server_log"] = log
     return summary
 
 

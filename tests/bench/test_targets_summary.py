@@ -58,3 +58,17 @@ def test_a_point_run_with_its_own_client_processes_counts(tmp_path: Path) -> Non
     got = {t["target"].split(":")[0]: t for t in targets_summary.summarize(tmp_path)["targets"]}
     assert got["pcm @ 512"]["measured"] and got["pcm @ 512"]["audio_s_per_s"] == 2600
     assert not got["pcm @ 256"]["measured"]
+
+
+def test_the_server_logs_stalls_are_counted(tmp_path: Path) -> None:
+    (tmp_path / "variant").mkdir()
+    (tmp_path / "variant" / "serve_args.txt").write_text("--first-chunk-lookahead-frames 16\n")
+    (tmp_path / "server.log").write_text("INFO ttsserve ready\n")
+    (tmp_path / "variant" / "server.log").write_text(
+        "INFO slow engine step: 520.0 ms against 11.8 on average (...)\n"
+        "WARNING Triton compiled a kernel while serving (677 ms, the step waited): paged_decode_kernel(...)\n"
+        "WARNING Triton compiled a kernel while serving (1926 ms, the step waited): _sample_kernel(...)\n"
+    )
+    s = targets_summary.summarize(tmp_path)
+    assert s["server_log"] == {"slow_step_lines": 0, "kernel_compiles_while_serving": 0}
+    assert s["variant"]["server_log"] == {"slow_step_lines": 1, "kernel_compiles_while_serving": 2}
