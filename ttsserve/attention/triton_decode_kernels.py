@@ -63,10 +63,11 @@ def _write_new_kv_fp8(
 
 
 # Triton compiles a kernel per specialisation (an integer argument equal to 1 or divisible by 16, every constexpr
-# value), on the first launch that needs it. The split count and the block table's row stride vary from call
-# to call on the eager path (small batches of prompts just prefilled): specialised on, a served step of a fresh
-# server waited ~500 ms for a compile (docs/ARCHITECTURE.md, "Kernels compiled while serving"). Not specialised
-# on, each kernel has one variant per constexpr set, all of them compiled before the engine is ready.
+# value), on the first launch that needs it. The split count varies from call to call on the eager path (small
+# batches of prompts just prefilled: 2-32 splits), and the block table's row stride is whatever width its caller
+# cut: specialised on the first, a served step of a fresh server waited ~500 ms for a compile
+# (docs/ARCHITECTURE.md, "Kernels compiled while serving"). Not specialised on, each kernel has one variant per
+# constexpr set, all of them compiled before the engine is ready.
 _VARYING = ["num_splits", "stride_bt"]
 
 
