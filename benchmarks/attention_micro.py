@@ -7,9 +7,11 @@ graph of the 20 layers (median replay time over CUDA events). The Triton forward
 write of the new token; SDPA does not write anything. Achieved bandwidth counts the bytes that must move:
 every cached K and V read once, plus q, the new k / v (read and written) and the output.
 
-    python3 benchmarks/attention_micro.py [--sweep] [--json PATH]
+    python3 benchmarks/attention_micro.py [--sweep] [--kv] [--json PATH]
 
 --sweep also times decode kernels / tile sizes / warps / split counts, and prefill tile shapes.
+--kv also times the decode kernel on a bf16 cache against an fp8 one (`--kv-cache-dtype fp8`) at served batch
+sizes and contexts, each at the bytes it must read (fp8: 1 byte a value plus one fp32 scale per 64).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape  # noqa
 HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 12, 64, 20, 16
 PEAK_TBPS = 4.3  # device-to-device copy measured on an H200 of this workplace (bytes read + written)
 SHAPES = [(1, 300), (1, 1500), (8, 1500), (64, 300), (64, 1500), (256, 300), (256, 1500)]
+KV_SHAPES = [(64, 300), (512, 300)]
 
 
 def graph_time_ms(fn, replays: int = 30) -> float:
@@ -92,11 +95,11 @@ def make_md(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> Att
 class PagedSetup:
     """20 layers' caches (random contents), one block table shared by the layers as in the engine."""
 
-    def __init__(self, q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> None:
+    def __init__(self, q_lens: list[int], seq_lens: list[int], gen: torch.Generator, kv: str = "auto") -> None:
         self.md = make_md(q_lens, seq_lens, gen)
         num_blocks = int(self.md.block_tables.max()) + 1
         shape = kv_cache_shape(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
-        self.caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.caches = [make_cache(shape, kv) for _ in range(LAYERS)]
         qkv = torch.randn(sum(q_lens), 3, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         self.q, self.k, self.v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
 
@@ -106,6 +109,18 @@ class PagedSetup:
                 backend.forward(self.q, self.k, self.v, cache, self.md, HEAD_DIM**-0.5)
 
         return step
+
+
+def make_cache(shape: tuple[int, ...], kv: str):
+    """One layer's cache of random contents: bf16, or fp8 values with scales of served magnitude."""
+    if kv == "auto":
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    from ttsserve.layers.quant.kv_fp8 import FP8KVCache
+
+    cache = FP8KVCache.zeros(shape, "cuda")
+    cache.data.copy_((torch.randn(shape, device="cuda") * 100).clamp_(-448, 448).to(cache.data.dtype))
+    cache.scales.uniform_(0.005, 0.02)
+    return cache
 
 
 def bench_sdpa(batch: int, ctx: int) -> tuple[float, float]:
@@ -159,6 +174,34 @@ def decode_table(gen: torch.Generator, rows: list[dict]) -> None:
             f"{batch:>5} {ctx:>5} | {t_eager:>12.3f} {t_graph:>7.3f} {tbps:>5.2f} {100 * tbps / PEAK_TBPS:>5.1f} | "
             f"{s_eager:>10.3f} {s_graph:>7.3f} {sdpa_tbps:>5.2f}"
         )
+
+
+def kv_table(gen: torch.Generator, rows: list[dict], tunings: list[tuple[int, int]]) -> None:
+    """The decode kernel (default splits, 20 layers, one graph) on a bf16 cache and on an fp8 one, as tensor-core
+    dots and as the one-row CUDA-core lanes, at each (BLOCK_N, warps)."""
+    from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning
+
+    print(f"decode (graph ms per {LAYERS} layers; TB/s of the bytes each cache must read), n<BLOCK_N>/w<warps>:")
+    for batch, ctx in KV_SHAPES:
+        for kv in ("auto", "fp8"):
+            setup = PagedSetup([1] * batch, [ctx] * batch, gen, kv)
+            nbytes = (HEADS * (HEAD_DIM + 4) * 2 if kv == "fp8" else HEADS * HEAD_DIM * 4) * batch * ctx * LAYERS
+            ref = None
+            for lanes in (False, True):
+                be = TritonPagedAttention(tuning=TritonTuning(decode_lanes=lanes))
+                out = be.forward(setup.q, setup.k, setup.v, setup.caches[0], setup.md, 0.125).float()
+                ref = out if ref is None else ref
+                diff = float((out - ref).abs().max() / ref.abs().max())
+                cells = []
+                for bn, w in tunings:
+                    tuning = TritonTuning(bn, w, decode_lanes=lanes)
+                    ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=tuning)))
+                    rows.append(dict(batch=batch, ctx=ctx, kv=kv, lanes=lanes, block_n=bn, warps=w, graph_ms=ms))
+                    cells.append(f"n{bn}/w{w} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
+                path = "lanes" if lanes else "dots"
+                print(f"  B={batch:<4} ctx={ctx:<4} {kv:>4} {path:>5} (diff {diff:.0e}): " + "  ".join(cells))
+            del setup
+            torch.cuda.empty_cache()
 
 
 def prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
@@ -240,6 +283,7 @@ def sweep(gen: torch.Generator, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants")
+    parser.add_argument("--kv", action="store_true", help="only the decode kernel: bf16 / fp8 cache, dots / lanes")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -249,8 +293,11 @@ def main() -> None:
         f"decode attention, {LAYERS} layers, bf16, {HEADS}x{HEAD_DIM} heads, block_size {BLOCK_SIZE}, "
         f"{torch.cuda.get_device_name()}; bandwidth vs {PEAK_TBPS} TB/s"
     )
-    decode_table(gen, rows)
-    prefill_table(gen, rows)
+    if not args.kv:
+        decode_table(gen, rows)
+        prefill_table(gen, rows)
+    else:
+        kv_table(gen, rows, [(64, 4), (32, 4), (64, 8)])
     if args.sweep:
         sweep(gen, rows)
     if args.json:

@@ -29,7 +29,7 @@ from triton_attention_util import (  # noqa: E402
     rand_lens,
 )
 
-from ttsserve.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning  # noqa: E402
 from ttsserve.layers.quant.kv_fp8 import FP8KVCache, write_kv_fp8  # noqa: E402
 from ttsserve.model.layers import RotaryEmbedding  # noqa: E402
 
@@ -117,12 +117,15 @@ def test_rope_decode_equals_rotate_then_decode(dtype: torch.dtype, batch: int, n
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_rope_decode_fp8_cache_equals_rotate_then_decode(num_splits: int) -> None:
+@pytest.mark.parametrize("num_kv_heads, lanes", [(4, False), (12, False), (12, True)])
+def test_rope_decode_fp8_cache_equals_rotate_then_decode(num_splits: int, num_kv_heads: int, lanes: bool) -> None:
+    """The fp8 cache through both decode paths (the lanes serve one query row per KV head only)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     gen = torch.Generator().manual_seed(7 + num_splits)
     ctx = [0, 37] + rand_lens(3, 1, MAX_CTX - 1, gen)
-    case = make_case(ctx, [1] * len(ctx), 16, dtype, gen, num_kv_heads=4)
-    check_rope_decode(case, TritonPagedAttention(num_splits=num_splits), fp8=True)
+    case = make_case(ctx, [1] * len(ctx), 16, dtype, gen, num_kv_heads=num_kv_heads)
+    backend = TritonPagedAttention(num_splits=num_splits, tuning=TritonTuning(decode_lanes=lanes))
+    check_rope_decode(case, backend, fp8=True)
 
 
 def test_rope_on_a_prefill_batch_rotates_in_torch() -> None:

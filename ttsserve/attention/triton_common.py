@@ -83,3 +83,36 @@ def attend_tile(q, k, v, ks, vs, mask, qk_scale, m_i, l_i, acc, FP8: tl.constexp
     else:
         pv = tl.dot(pw.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def attend_lanes(q, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8: tl.constexpr):
+    """The online softmax of ONE query row over a KV tile on the CUDA cores, each of the tile's BLOCK_N token
+    positions a lane with its own running max / sum / accumulator (merge_lanes combines them once, after the
+    loop), so the loop has no reduction across warps. For one query per KV head (GROUP == 1) a tensor-core
+    dot wastes 15 of its 16 rows, and an fp8 tile must be staged in shared memory and read back a byte at a
+    time to become a dot operand; here it converts in registers.
+    q [D] fp32; k, v [N, D] (any dtype; fp8 scales in ks / vs [N]); valid [N]; m_l, l_l [N], acc_l [N, D]."""
+    qk = tl.sum(k.to(tl.float32) * q[None, :], 1)
+    if FP8:
+        qk = qk * ks
+    qk = tl.where(valid, qk * qk_scale, -float("inf"))
+    m_new = tl.maximum(m_l, qk)
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane with no token yet: weights 0, not NaN
+    alpha = tl.exp2(m_l - m_safe)
+    p = tl.exp2(qk - m_safe)
+    if FP8:
+        pw = p * vs
+    else:
+        pw = p
+    acc_l = acc_l * alpha[:, None] + pw[:, None] * v.to(tl.float32)
+    return m_new, l_l * alpha + p, acc_l
+
+
+@triton.jit
+def merge_lanes(m_l, l_l, acc_l):
+    """attend_lanes' per-lane state -> (m [1], l [1], acc [1, D]): one row's running max, sum and accumulator."""
+    m = tl.max(m_l, 0)
+    w = tl.exp2(m_l - tl.where(m == -float("inf"), 0.0, m))
+    one = tl.zeros([1], dtype=tl.float32)
+    return one + m, one + tl.sum(l_l * w, 0), tl.sum(acc_l * w[:, None], 0)[None, :]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ttsserve.attention.triton_common import attend_tile, fp8_quant_rows, kv_tile_offsets
+from ttsserve.attention.triton_common import attend_lanes, attend_tile, fp8_quant_rows, kv_tile_offsets, merge_lanes
 
 
 @triton.jit
@@ -116,6 +116,7 @@ def paged_decode_kernel(
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
     ROPE: tl.constexpr,
+    LANES: tl.constexpr = False,
 ):
     """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
     that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows), over split s.
@@ -154,6 +155,11 @@ def paged_decode_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if LANES:  # BLOCK_M == 1
+        q_vec = tl.sum(q.to(tl.float32), 0)
+        m_l = tl.full([BLOCK_N], -float("inf"), dtype=tl.float32)
+        l_l = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_l = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     row_off = b.to(tl.int64) * stride_bt
     for start in range(lo, tl.minimum(hi, last), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -167,12 +173,18 @@ def paged_decode_kernel(
             soff = blks * sc_stride_blk + kv_h * sc_stride_h + n % BLOCK_SIZE
             ks = tl.load(scale_ptr + soff, mask=valid, other=0.0)
             vs = tl.load(scale_ptr + sc_v_offset + soff, mask=valid, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
         else:
             ks = 1.0  # unused without FP8
             vs = 1.0
-        m_i, l_i, acc = attend_tile(q, k, v, ks, vs, valid[None, :], qk_scale, m_i, l_i, acc, FP8, IEEE)
+        if LANES:
+            m_l, l_l, acc_l = attend_lanes(q_vec, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8)
+        else:
+            if FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            m_i, l_i, acc = attend_tile(q, k, v, ks, vs, valid[None, :], qk_scale, m_i, l_i, acc, FP8, IEEE)
+    if LANES:
+        m_i, l_i, acc = merge_lanes(m_l, l_l, acc_l)
 
     if (lo <= last) & (last < hi):  # this split holds the new token
         if ROPE:

@@ -22,7 +22,8 @@ a question of speed). Pass `num_splits` to pin it, e.g. for captures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -45,6 +46,8 @@ class TritonTuning:
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
+    # one query row per KV head (GROUP == 1, as ChatTTS): the CUDA-core lanes path instead of tensor-core dots
+    decode_lanes: bool = field(default_factory=lambda: os.environ.get("TTSSERVE_DECODE_LANES", "0") == "1")
     min_tokens_per_split: int = 32
     max_splits: int = 32
     prefill_block_m: int | None = None
@@ -279,6 +282,7 @@ def paged_decode(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     split = num_splits > 1
+    lanes = tuning.decode_lanes and group == 1
     if split:
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -325,12 +329,13 @@ def paged_decode(
         GROUP=group,
         BLOCK_SIZE=md.block_size,
         HEAD_DIM=head_dim,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_M=1 if lanes else max(16, triton.next_power_of_2(group)),
         BLOCK_N=tuning.decode_block_n,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
         ROPE=rope is not None,
+        LANES=lanes,
         num_warps=tuning.decode_num_warps,
         num_stages=tuning.decode_num_stages,
     )
