@@ -188,18 +188,19 @@ def kv_table(gen: torch.Generator, rows: list[dict], tunings: list[tuple[int, in
             nbytes = (HEADS * (HEAD_DIM + 4) * 2 if kv == "fp8" else HEADS * HEAD_DIM * 4) * batch * ctx * LAYERS
             ref = None
             for lanes in (False, True):
-                be = TritonPagedAttention(tuning=TritonTuning(decode_lanes=lanes))
+                path = "all" if lanes else "none"
+                be = TritonPagedAttention(tuning=TritonTuning(decode_lanes=path))
                 out = be.forward(setup.q, setup.k, setup.v, setup.caches[0], setup.md, 0.125).float()
                 ref = out if ref is None else ref
                 diff = float((out - ref).abs().max() / ref.abs().max())
                 cells = []
                 for bn, w in tunings:
-                    tuning = TritonTuning(bn, w, decode_lanes=lanes)
+                    tuning = TritonTuning(bn, w, decode_lanes=path, decode_lanes_block_n=bn)
                     ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=tuning)))
                     rows.append(dict(batch=batch, ctx=ctx, kv=kv, lanes=lanes, block_n=bn, warps=w, graph_ms=ms))
                     cells.append(f"n{bn}/w{w} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
-                path = "lanes" if lanes else "dots"
-                print(f"  B={batch:<4} ctx={ctx:<4} {kv:>4} {path:>5} (diff {diff:.0e}): " + "  ".join(cells))
+                name = "lanes" if lanes else "dots"
+                print(f"  B={batch:<4} ctx={ctx:<4} {kv:>4} {name:>5} (diff {diff:.0e}): " + "  ".join(cells))
             del setup
             torch.cuda.empty_cache()
 

@@ -75,8 +75,13 @@ def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_spli
     gen = torch.Generator().manual_seed(block_n + num_splits)
     ctx = [0, 1, 2, 17, 64, 65] + rand_lens(3, MAX_CTX // 2, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, dtype, gen)
-    tuning = TritonTuning(decode_block_n=block_n, decode_lanes=lanes)
+    tuning = TritonTuning(decode_block_n=block_n, decode_lanes="all" if lanes else "none", decode_lanes_block_n=block_n)
     check(case, TritonPagedAttention(num_splits=num_splits, tuning=tuning))
+
+
+def test_tuning_rejects_an_unknown_lanes_choice() -> None:
+    with pytest.raises(ValueError, match="decode_lanes"):
+        TritonTuning(decode_lanes="bf16")
 
 
 def test_split_heuristic() -> None:

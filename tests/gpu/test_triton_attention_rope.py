@@ -117,9 +117,10 @@ def test_rope_decode_equals_rotate_then_decode(dtype: torch.dtype, batch: int, n
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("num_kv_heads, lanes", [(4, False), (12, False), (12, True)])
-def test_rope_decode_fp8_cache_equals_rotate_then_decode(num_splits: int, num_kv_heads: int, lanes: bool) -> None:
-    """The fp8 cache through both decode paths (the lanes serve one query row per KV head only)."""
+@pytest.mark.parametrize("num_kv_heads, lanes", [(4, "fp8"), (12, "none"), (12, "fp8")])
+def test_rope_decode_fp8_cache_equals_rotate_then_decode(num_splits: int, num_kv_heads: int, lanes: str) -> None:
+    """The fp8 cache through both decode paths: tensor-core dots (several query heads per KV head, or lanes
+    off) and the default CUDA-core lanes (one query head per KV head)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     gen = torch.Generator().manual_seed(7 + num_splits)
     ctx = [0, 37] + rand_lens(3, 1, MAX_CTX - 1, gen)

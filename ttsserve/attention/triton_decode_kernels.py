@@ -124,8 +124,10 @@ def paged_decode_kernel(
     Context tokens 0..L-2 (L = seq_lens[b], read on the device) come from the cache; token L-1 is this
     step's k / v, taken from the inputs and stored at slot_mapping[b] by the program of its split, so no
     program reads a slot written in the same launch. Split s covers [s * split_len, (s + 1) * split_len),
-    split_len = ceil(L / num_splits) rounded up to BLOCK_N. The products are tl.dot on the tensor cores
-    (the padding rows cost no memory traffic, and dot operands let Triton pipeline the KV loads).
+    split_len = ceil(L / num_splits) rounded up to BLOCK_N. LANES=False: the products are tl.dot on the
+    tensor cores (the padding rows cost no memory traffic, and dot operands let Triton pipeline the KV loads).
+    LANES=True (GROUP == 1, BLOCK_M == 1): the one query row on the CUDA cores, each of the tile's BLOCK_N token
+    positions a lane with its own softmax state, merged after the loop (triton_common.attend_lanes).
     SPLIT=False: write the normalised output. SPLIT=True: write the unnormalised accumulator, running
     max (log2 domain) and denominator to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce.
     ROPE=True: q and the new k are unrotated; cos / sin [B, HEAD_DIM] (token stride stride_cos / stride_sin)

@@ -11,7 +11,10 @@ Both also store this step's k / v at `md.slot_mapping` (slot < 0: skipped, so a 
 CUDA-graph batch with -1 slots and seq_len 0; such rows come out as zeros).
 
 The cache of a layer is either a tensor of q's dtype or an `FP8KVCache` (ttsserve/layers/quant/kv_fp8.py: fp8
-values plus per-token, per-head fp32 scales), which the same kernels read and write with FP8=True.
+values plus per-token, per-head fp32 scales), which the same kernels read and write with FP8=True. With one query
+head per KV head, an fp8 cache decodes on the CUDA cores (`TritonTuning.decode_lanes`): as a tensor-core operand
+an fp8 tile reads back from shared memory a byte at a time and the kernel ran slower than on the bf16 cache with
+half the bytes.
 
 No device-to-host sync: launch shapes come from tensor shapes and the host ints of the metadata. The
 decode path is CUDA-graph capturable: its launch shapes depend only on the batch size and the split
@@ -22,8 +25,7 @@ a question of speed). Pass `num_splits` to pin it, e.g. for captures.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,14 +48,22 @@ class TritonTuning:
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
-    # one query row per KV head (GROUP == 1, as ChatTTS): the CUDA-core lanes path instead of tensor-core dots
-    decode_lanes: bool = field(default_factory=lambda: os.environ.get("TTSSERVE_DECODE_LANES", "0") == "1")
+    # One query row per KV head (GROUP == 1, ChatTTS's case): which caches decode on the CUDA cores
+    # (triton_common.attend_lanes, tiles of decode_lanes_block_n) instead of tensor-core dots: "fp8", "all" or
+    # "none". H100, 512 rows of 300 frames, 20 layers: fp8 cache 2.90 ms as lanes of 32, 3.91-4.29 as dots;
+    # bf16 cache 3.56 ms as dots, 4.18-4.71 as lanes (benchmarks/attention_micro.py --kv).
+    decode_lanes: str = "fp8"
+    decode_lanes_block_n: int = 32
     min_tokens_per_split: int = 32
     max_splits: int = 32
     prefill_block_m: int | None = None
     prefill_block_n: int = 64
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.decode_lanes not in ("fp8", "all", "none"):
+            raise ValueError(f"decode_lanes must be 'fp8', 'all' or 'none', got {self.decode_lanes!r}")
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, tuning: TritonTuning) -> int:
@@ -282,7 +292,7 @@ def paged_decode(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     split = num_splits > 1
-    lanes = tuning.decode_lanes and group == 1
+    lanes = group == 1 and (tuning.decode_lanes == "all" or (tuning.decode_lanes == "fp8" and scales is not None))
     if split:
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -330,7 +340,7 @@ def paged_decode(
         BLOCK_SIZE=md.block_size,
         HEAD_DIM=head_dim,
         BLOCK_M=1 if lanes else max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tuning.decode_block_n,
+        BLOCK_N=tuning.decode_lanes_block_n if lanes else tuning.decode_block_n,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
         FP8=scales is not None,
