@@ -10,8 +10,9 @@ every cached K and V read once, plus q, the new k / v (read and written) and the
     python3 benchmarks/attention_micro.py [--sweep] [--kv] [--json PATH]
 
 --sweep also times decode kernels / tile sizes / warps / split counts, and prefill tile shapes.
---kv also times the decode kernel on a bf16 cache against an fp8 one (`--kv-cache-dtype fp8`) at served batch
-sizes and contexts, each at the bytes it must read (fp8: 1 byte a value plus one fp32 scale per 64).
+--kv times only the decode kernel, on a bf16 cache and on an fp8 one (`--kv-cache-dtype fp8`), through its
+tensor-core dots and its CUDA-core lanes (TritonTuning.decode_lanes) at a few tiles, each at the bytes it must
+read (fp8: 1 byte a value plus one fp32 scale per 64).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def attend_tile(q, k, v, ks, vs, mask, qk_scale, m_i, l_i, acc, FP8: tl.constexp
 
 @triton.jit
 def attend_lanes(q, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8: tl.constexpr):
-    """The online softmax of ONE query row over a KV tile on the CUDA cores, each of the tile's BLOCK_N token
+    """The online softmax of one query row over a KV tile on the CUDA cores, each of the tile's BLOCK_N token
     positions a lane with its own running max / sum / accumulator (merge_lanes combines them once, after the
     loop), so the loop has no reduction across warps. For one query per KV head (GROUP == 1) a tensor-core
     dot wastes 15 of its 16 rows, and an fp8 tile must be staged in shared memory and read back a byte at a

@@ -119,7 +119,8 @@ def paged_decode_kernel(
     LANES: tl.constexpr = False,
 ):
     """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
-    that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows), over split s.
+    that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows; one row with LANES),
+    over split s.
 
     Context tokens 0..L-2 (L = seq_lens[b], read on the device) come from the cache; token L-1 is this
     step's k / v, taken from the inputs and stored at slot_mapping[b] by the program of its split, so no
