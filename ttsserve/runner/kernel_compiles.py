@@ -41,17 +41,19 @@ class KernelCompiles:
         """Triton's jit_post_compile_hook: the compile named by kwargs["repr"] has finished."""
         t0 = self._started.pop(threading.get_ident(), None)
         dt = 0.0 if t0 is None else time.perf_counter() - t0
+        last = describe(kwargs)
         with self._lock:
             self.count += 1
             self.seconds += dt
-        self.last = describe(kwargs)
+            self.last = last
+            if self.serving:
+                self.while_serving += 1
         if self.serving:
-            self.while_serving += 1
             logger.warning(
                 "Triton compiled a kernel while serving (%.0f ms, the step waited): %s; a specialisation the "
                 "start-up did not reach",
                 dt * 1e3,
-                self.last,
+                last,
             )
         return prior(**kwargs) if prior is not None else None
 
