@@ -11,8 +11,8 @@ every cached K and V read once, plus q, the new k / v (read and written) and the
 
 --sweep also times decode kernels / tile sizes / warps / split counts, and prefill tile shapes.
 --kv times only the decode kernel, on a bf16 cache and on an fp8 one (`--kv-cache-dtype fp8`), through its
-tensor-core dots and its CUDA-core lanes (TritonTuning.decode_lanes) at a few tiles, each at the bytes it must
-read (fp8: 1 byte a value plus one fp32 scale per 64).
+tensor-core dots and its CUDA-core lanes (TritonTuning.decode_lanes) at a few tiles, warps and (lanes) loop
+pipeline depths, each at the bytes it must read (fp8: 1 byte a value plus one fp32 scale per 64).
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape  # noqa
 HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 12, 64, 20, 16
 PEAK_TBPS = 4.3  # device-to-device copy measured on an H200 of this workplace (bytes read + written)
 SHAPES = [(1, 300), (1, 1500), (8, 1500), (64, 300), (64, 1500), (256, 300), (256, 1500)]
-KV_SHAPES = [(64, 300), (512, 300)]
+KV_SHAPES = [(64, 300), (256, 300), (512, 300)]
+DOT_TILES = [(64, 4), (32, 4)]  # (BLOCK_N, warps)
+# (BLOCK_N, warps, loop stages); stages None: the loop not pipelined (tl.range's num_stages)
+LANE_TILES = [(32, 4, None), (32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 3), (64, 4, 3), (32, 2, 3), (16, 2, 4)]
 
 
 def graph_time_ms(fn, replays: int = 30) -> float:
@@ -177,12 +180,13 @@ def decode_table(gen: torch.Generator, rows: list[dict]) -> None:
         )
 
 
-def kv_table(gen: torch.Generator, rows: list[dict], tunings: list[tuple[int, int]]) -> None:
+def kv_table(gen: torch.Generator, rows: list[dict]) -> None:
     """The decode kernel (default splits, 20 layers, one graph) on a bf16 cache and on an fp8 one, as tensor-core
-    dots and as the one-row CUDA-core lanes, at each (BLOCK_N, warps)."""
+    dots at each (BLOCK_N, warps) of DOT_TILES and as the one-row CUDA-core lanes at each (BLOCK_N, warps, loop
+    stages) of LANE_TILES."""
     from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning
 
-    print(f"decode (graph ms per {LAYERS} layers; TB/s of the bytes each cache must read), n<BLOCK_N>/w<warps>:")
+    print(f"decode (graph ms per {LAYERS} layers; TB/s of the bytes each must read), n<BLOCK_N>/w<warps>/s<stages>:")
     for batch, ctx in KV_SHAPES:
         for kv in ("auto", "fp8"):
             setup = PagedSetup([1] * batch, [ctx] * batch, gen, kv)
@@ -195,11 +199,19 @@ def kv_table(gen: torch.Generator, rows: list[dict], tunings: list[tuple[int, in
                 ref = out if ref is None else ref
                 diff = float((out - ref).abs().max() / ref.abs().max())
                 cells = []
-                for bn, w in tunings:
-                    tuning = TritonTuning(bn, w, decode_lanes=path, decode_lanes_block_n=bn)
+                for bn, w, st in LANE_TILES if lanes else [(bn, w, None) for bn, w in DOT_TILES]:
+                    tuning = TritonTuning(
+                        bn,
+                        w,
+                        decode_lanes=path,
+                        decode_lanes_block_n=bn,
+                        decode_lanes_num_warps=w,
+                        decode_lanes_num_stages=st,
+                    )
                     ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=tuning)))
-                    rows.append(dict(batch=batch, ctx=ctx, kv=kv, lanes=lanes, block_n=bn, warps=w, graph_ms=ms))
-                    cells.append(f"n{bn}/w{w} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
+                    row = dict(batch=batch, ctx=ctx, kv=kv, lanes=lanes, block_n=bn, warps=w, stages=st, graph_ms=ms)
+                    rows.append(row)
+                    cells.append(f"n{bn}/w{w}/s{st or '-'} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
                 name = "lanes" if lanes else "dots"
                 print(f"  B={batch:<4} ctx={ctx:<4} {kv:>4} {name:>5} (diff {diff:.0e}): " + "  ".join(cells))
             del setup
@@ -299,7 +311,7 @@ def main() -> None:
         decode_table(gen, rows)
         prefill_table(gen, rows)
     else:
-        kv_table(gen, rows, [(64, 4), (32, 4), (64, 8)])
+        kv_table(gen, rows)
     if args.sweep:
         sweep(gen, rows)
     if args.json:

@@ -66,16 +66,23 @@ def test_decode_forced_splits_fp32(block_n: int, num_splits: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_n", [16, 64, 128])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
-@pytest.mark.parametrize("lanes", [False, True])
-def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_splits: int, lanes: bool) -> None:
-    """Both decode paths for one query row per KV head (tensor-core dots, CUDA-core lanes), every tile and split
-    count, contexts from empty to long, against the fp32 reference."""
+@pytest.mark.parametrize("path", ["dots", "lanes", "lanes-unpipelined"])
+def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_splits: int, path: str) -> None:
+    """Both decode paths for one query row per KV head (tensor-core dots, CUDA-core lanes with and without their
+    loop's software pipeline), every tile and split count, contexts from empty to long, against the fp32
+    reference."""
+    lanes = path != "dots"
     if not lanes:
         skip_bf16_dot_in_interpreter(dtype)
     gen = torch.Generator().manual_seed(block_n + num_splits)
     ctx = [0, 1, 2, 17, 64, 65] + rand_lens(3, MAX_CTX // 2, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, dtype, gen)
-    tuning = TritonTuning(decode_block_n=block_n, decode_lanes="all" if lanes else "none", decode_lanes_block_n=block_n)
+    tuning = TritonTuning(
+        decode_block_n=block_n,
+        decode_lanes="all" if lanes else "none",
+        decode_lanes_block_n=block_n,
+        decode_lanes_num_stages=None if path == "lanes-unpipelined" else 3,
+    )
     check(case, TritonPagedAttention(num_splits=num_splits, tuning=tuning))
 
 

@@ -117,6 +117,7 @@ def paged_decode_kernel(
     FP8: tl.constexpr,
     ROPE: tl.constexpr,
     LANES: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = None,
 ):
     """Grid (num_seqs, num_kv_heads, num_splits): the one new query of sequence b for the GROUP query heads
     that share KV head kv_h (the rows of a BLOCK_M >= 16 tile, padded with zero rows; one row with LANES),
@@ -129,6 +130,9 @@ def paged_decode_kernel(
     tensor cores (the padding rows cost no memory traffic, and dot operands let Triton pipeline the KV loads).
     LANES=True (GROUP == 1, BLOCK_M == 1): the one query row on the CUDA cores, each of the tile's BLOCK_N token
     positions a lane with its own softmax state, merged after the loop (triton_common.attend_lanes).
+    LOOP_STAGES: the loop's software pipeline depth (tl.range's num_stages: every load in the loop, the tiles in
+    flight through cp.async); None leaves the kernel's num_stages, which pipelines only loads that feed a dot,
+    so the lanes, which have none, need it.
     SPLIT=False: write the normalised output. SPLIT=True: write the unnormalised accumulator, running
     max (log2 domain) and denominator to part_o [B, H, S, D] / part_m / part_l [B, H, S] for the reduce.
     ROPE=True: q and the new k are unrotated; cos / sin [B, HEAD_DIM] (token stride stride_cos / stride_sin)
@@ -164,7 +168,7 @@ def paged_decode_kernel(
         l_l = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_l = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     row_off = b.to(tl.int64) * stride_bt
-    for start in range(lo, tl.minimum(hi, last), BLOCK_N):
+    for start in tl.range(lo, tl.minimum(hi, last), BLOCK_N, num_stages=LOOP_STAGES):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < tl.minimum(hi, last)
         off, blks = kv_tile_offsets(

@@ -54,6 +54,9 @@ class TritonTuning:
     # bf16 cache 3.56 ms as dots, 4.18-4.71 as lanes (benchmarks/attention_micro.py --kv).
     decode_lanes: str = "fp8"
     decode_lanes_block_n: int = 32
+    decode_lanes_num_warps: int = 4
+    # Tiles in flight in the lanes' loop (LOOP_STAGES in paged_decode_kernel); None: not pipelined.
+    decode_lanes_num_stages: int | None = 3
     min_tokens_per_split: int = 32
     max_splits: int = 32
     prefill_block_m: int | None = None
@@ -346,7 +349,8 @@ def paged_decode(
         FP8=scales is not None,
         ROPE=rope is not None,
         LANES=lanes,
-        num_warps=tuning.decode_num_warps,
+        LOOP_STAGES=tuning.decode_lanes_num_stages if lanes else None,
+        num_warps=tuning.decode_lanes_num_warps if lanes else tuning.decode_num_warps,
         num_stages=tuning.decode_num_stages,
     )
     if split:
