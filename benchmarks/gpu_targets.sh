@@ -15,7 +15,8 @@
 #      only) picks the parts;
 #      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
 #      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them); PROFILE=1: a torch profiler trace of the
-#      engine core over the first PROFILE_S (4) seconds of each server's first point, its fresh first wave
+#      engine core over PROFILE_S (4) seconds of each server's first point from PROFILE_AT (0.5) seconds into it
+#      (the default: its fresh first wave; later: the steady state)
 #      (traces/*.json.gz via POST /start_profile and /stop_profile, and trace_summary.py's reading beside it);
 #      FRESH_TRITON=1: each server starts with an empty Triton cache, as on a new machine (targets.json counts
 #      the kernels its log says were compiled while serving). Each part writes as it goes, so a call cut short
@@ -39,9 +40,10 @@ if [[ $parts == *" cold "* ]]; then
     grep -E "^run|cold start" "$OUT/coldstart.txt"
 fi
 
-profile() {  # DIR: with PROFILE=1, a torch profiler trace of the engine core over the first PROFILE_S seconds of
-    # the load (the server runs with $TTSSERVE_TORCH_PROFILER_DIR=DIR/traces), summarised by trace_summary.py
-    sleep 0.5
+profile() {  # DIR: with PROFILE=1, a torch profiler trace of the engine core over PROFILE_S seconds of the load
+    # from PROFILE_AT (0.5) seconds into it (the server runs with $TTSSERVE_TORCH_PROFILER_DIR=DIR/traces),
+    # summarised by trace_summary.py
+    sleep "${PROFILE_AT:-0.5}"
     curl -s -X POST localhost:8000/start_profile > /dev/null
     sleep "${PROFILE_S:-4}"
     curl -s -X POST localhost:8000/stop_profile > "$1/traces/stop_profile.json"
