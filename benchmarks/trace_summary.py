@@ -28,7 +28,8 @@ def load(path: str) -> list[dict]:
 
 
 def summarise(events: list[dict], top: int = 15, waits: int = 5) -> dict:
-    """-> {"device_busy_us", "by_name": [(name, total us, count)], "longest": [(name, us, start us)],
+    """-> {"device_busy_us", "device_span_us", "device_union_us", "by_name": [(name, total us, count)],
+    "longest": [(name, us, start us)],
     "waits": [{"name", "us", "start", "device": [(name, overlapped us)]}]} (times in the trace's us)."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
     total, count = Counter(), Counter()
@@ -50,11 +51,23 @@ def summarise(events: list[dict], top: int = 15, waits: int = 5) -> dict:
     longest = sorted(dev, key=lambda e: e["dur"], reverse=True)[:top]
     return {
         "device_busy_us": sum(e["dur"] for e in dev),
+        "device_span_us": max(e["ts"] + e["dur"] for e in dev) - min(e["ts"] for e in dev) if dev else 0.0,
+        "device_union_us": busy_union(dev),
         "by_name": [(n, t, count[n]) for n, t in total.most_common(top)],
         "longest": [(e["name"], e["dur"], e["ts"]) for e in longest],
         "waits": out_waits,
         "silences": host_silences(events, waits),
     }
+
+
+def busy_union(dev: list[dict]) -> float:
+    """Time with at least one device event running (events on several streams overlap)."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(dev, key=lambda e: e["ts"]):
+        a, b = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
 
 
 def host_silences(events: list[dict], n: int) -> list[tuple[float, float, str]]:
@@ -80,7 +93,12 @@ def main() -> None:
     ap.add_argument("--waits", type=int, default=5)
     args = ap.parse_args()
     s = summarise(load(args.trace), args.top, args.waits)
-    print(f"device busy {s['device_busy_us'] / 1e3:.1f} ms in all (summed over events)")
+    span = s["device_span_us"]
+    union = s["device_union_us"]
+    print(
+        f"device busy {s['device_busy_us'] / 1e3:.1f} ms in all (summed over events); busy {union / 1e3:.1f} ms of"
+        f" the {span / 1e3:.1f} ms from its first event to its last ({union / max(span, 1):.0%})"
+    )
     print("\nbusiest on the device (total ms, calls, name):")
     for name, us, n in s["by_name"]:
         print(f"  {us / 1e3:9.3f}  {n:6d}  {name[:110]}")

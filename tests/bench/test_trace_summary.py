@@ -34,6 +34,8 @@ def test_the_kernel_under_the_longest_wait_is_named(tmp_path):
         json.dump({"traceEvents": events}, f)
     s = trace_summary.summarise(trace_summary.load(str(path)), top=5, waits=2)
     assert s["device_busy_us"] == 10 + 10 + 390 + 20
+    assert s["device_span_us"] == 445  # 0..445
+    assert s["device_union_us"] == 10 + 400 + 20  # 0..10, 20..420 (gemm and slow_kernel overlap), 425..445
     assert s["by_name"][0] == ("slow_kernel", 390, 1) and ("gemm", 20, 2) in s["by_name"]
     assert s["longest"][0] == ("slow_kernel", 390, 30)
     first = s["waits"][0]
