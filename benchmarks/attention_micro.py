@@ -180,14 +180,14 @@ def decode_table(gen: torch.Generator, rows: list[dict]) -> None:
         )
 
 
-def kv_table(gen: torch.Generator, rows: list[dict]) -> None:
+def kv_table(gen: torch.Generator, rows: list[dict], shapes: list[tuple[int, int]]) -> None:
     """The decode kernel (default splits, 20 layers, one graph) on a bf16 cache and on an fp8 one, as tensor-core
     dots at each (BLOCK_N, warps) of DOT_TILES and as the one-row CUDA-core lanes at each (BLOCK_N, warps, loop
     stages) of LANE_TILES."""
     from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning
 
     print(f"decode (graph ms per {LAYERS} layers; TB/s of the bytes each must read), n<BLOCK_N>/w<warps>/s<stages>:")
-    for batch, ctx in KV_SHAPES:
+    for batch, ctx in shapes:
         for kv in ("auto", "fp8"):
             setup = PagedSetup([1] * batch, [ctx] * batch, gen, kv)
             nbytes = (HEADS * (HEAD_DIM + 4) * 2 if kv == "fp8" else HEADS * HEAD_DIM * 4) * batch * ctx * LAYERS
@@ -298,6 +298,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants")
     parser.add_argument("--kv", action="store_true", help="only the decode kernel: bf16 / fp8 cache, dots / lanes")
+    parser.add_argument(
+        "--kv-shapes",
+        default=",".join(f"{b}x{c}" for b, c in KV_SHAPES),
+        help="--kv's rows x context points, e.g. 512x32,512x300 (a short context shows a program's fixed cost)",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -311,7 +316,7 @@ def main() -> None:
         decode_table(gen, rows)
         prefill_table(gen, rows)
     else:
-        kv_table(gen, rows)
+        kv_table(gen, rows, [tuple(int(x) for x in p.split("x")) for p in args.kv_shapes.split(",")])
     if args.sweep:
         sweep(gen, rows)
     if args.json:

@@ -111,8 +111,7 @@ def attend_lanes(q, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8: tl.cons
 
 @triton.jit
 def merge_lanes(m_l, l_l, acc_l):
-    """attend_lanes' per-lane state -> (m [1], l [1], acc [1, D]): one row's running max, sum and accumulator."""
+    """attend_lanes' per-lane state -> (m, l, acc [D]): one row's running max, sum (scalars) and accumulator."""
     m = tl.max(m_l, 0)
     w = tl.exp2(m_l - tl.where(m == -float("inf"), 0.0, m))
-    one = tl.zeros([1], dtype=tl.float32)
-    return one + m, one + tl.sum(l_l * w, 0), tl.sum(acc_l * w[:, None], 0)[None, :]
+    return m, tl.sum(l_l * w, 0), tl.sum(acc_l * w[:, None], 0)

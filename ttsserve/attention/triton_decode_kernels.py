@@ -62,6 +62,66 @@ def _write_new_kv_fp8(
     tl.store(sdst + sc_v_offset, vs, mask=smask)
 
 
+@triton.jit
+def _store_new_token(
+    k_row,
+    v_row,
+    cache_ptr,
+    scale_ptr,
+    v_offset,
+    sc_v_offset,
+    stride_slot,
+    stride_ch,
+    sc_stride_blk,
+    sc_stride_h,
+    slot,
+    kv_h,
+    cos,
+    sin,
+    d,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """Store this step's k / v of head kv_h (at k_row / v_row; k rotated first with ROPE) at `slot` ->
+    (k, v) fp32 [HEAD_DIM]: the values the cache now holds (fp8-rounded for the fp8 cache)."""
+    if ROPE:
+        k_raw = _load_rope(k_row, d < HEAD_DIM, cos, sin, d, HEAD_DIM)
+    else:
+        k_raw = tl.load(k_row + d)
+    v_raw = tl.load(v_row + d)
+    if FP8:
+        kq, ks = fp8_quant_rows(k_raw[None, :])
+        vq, vs = fp8_quant_rows(v_raw[None, :])
+        _write_new_kv_fp8(
+            cache_ptr,
+            scale_ptr,
+            v_offset,
+            sc_v_offset,
+            stride_slot,
+            stride_ch,
+            sc_stride_blk,
+            sc_stride_h,
+            slot,
+            kv_h,
+            kq,
+            ks,
+            vq,
+            vs,
+            d,
+            slot >= 0,
+            BLOCK_SIZE,
+        )
+        k_new = tl.sum(kq.to(tl.float32) * ks[:, None], 0)  # [1, D] -> [D]
+        v_new = tl.sum(vq.to(tl.float32) * vs[:, None], 0)
+    else:
+        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d, slot >= 0)
+        k_new = k_raw.to(tl.float32)
+        v_new = v_raw.to(tl.float32)
+    return k_new, v_new
+
+
 # Triton compiles a kernel per specialisation (an integer argument equal to 1 or divisible by 16, every constexpr
 # value), on the first launch that needs it. The split count varies from call to call on the eager path (small
 # batches of prompts just prefilled: 2-32 splits), and the block table's row stride is whatever width its caller
@@ -158,6 +218,8 @@ def paged_decode_kernel(
         sin = tl.load(sin_ptr + b.to(tl.int64) * stride_sin + d).to(tl.float32)
         q = _load_rope(q_rows, row_valid[:, None], cos, sin, d, HEAD_DIM)
     else:
+        cos = 0.0  # unused without ROPE
+        sin = 0.0
         q = tl.load(q_rows + d[None, :], mask=row_valid[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -167,6 +229,32 @@ def paged_decode_kernel(
         m_l = tl.full([BLOCK_N], -float("inf"), dtype=tl.float32)
         l_l = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_l = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        if (lo <= last) & (last < hi):  # this split holds the new token: lane 0's first update
+            k_new, v_new = _store_new_token(
+                k_row,
+                v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh,
+                cache_ptr,
+                scale_ptr,
+                v_offset,
+                sc_v_offset,
+                stride_slot,
+                stride_ch,
+                sc_stride_blk,
+                sc_stride_h,
+                tl.load(slot_mapping_ptr + b).to(tl.int64),
+                kv_h,
+                cos,
+                sin,
+                d,
+                BLOCK_SIZE,
+                HEAD_DIM,
+                FP8,
+                ROPE,
+            )
+            zero = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            first = tl.arange(0, BLOCK_N) == 0
+            kn, vn = zero + k_new[None, :], zero + v_new[None, :]
+            m_l, l_l, acc_l = attend_lanes(q_vec, kn, vn, 1.0, 1.0, first, qk_scale, m_l, l_l, acc_l, False)
     row_off = b.to(tl.int64) * stride_bt
     for start in tl.range(lo, tl.minimum(hi, last), BLOCK_N, num_stages=LOOP_STAGES):
         n = start + tl.arange(0, BLOCK_N)
@@ -190,20 +278,21 @@ def paged_decode_kernel(
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             m_i, l_i, acc = attend_tile(q, k, v, ks, vs, valid[None, :], qk_scale, m_i, l_i, acc, FP8, IEEE)
-    if LANES:
-        m_i, l_i, acc = merge_lanes(m_l, l_l, acc_l)
-
-    if (lo <= last) & (last < hi):  # this split holds the new token
-        if ROPE:
-            k_raw = _load_rope(k_row, d < HEAD_DIM, cos, sin, d, HEAD_DIM)
+    if LANES:  # GROUP == 1: head kv_h
+        m, den, o = merge_lanes(m_l, l_l, acc_l)
+        if SPLIT:
+            part = (b.to(tl.int64) * NUM_HEADS + kv_h) * num_splits + s
+            tl.store(part_o_ptr + part * HEAD_DIM + d, o)
+            tl.store(part_m_ptr + part, m)
+            tl.store(part_l_ptr + part, den)
         else:
-            k_raw = tl.load(k_row + d)
-        v_raw = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh + d)
-        slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
-        if FP8:
-            kq, ks_new = fp8_quant_rows(k_raw[None, :])
-            vq, vs_new = fp8_quant_rows(v_raw[None, :])
-            _write_new_kv_fp8(
+            out = o / tl.where(den > 0.0, den, 1.0)
+            tl.store(out_ptr + b.to(tl.int64) * stride_ot + kv_h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    else:
+        if (lo <= last) & (last < hi):  # this split holds the new token
+            k_new, v_new = _store_new_token(
+                k_row,
+                v_ptr + b.to(tl.int64) * stride_vt + kv_h * stride_vh,
                 cache_ptr,
                 scale_ptr,
                 v_offset,
@@ -212,42 +301,36 @@ def paged_decode_kernel(
                 stride_ch,
                 sc_stride_blk,
                 sc_stride_h,
-                slot,
+                tl.load(slot_mapping_ptr + b).to(tl.int64),
                 kv_h,
-                kq,
-                ks_new,
-                vq,
-                vs_new,
+                cos,
+                sin,
                 d,
-                s >= 0,
                 BLOCK_SIZE,
+                HEAD_DIM,
+                FP8,
+                ROPE,
             )
-            k_new = tl.sum(kq.to(tl.float32) * ks_new[:, None], 0)  # [1, D] -> [D]
-            v_new = tl.sum(vq.to(tl.float32) * vs_new[:, None], 0)
-        else:
-            _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d, s >= 0)
-            k_new = k_raw.to(tl.float32)
-            v_new = v_raw.to(tl.float32)
-        qk_new = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * qk_scale
-        m_new = tl.maximum(m_i, qk_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(qk_new - m_new)
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
-        l_i = l_i * alpha + p_new
-        m_i = m_new
+            qk_new = tl.sum(q.to(tl.float32) * k_new[None, :], 1) * qk_scale
+            m_new = tl.maximum(m_i, qk_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(qk_new - m_new)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
+            l_i = l_i * alpha + p_new
+            m_i = m_new
 
-    if SPLIT:
-        part = (b.to(tl.int64) * NUM_HEADS + head) * num_splits + s
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
-        tl.store(part_m_ptr + part, m_i, mask=row_valid)
-        tl.store(part_l_ptr + part, l_i, mask=row_valid)
-    else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
+        if SPLIT:
+            part = (b.to(tl.int64) * NUM_HEADS + head) * num_splits + s
+            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+            tl.store(part_m_ptr + part, m_i, mask=row_valid)
+            tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        else:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(
+                out_ptr + b.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None],
+            )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
