@@ -1,5 +1,6 @@
 """TritonPagedAttention's prefill kernel against a plain fp32 torch reference (tests/gpu/triton_attention_util.py):
-fresh prompts and later chunks of long prompts, decode rows interleaved with prefill rows, grouped-query heads.
+fresh prompts and later chunks of long prompts, decode rows interleaved with prefill rows, grouped-query heads,
+and all of those on an fp8 cache.
 
 Runs on CUDA. Without CUDA it is skipped, unless TRITON_INTERPRET=1 and triton is installed: then the
 same tests run small shapes through Triton's CPU interpreter (slow; a development aid, not CI).
@@ -17,16 +18,23 @@ from triton_env import require_cuda_or_interpreter  # noqa: E402
 require_cuda_or_interpreter()
 
 from triton_attention_util import (  # noqa: E402
+    DEVICE,
     INTERPRET,
     MAX_CTX,
     ON_GPU,
+    REL_TOL,
+    cache_bits,
     check,
+    clone_cache,
     make_case,
     rand_lens,
     skip_bf16_dot_in_interpreter,
+    to_fp8_cache,
 )
 
-from ttsserve.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from ttsserve.attention.dense import causal_sdpa  # noqa: E402
+from ttsserve.attention.triton_paged import TritonPagedAttention, write_kv_cache  # noqa: E402
+from ttsserve.layers.quant.kv_fp8 import write_kv_fp8  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -58,3 +66,37 @@ def test_gqa_decode_and_prefill() -> None:
     backend = TritonPagedAttention()
     check(make_case(rand_lens(5, 0, MAX_CTX - 1, gen), [1] * 5, 16, dtype, gen, num_kv_heads=4), backend)
     check(make_case([0, 70], [20, 9], 16, dtype, gen, num_kv_heads=4), backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_prefill_matches_dequantized_reference(dtype: torch.dtype) -> None:
+    """Fresh prompts, a later chunk and decode rows in one prefill launch on an fp8 cache: the new rows stored
+    as kv_fp8.py's torch rule stores them, byte for byte, every other byte untouched, and the output equal to
+    fp32 attention over the dequantized cache (the new tokens enter their own attention fp8-rounded). Triton's
+    interpreter rounds some values to fp8 a binade off torch's, so there the bytes are the stand-alone
+    write's (write_kv_cache: the same Triton rule); tests/gpu/test_quant_gpu.py ties that write to torch's."""
+    skip_bf16_dot_in_interpreter(dtype)
+    gen = torch.Generator().manual_seed(21)
+    big = 300 if ON_GPU else 30
+    case = make_case([0, 0, 17, big, 5], [big, 9, 1, 20, 1], 16, dtype, gen)
+    cache = to_fp8_cache(case.kv_cache)
+    expected = clone_cache(cache)
+    real = case.md.slot_mapping >= 0
+    if ON_GPU:
+        write_kv_fp8(expected, case.k[real].float(), case.v[real].float(), case.md.slot_mapping[real])
+    else:
+        write_kv_cache(case.k[real], case.v[real], expected, case.md.slot_mapping[real])
+    out = TritonPagedAttention().forward(case.q, case.k, case.v, cache, case.md, case.scale)
+    assert all(torch.equal(a, b) for a, b in zip(cache_bits(cache), cache_bits(expected)))
+    deq = cache.dequantize(torch.float32)
+    bs, cu = case.md.block_size, case.md.cu_seqlens_q_cpu
+    ref = torch.empty(case.q.shape, dtype=torch.float32, device=DEVICE)
+    for b, seq_len in enumerate(case.md.seq_lens_cpu):
+        pos = torch.arange(seq_len, device=DEVICE)
+        flat = case.md.block_tables[b].long()[pos // bs] * bs + pos % bs
+        keys, vals = (deq[i].reshape(-1, *deq.shape[3:])[flat] for i in (0, 1))
+        lo, hi = cu[b], cu[b + 1]
+        ref[lo:hi] = causal_sdpa(case.q[lo:hi].float(), keys, vals, case.scale)
+    assert torch.isfinite(out).all()
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < REL_TOL[dtype], f"relative error {rel:.2e}"

@@ -25,12 +25,14 @@ from triton_attention_util import (  # noqa: E402
     REL_TOL,
     Case,
     bits,
+    cache_bits,
+    clone_cache,
     make_case,
     rand_lens,
+    to_fp8_cache,
 )
 
 from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning  # noqa: E402
-from ttsserve.layers.quant.kv_fp8 import FP8KVCache, write_kv_fp8  # noqa: E402
 from ttsserve.model.layers import RotaryEmbedding  # noqa: E402
 
 
@@ -45,27 +47,6 @@ def rope_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     """The fused kernel's rounding: x * cos + rotate_half(x) * sin in fp32, rounded once to x's dtype."""
     xf, half = x.float(), x.shape[-1] // 2
     return (xf * cos.float() + torch.cat((-xf[..., half:], xf[..., :half]), -1) * sin.float()).to(x.dtype)
-
-
-def to_fp8_cache(kv_cache: torch.Tensor) -> FP8KVCache:
-    """The dense case cache quantized slot by slot (torch rule); NaN poison stays NaN."""
-    _, num_blocks, block_size, heads, d = kv_cache.shape
-    cache = FP8KVCache.zeros(kv_cache.shape, DEVICE)
-    flat = kv_cache.view(2, -1, heads, d).float()
-    write_kv_fp8(cache, flat[0], flat[1], torch.arange(num_blocks * block_size, device=DEVICE))
-    return cache
-
-
-def clone_cache(cache: torch.Tensor | FP8KVCache) -> torch.Tensor | FP8KVCache:
-    if isinstance(cache, FP8KVCache):
-        return FP8KVCache(cache.data.clone(), cache.scales.clone())
-    return cache.clone()
-
-
-def cache_bits(cache: torch.Tensor | FP8KVCache) -> list[torch.Tensor]:
-    if isinstance(cache, FP8KVCache):
-        return [cache.data.view(torch.uint8), bits(cache.scales)]
-    return [bits(cache)]
 
 
 def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:

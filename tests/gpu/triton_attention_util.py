@@ -1,6 +1,7 @@
 """Shared by the Triton attention tests: random paged cases (contexts scattered over random pages, q / k / v as
 views of one fused projection, NaN in every unused cache slot so that any read outside a sequence's context
-shows up as NaN), the plain fp32 torch reference, and the check of a backend's output and cache write.
+shows up as NaN), the plain fp32 torch reference, the check of a backend's output and cache write, and the
+fp8 cache helpers (a case's cache quantized by the torch rule, copies, bit views).
 
 Import it only after the test module's skip guard: it imports the Triton kernels. DEVICE is CUDA when there is
 one, else the CPU, where TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (small shapes: MAX_CTX).
@@ -17,6 +18,7 @@ from triton_env import INTERPRET as INTERPRET  # re-exported: the attention test
 
 from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape
 from ttsserve.attention.triton_paged import TritonPagedAttention
+from ttsserve.layers.quant.kv_fp8 import FP8KVCache, write_kv_fp8
 
 HEAD_DIM = 64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -150,3 +152,24 @@ def rand_lens(n: int, lo: int, hi: int, gen: torch.Generator) -> list[int]:
 
 
 MAX_CTX = 4096 if ON_GPU else 80
+
+
+def to_fp8_cache(kv_cache: torch.Tensor) -> FP8KVCache:
+    """The dense case cache quantized slot by slot (torch rule); NaN poison stays NaN."""
+    _, num_blocks, block_size, heads, d = kv_cache.shape
+    cache = FP8KVCache.zeros(kv_cache.shape, DEVICE)
+    flat = kv_cache.view(2, -1, heads, d).float()
+    write_kv_fp8(cache, flat[0], flat[1], torch.arange(num_blocks * block_size, device=DEVICE))
+    return cache
+
+
+def clone_cache(cache: torch.Tensor | FP8KVCache) -> torch.Tensor | FP8KVCache:
+    if isinstance(cache, FP8KVCache):
+        return FP8KVCache(cache.data.clone(), cache.scales.clone())
+    return cache.clone()
+
+
+def cache_bits(cache: torch.Tensor | FP8KVCache) -> list[torch.Tensor]:
+    if isinstance(cache, FP8KVCache):
+        return [cache.data.view(torch.uint8), bits(cache.scales)]
+    return [bits(cache)]

@@ -13,7 +13,9 @@ uses exp2. Accumulation is fp32 whatever the input dtype.
 The attention kernels also store this step's k / v into the cache (one launch per layer instead of two):
 the new tokens' keys / values are read from the k / v inputs, never back from the cache, so no program
 depends on a store of another program of the same launch. `reshape_and_cache_kernel` is the stand-alone
-write, for callers that only fill the cache.
+write, for callers that only fill the cache, and for the prefill kernel on an fp8 cache: there it quantizes the
+new rows in a launch of its own first and the kernel reads every key from the cache (so a new key tile is not
+quantized again by every query tile reading it).
 
 FP8=True (the fp8 KV cache, ttsserve/layers/quant/kv_fp8.py): the cache holds float8e4nv values and a parallel
 fp32 tensor `scales` [2, num_blocks, num_kv_heads, block_size] holds one scale per token and head (the

@@ -382,6 +382,8 @@ def paged_prefill(
 ) -> None:
     """Causal attention of each sequence's new queries (the last q_len of its context) over its context;
     also stores k / v at md.slot_mapping."""
+    if isinstance(kv_cache, FP8KVCache):  # quantized once, here; the kernel reads every key from the cache
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
     kv_cache, scales = _split_cache(kv_cache)
     scale_ptr, *scale_strides = _scale_args(kv_cache, scales)
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
