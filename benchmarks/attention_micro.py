@@ -10,6 +10,7 @@ every cached K and V read once, plus q, the new k / v (read and written) and the
     python3 benchmarks/attention_micro.py [--sweep] [--kv] [--json PATH]
 
 --sweep also times decode kernels / tile sizes / warps / split counts, and prefill tile shapes.
+--kv-prefill times only the prefill kernel on a bf16 and an fp8 cache (fresh prompts, a later chunk).
 --kv times only the decode kernel, on a bf16 cache and on an fp8 one (`--kv-cache-dtype fp8`), through its
 tensor-core dots and its CUDA-core lanes (TritonTuning.decode_lanes) at a few tiles, warps and (lanes) loop
 pipeline depths, each at the bytes it must read (fp8: 1 byte a value plus one fp32 scale per 64).
@@ -218,6 +219,24 @@ def kv_table(gen: torch.Generator, rows: list[dict], shapes: list[tuple[int, int
             torch.cuda.empty_cache()
 
 
+def kv_prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
+    """The prefill kernel (20 layers, one graph) on a bf16 cache and on an fp8 one: fresh prompts (a served step's
+    admissions) and a later chunk of long prompts; the fp8 time includes the stand-alone write of the new rows."""
+    from ttsserve.attention.triton_paged import TritonPagedAttention
+
+    print(f"prefill (graph ms per {LAYERS} layers), bf16 cache / fp8 cache:")
+    for num_seqs, q_len, ctx in [(8, 60, 0), (8, 200, 0), (4, 256, 512)]:
+        cells = []
+        for kv in ("auto", "fp8"):
+            setup = PagedSetup([q_len] * num_seqs, [ctx + q_len] * num_seqs, gen, kv)
+            ms = graph_time_ms(setup.step_fn(TritonPagedAttention()))
+            rows.append(dict(prefill_seqs=num_seqs, q_len=q_len, ctx=ctx, kv=kv, graph_ms=ms))
+            cells.append(f"{kv} {ms:.3f}")
+            del setup
+            torch.cuda.empty_cache()
+        print(f"  {num_seqs} x {q_len} new after {ctx} cached: " + "  ".join(cells))
+
+
 def prefill_table(gen: torch.Generator, rows: list[dict]) -> None:
     """Fresh prompts and a later chunk of long prompts, 20 layers: Triton (incl. KV write) vs dense SDPA."""
     from ttsserve.attention.triton_paged import TritonPagedAttention
@@ -303,6 +322,7 @@ def main() -> None:
         default=",".join(f"{b}x{c}" for b, c in KV_SHAPES),
         help="--kv's rows x context points, e.g. 512x32,512x300 (a short context shows a program's fixed cost)",
     )
+    parser.add_argument("--kv-prefill", action="store_true", help="only the prefill kernel: bf16 / fp8 cache")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -312,7 +332,9 @@ def main() -> None:
         f"decode attention, {LAYERS} layers, bf16, {HEADS}x{HEAD_DIM} heads, block_size {BLOCK_SIZE}, "
         f"{torch.cuda.get_device_name()}; bandwidth vs {PEAK_TBPS} TB/s"
     )
-    if not args.kv:
+    if args.kv_prefill:
+        kv_prefill_table(gen, rows)
+    elif not args.kv:
         decode_table(gen, rows)
         prefill_table(gen, rows)
     else:
