@@ -55,7 +55,9 @@ class TritonTuning:
     decode_lanes: str = "fp8"
     decode_lanes_block_n: int = 32
     decode_lanes_num_warps: int = 4
-    # Tiles in flight in the lanes' loop (LOOP_STAGES in paged_decode_kernel); None: not pipelined.
+    # Tiles in flight in the lanes' loop (LOOP_STAGES in paged_decode_kernel); None: not pipelined. H100, 512
+    # rows, fp8 cache: 3 stages 2-3 % faster at 150-300 frames of context, 18 % slower at 32 (one or two tiles);
+    # the bf16 lanes 6-13 % faster (benchmarks/attention_micro.py --kv).
     decode_lanes_num_stages: int | None = 3
     min_tokens_per_split: int = 32
     max_splits: int = 32
