@@ -21,10 +21,10 @@ def _load_rope(base, mask, cos, sin, d, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new, v_new, d, write):
-    """Store one token's k / v [HEAD_DIM] of head kv_h at `slot` when `write` (scalar) and slot >= 0."""
-    # conditions broadcast to full shape through d * 0: Triton's CPU interpreter rejects scalar mask terms
-    mask = ((d * 0 + slot) >= 0) & ((d * 0 + write.to(tl.int32)) != 0)
+def _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_new, v_new, d):
+    """Store one token's k / v [HEAD_DIM] of head kv_h at `slot` when slot >= 0."""
+    # the condition broadcast to full shape through d * 0: Triton's CPU interpreter rejects scalar mask terms
+    mask = (d * 0 + slot) >= 0
     dst = cache_ptr + slot * stride_slot + kv_h * stride_ch + d
     tl.store(dst, k_new, mask=mask)
     tl.store(dst + v_offset, v_new, mask=mask)
@@ -47,16 +47,15 @@ def _write_new_kv_fp8(
     vq,
     vs,
     d,
-    write,
     BLOCK_SIZE: tl.constexpr,
 ):
     """_write_new_kv for the fp8 cache: kq / vq [1, HEAD_DIM] fp8 and their scales ks / vs [1]."""
     one = tl.arange(0, 1)
-    mask = ((d[None, :] * 0 + slot) >= 0) & ((d[None, :] * 0 + write.to(tl.int32)) != 0)
+    mask = (d[None, :] * 0 + slot) >= 0
     dst = cache_ptr + slot * stride_slot + kv_h * stride_ch + d[None, :]
     tl.store(dst, kq, mask=mask)
     tl.store(dst + v_offset, vq, mask=mask)
-    smask = ((one * 0 + slot) >= 0) & ((one * 0 + write.to(tl.int32)) != 0)
+    smask = (one * 0 + slot) >= 0
     sdst = scale_ptr + (slot // BLOCK_SIZE) * sc_stride_blk + kv_h * sc_stride_h + slot % BLOCK_SIZE + one
     tl.store(sdst, ks, mask=smask)
     tl.store(sdst + sc_v_offset, vs, mask=smask)
@@ -110,13 +109,12 @@ def _store_new_token(
             vq,
             vs,
             d,
-            slot >= 0,
             BLOCK_SIZE,
         )
         k_new = tl.sum(kq.to(tl.float32) * ks[:, None], 0)  # [1, D] -> [D]
         v_new = tl.sum(vq.to(tl.float32) * vs[:, None], 0)
     else:
-        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d, slot >= 0)
+        _write_new_kv(cache_ptr, v_offset, stride_slot, stride_ch, slot, kv_h, k_raw, v_raw, d)
         k_new = k_raw.to(tl.float32)
         v_new = v_raw.to(tl.float32)
     return k_new, v_new

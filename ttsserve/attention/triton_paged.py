@@ -50,8 +50,9 @@ class TritonTuning:
     decode_num_stages: int = 2
     # One query row per KV head (GROUP == 1, ChatTTS's case): which caches decode on the CUDA cores
     # (triton_common.attend_lanes, tiles of decode_lanes_block_n) instead of tensor-core dots: "fp8", "all" or
-    # "none". H100, 512 rows of 300 frames, 20 layers: fp8 cache 2.90 ms as lanes of 32, 3.91-4.29 as dots;
-    # bf16 cache 3.56 ms as dots, 4.18-4.71 as lanes (benchmarks/attention_micro.py --kv).
+    # "none". H100, 512 rows of 300 frames, 20 layers: fp8 cache 2.83 ms as lanes of 32, 3.94-4.15 as dots;
+    # bf16 cache 3.58 ms as dots, 3.58-3.67 as lanes (benchmarks/attention_micro.py --kv). At 150 frames fp8
+    # lanes 1.61, bf16 dots 1.96; at 32 frames 1.03 against 0.70 (the lanes' fixed work a program).
     decode_lanes: str = "fp8"
     decode_lanes_block_n: int = 32
     decode_lanes_num_warps: int = 4
