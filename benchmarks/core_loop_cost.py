@@ -85,6 +85,8 @@ def _served_engine(concurrency: int) -> Engine:
         return torch.randint(0, logits.shape[-1] - 1, logits.shape[:2])
 
     engine.runner._forward = lambda x, md, positions: x.new_zeros(x.shape[0], hidden)
+    # the CPU's own decode paths (a compiled step graph, the fused C kernels) would run the GPT instead
+    engine.runner.cpu_graph = engine.runner.cpu_fused = None
     num_vq, vocab = engine.model.gpt_config.num_vq, engine.model.gpt_config.num_audio_tokens
     engine.model.embed.code_logits = lambda h: h.new_zeros(h.shape[0], num_vq, vocab)
     model_runner.sample = sample
