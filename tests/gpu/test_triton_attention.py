@@ -89,6 +89,8 @@ def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_spli
 def test_tuning_rejects_an_unknown_lanes_choice() -> None:
     with pytest.raises(ValueError, match="decode_lanes"):
         TritonTuning(decode_lanes="bf16")
+    with pytest.raises(ValueError, match="decode_lanes_num_stages"):
+        TritonTuning(decode_lanes_num_stages=0)
 
 
 def test_split_heuristic() -> None:

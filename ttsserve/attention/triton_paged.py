@@ -70,6 +70,8 @@ class TritonTuning:
     def __post_init__(self) -> None:
         if self.decode_lanes not in ("fp8", "all", "none"):
             raise ValueError(f"decode_lanes must be 'fp8', 'all' or 'none', got {self.decode_lanes!r}")
+        if self.decode_lanes_num_stages is not None and self.decode_lanes_num_stages < 1:
+            raise ValueError(f"decode_lanes_num_stages must be None or >= 1, got {self.decode_lanes_num_stages}")
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, tuning: TritonTuning) -> int:
