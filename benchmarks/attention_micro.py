@@ -7,7 +7,7 @@ graph of the 20 layers (median replay time over CUDA events). The Triton forward
 write of the new token; SDPA does not write anything. Achieved bandwidth counts the bytes that must move:
 every cached K and V read once, plus q, the new k / v (read and written) and the output.
 
-    python3 benchmarks/attention_micro.py [--sweep] [--kv] [--json PATH]
+    python3 benchmarks/attention_micro.py [--sweep] [--kv [--kv-shapes 512x32,512x300]] [--kv-prefill] [--json PATH]
 
 --sweep also times decode kernels / tile sizes / warps / split counts, and prefill tile shapes.
 --kv-prefill times only the prefill kernel on a bf16 and an fp8 cache (fresh prompts, a later chunk).
@@ -313,13 +313,25 @@ def sweep(gen: torch.Generator, rows: list[dict]) -> None:
         del setup
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'512x32,512x300' -> [(512, 32), (512, 300)] (rows x context frames, both >= 1)."""
+    try:
+        shapes = [(int(r), int(c)) for r, c in (p.split("x") for p in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCONTEXT[,ROWSxCONTEXT...], got {text!r}") from None
+    if any(r < 1 or c < 1 for r, c in shapes):
+        raise argparse.ArgumentTypeError(f"rows and context must be >= 1, got {text!r}")
+    return shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants")
     parser.add_argument("--kv", action="store_true", help="only the decode kernel: bf16 / fp8 cache, dots / lanes")
     parser.add_argument(
         "--kv-shapes",
-        default=",".join(f"{b}x{c}" for b, c in KV_SHAPES),
+        type=parse_shapes,
+        default=KV_SHAPES,
         help="--kv's rows x context points, e.g. 512x32,512x300 (a short context shows a program's fixed cost)",
     )
     parser.add_argument("--kv-prefill", action="store_true", help="only the prefill kernel: bf16 / fp8 cache")
@@ -338,7 +350,7 @@ def main() -> None:
         decode_table(gen, rows)
         prefill_table(gen, rows)
     else:
-        kv_table(gen, rows, [tuple(int(x) for x in p.split("x")) for p in args.kv_shapes.split(",")])
+        kv_table(gen, rows, args.kv_shapes)
     if args.sweep:
         sweep(gen, rows)
     if args.json:
