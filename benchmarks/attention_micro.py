@@ -13,7 +13,7 @@ every cached K and V read once, plus q, the new k / v (read and written) and the
 --kv-prefill times only the prefill kernel on a bf16 and an fp8 cache (fresh prompts, a later chunk).
 --kv times only the decode kernel, on a bf16 cache and on an fp8 one (`--kv-cache-dtype fp8`), through its
 tensor-core dots and its CUDA-core lanes (TritonTuning.decode_lanes) at a few tiles, warps and (lanes) loop
-pipeline depths, each at the bytes it must read (fp8: 1 byte a value plus one fp32 scale per 64).
+pipeline depths and KV heads a program, each at the bytes it must read (fp8: 1 byte a value plus one fp32 scale per 64).
 """
 
 from __future__ import annotations
@@ -38,8 +38,18 @@ PEAK_TBPS = 4.3  # device-to-device copy measured on an H200 of this workplace (
 SHAPES = [(1, 300), (1, 1500), (8, 1500), (64, 300), (64, 1500), (256, 300), (256, 1500)]
 KV_SHAPES = [(64, 300), (256, 300), (512, 300)]
 DOT_TILES = [(64, 4), (32, 4)]  # (BLOCK_N, warps)
-# (BLOCK_N, warps, loop stages); stages None: the loop not pipelined (tl.range's num_stages)
-LANE_TILES = [(32, 4, None), (32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 3), (64, 4, 3), (32, 2, 3), (16, 2, 4)]
+# (BLOCK_N tokens, warps, loop stages, KV heads a program); stages None: the loop not pipelined (tl.range's
+# num_stages); a tile is BLOCK_N * heads lanes
+LANE_TILES = [
+    (32, 4, None, 1),
+    (32, 4, 3, 1),
+    (16, 4, 3, 2),
+    (8, 4, None, 4),
+    (8, 4, 3, 4),
+    (8, 4, 4, 4),
+    (16, 8, 3, 4),
+    (4, 4, 3, 4),
+]
 
 
 def graph_time_ms(fn, replays: int = 30) -> float:
@@ -200,7 +210,7 @@ def kv_table(gen: torch.Generator, rows: list[dict], shapes: list[tuple[int, int
                 ref = out if ref is None else ref
                 diff = float((out - ref).abs().max() / ref.abs().max())
                 cells = []
-                for bn, w, st in LANE_TILES if lanes else [(bn, w, None) for bn, w in DOT_TILES]:
+                for bn, w, st, heads in LANE_TILES if lanes else [(bn, w, None, 1) for bn, w in DOT_TILES]:
                     tuning = TritonTuning(
                         bn,
                         w,
@@ -208,11 +218,13 @@ def kv_table(gen: torch.Generator, rows: list[dict], shapes: list[tuple[int, int
                         decode_lanes_block_n=bn,
                         decode_lanes_num_warps=w,
                         decode_lanes_num_stages=st,
+                        decode_lanes_heads=heads,
                     )
                     ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=tuning)))
                     row = dict(batch=batch, ctx=ctx, kv=kv, lanes=lanes, block_n=bn, warps=w, stages=st, graph_ms=ms)
-                    rows.append(row)
-                    cells.append(f"n{bn}/w{w}/s{st or '-'} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
+                    rows.append(dict(row, heads=heads) if lanes else row)
+                    label = f"n{bn}/w{w}/s{st or '-'}" + (f"/h{heads}" if lanes else "")
+                    cells.append(f"{label} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
                 name = "lanes" if lanes else "dots"
                 print(f"  B={batch:<4} ctx={ctx:<4} {kv:>4} {name:>5} (diff {diff:.0e}): " + "  ".join(cells))
             del setup

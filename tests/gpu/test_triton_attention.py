@@ -66,24 +66,36 @@ def test_decode_forced_splits_fp32(block_n: int, num_splits: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_n", [16, 64, 128])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
-@pytest.mark.parametrize("path", ["dots", "lanes", "lanes-unpipelined"])
+@pytest.mark.parametrize("path", ["dots", "lanes", "lanes-unpipelined", "lanes-2-heads", "lanes-4-heads"])
 def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_splits: int, path: str) -> None:
-    """Both decode paths for one query row per KV head (tensor-core dots, CUDA-core lanes with and without their
-    loop's software pipeline), every tile and split count, contexts from empty to long, against the fp32
-    reference."""
+    """Both decode paths for one query row per KV head (tensor-core dots; CUDA-core lanes with and without their
+    loop's software pipeline, a program taking 1, 2 or 4 KV heads in tiles of block_n rows), every tile and
+    split count, contexts from empty to long, against the fp32 reference."""
     lanes = path != "dots"
     if not lanes:
         skip_bf16_dot_in_interpreter(dtype)
+    heads = int(path.split("-")[1]) if path.endswith("-heads") else 1
     gen = torch.Generator().manual_seed(block_n + num_splits)
     ctx = [0, 1, 2, 17, 64, 65] + rand_lens(3, MAX_CTX // 2, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, dtype, gen)
     tuning = TritonTuning(
         decode_block_n=block_n,
         decode_lanes="all" if lanes else "none",
-        decode_lanes_block_n=block_n,
+        decode_lanes_block_n=block_n // heads,
         decode_lanes_num_stages=None if path == "lanes-unpipelined" else 3,
+        decode_lanes_heads=heads,
     )
     check(case, TritonPagedAttention(num_splits=num_splits, tuning=tuning))
+
+
+@pytest.mark.parametrize("num_kv_heads, heads", [(6, 2), (3, 1), (12, 4)])
+def test_lanes_heads_divide_the_kv_heads(num_kv_heads: int, heads: int) -> None:
+    """decode_lanes_heads = 4 on a model whose KV heads it does not divide: the largest power of two that does."""
+    assert TritonTuning(decode_lanes_heads=4).lanes_heads(num_kv_heads) == heads
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    case = make_case([0, 5, 40], [1, 1, 1], 16, torch.float32, gen, num_heads=num_kv_heads, num_kv_heads=num_kv_heads)
+    tuning = TritonTuning(decode_lanes="all", decode_lanes_block_n=8, decode_lanes_heads=4)
+    check(case, TritonPagedAttention(num_splits=2, tuning=tuning))
 
 
 def test_tuning_rejects_an_unknown_lanes_choice() -> None:
@@ -91,6 +103,9 @@ def test_tuning_rejects_an_unknown_lanes_choice() -> None:
         TritonTuning(decode_lanes="bf16")
     with pytest.raises(ValueError, match="decode_lanes_num_stages"):
         TritonTuning(decode_lanes_num_stages=0)
+    for heads in (0, 3, 6):
+        with pytest.raises(ValueError, match="decode_lanes_heads"):
+            TritonTuning(decode_lanes_heads=heads)
 
 
 def test_split_heuristic() -> None:

@@ -98,16 +98,18 @@ def test_rope_decode_equals_rotate_then_decode(dtype: torch.dtype, batch: int, n
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("num_kv_heads, lanes", [(4, "fp8"), (12, "none"), (12, "fp8")])
-def test_rope_decode_fp8_cache_equals_rotate_then_decode(num_splits: int, num_kv_heads: int, lanes: str) -> None:
+@pytest.mark.parametrize("num_kv_heads, lanes, heads", [(4, "fp8", 1), (12, "none", 1), (12, "fp8", 1), (12, "fp8", 4)])
+def test_rope_decode_fp8_cache_equals_rotate_then_decode(
+    num_splits: int, num_kv_heads: int, lanes: str, heads: int
+) -> None:
     """The fp8 cache through both decode paths: tensor-core dots (several query heads per KV head, or lanes
-    off) and the default CUDA-core lanes (one query head per KV head)."""
+    off) and the CUDA-core lanes (one query head per KV head; a program taking one KV head or four)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     gen = torch.Generator().manual_seed(7 + num_splits)
     ctx = [0, 37] + rand_lens(3, 1, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, dtype, gen, num_kv_heads=num_kv_heads)
-    backend = TritonPagedAttention(num_splits=num_splits, tuning=TritonTuning(decode_lanes=lanes))
-    check_rope_decode(case, backend, fp8=True)
+    tuning = TritonTuning(decode_lanes=lanes, decode_lanes_block_n=32 // heads, decode_lanes_heads=heads)
+    check_rope_decode(case, TritonPagedAttention(num_splits=num_splits, tuning=tuning), fp8=True)
 
 
 def test_rope_on_a_prefill_batch_rotates_in_torch() -> None:

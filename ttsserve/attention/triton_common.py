@@ -35,6 +35,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Triton compiles a kernel per specialisation (an integer argument equal to 1 or divisible by 16, every constexpr
+# value), on the first launch that needs it. The split count varies from call to call on the eager path (small
+# batches of prompts just prefilled: 2-32 splits), and the block table's row stride is whatever width its caller
+# cut: specialised on the first, a served step of a fresh server waited ~500 ms for a compile
+# (docs/ARCHITECTURE.md, "Kernels compiled while serving"). Not specialised on, each decode kernel has one variant per
+# constexpr set, all of them compiled before the engine is ready.
+DECODE_VARYING = ["num_splits", "stride_bt"]
+
 
 @triton.jit
 def fp8_quant_rows(x):
@@ -94,8 +102,9 @@ def attend_lanes(q, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8: tl.cons
     loop), so the loop has no reduction across warps. For one query per KV head (GROUP == 1) a tensor-core
     dot wastes 15 of its 16 rows, and an fp8 tile must be staged in shared memory and read back a byte at a
     time to become a dot operand; here it converts in registers.
-    q [D] fp32; k, v [N, D] (any dtype; fp8 scales in ks / vs [N]); valid [N]; m_l, l_l [N], acc_l [N, D]."""
-    qk = tl.sum(k.to(tl.float32) * q[None, :], 1)
+    q [N, D] fp32 (each lane's query row); k, v [N, D] (any dtype; fp8 scales in ks / vs [N]); valid [N]; m_l,
+    l_l [N], acc_l [N, D]."""
+    qk = tl.sum(k.to(tl.float32) * q, 1)
     if FP8:
         qk = qk * ks
     qk = tl.where(valid, qk * qk_scale, -float("inf"))
@@ -112,8 +121,78 @@ def attend_lanes(q, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8: tl.cons
 
 
 @triton.jit
-def merge_lanes(m_l, l_l, acc_l):
-    """attend_lanes' per-lane state -> (m, l, acc [D]): one row's running max, sum (scalars) and accumulator."""
-    m = tl.max(m_l, 0)
-    w = tl.exp2(m_l - tl.where(m == -float("inf"), 0.0, m))
-    return m, tl.sum(l_l * w, 0), tl.sum(acc_l * w[:, None], 0)
+def merge_lanes(m_l, l_l, acc_l, BLOCK_N: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """attend_lanes' state over BLOCK_N * HEADS lanes, lane t * HEADS + h holding token t of head h ->
+    (m [HEADS], l [HEADS], acc [HEADS, HEAD_DIM]): each head's running max, sum and accumulator."""
+    m2 = tl.reshape(m_l, (BLOCK_N, HEADS))
+    m = tl.max(m2, 0)
+    w = tl.exp2(m2 - tl.where(m == -float("inf"), 0.0, m)[None, :])  # [BLOCK_N, HEADS]
+    den = tl.sum(tl.reshape(l_l, (BLOCK_N, HEADS)) * w, 0)
+    acc = tl.sum(tl.reshape(acc_l, (BLOCK_N, HEADS, HEAD_DIM)) * w[:, :, None], 0)
+    return m, den, acc
+
+
+@triton.jit
+def load_rope(base, mask, cos, sin, d, HEAD_DIM: tl.constexpr):
+    """RoPE of the head vectors at `base` (a pointer, or [R, 1] pointers to each row's first element; mask
+    shaped like base + d) -> [HEAD_DIM] or [R, HEAD_DIM] in x's dtype: x * cos + rotate_half(x) * sin with x
+    and cos / sin ([HEAD_DIM], fp32) in fp32, rounded once, as torch.compile's fusion of backend.apply_rope."""
+    x = tl.load(base + d, mask=mask, other=0.0)
+    partner = tl.load(base + (d + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where(d < HEAD_DIM // 2, -partner, partner)
+    return (x.to(tl.float32) * cos + partner * sin).to(x.dtype)
+
+
+@triton.jit
+def store_new_rows(
+    k_rows,
+    v_rows,
+    cache_ptr,
+    scale_ptr,
+    v_offset,
+    sc_v_offset,
+    stride_slot,
+    stride_ch,
+    sc_stride_blk,
+    sc_stride_h,
+    slot,
+    heads,
+    keep,
+    cos,
+    sin,
+    d,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """This step's k / v of the rows' KV heads `heads` [R] (k_rows / v_rows: [R, 1] pointers to each row's
+    inputs; k rotated first with ROPE), stored at `slot` for the rows where keep [R] (a head's k / v once;
+    nothing when slot < 0) -> (k, v) fp32 [R, HEAD_DIM]: the values the cache holds (fp8-rounded for the fp8
+    cache), which is what this step attends to."""
+    # conditions broadcast to full shape through * 0: Triton's CPU interpreter rejects scalar mask terms
+    full = heads[:, None] * 0 + d[None, :] * 0
+    if ROPE:
+        k_raw = load_rope(k_rows, full == 0, cos, sin, d, HEAD_DIM)
+    else:
+        k_raw = tl.load(k_rows + d[None, :])
+    v_raw = tl.load(v_rows + d[None, :])
+    write = ((full + slot) >= 0) & keep[:, None]
+    dst = cache_ptr + slot * stride_slot + heads[:, None] * stride_ch + d[None, :]
+    if FP8:
+        kq, ks = fp8_quant_rows(k_raw)
+        vq, vs = fp8_quant_rows(v_raw)
+        tl.store(dst, kq, mask=write)
+        tl.store(dst + v_offset, vq, mask=write)
+        sdst = scale_ptr + (slot // BLOCK_SIZE) * sc_stride_blk + heads * sc_stride_h + slot % BLOCK_SIZE
+        swrite = ((heads * 0 + slot) >= 0) & keep
+        tl.store(sdst, ks, mask=swrite)
+        tl.store(sdst + sc_v_offset, vs, mask=swrite)
+        k_new = kq.to(tl.float32) * ks[:, None]
+        v_new = vq.to(tl.float32) * vs[:, None]
+    else:
+        tl.store(dst, k_raw, mask=write)
+        tl.store(dst + v_offset, v_raw, mask=write)
+        k_new = k_raw.to(tl.float32)
+        v_new = v_raw.to(tl.float32)
+    return k_new, v_new

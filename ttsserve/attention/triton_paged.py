@@ -25,6 +25,7 @@ a question of speed). Pass `num_splits` to pin it, e.g. for captures.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ import triton
 
 from ttsserve.attention.backend import AttentionMetadata, Rope, rope_qk
 from ttsserve.attention.triton_decode_kernels import paged_decode_kernel, paged_decode_reduce_kernel
+from ttsserve.attention.triton_decode_lanes import paged_decode_lanes_kernel
 from ttsserve.attention.triton_prefill_kernels import paged_prefill_kernel, reshape_and_cache_kernel
 from ttsserve.layers.quant.kv_fp8 import FP8_DTYPE, FP8KVCache, kv_scales_shape
 
@@ -60,6 +62,8 @@ class TritonTuning:
     # rows, fp8 cache: 3 stages 2-3 % faster at 150-300 frames of context, 18 % slower at 32 (one or two tiles);
     # the bf16 lanes 6-13 % faster (benchmarks/attention_micro.py --kv).
     decode_lanes_num_stages: int | None = 3
+    # KV heads a lanes program takes (a power of two; the largest that divides the model's KV heads is used).
+    decode_lanes_heads: int = 1
     min_tokens_per_split: int = 32
     max_splits: int = 32
     prefill_block_m: int | None = None
@@ -72,6 +76,17 @@ class TritonTuning:
             raise ValueError(f"decode_lanes must be 'fp8', 'all' or 'none', got {self.decode_lanes!r}")
         if self.decode_lanes_num_stages is not None and self.decode_lanes_num_stages < 1:
             raise ValueError(f"decode_lanes_num_stages must be None or >= 1, got {self.decode_lanes_num_stages}")
+        heads = self.decode_lanes_heads
+        if heads < 1 or heads & (heads - 1):
+            raise ValueError(f"decode_lanes_heads must be a power of two, got {heads}")
+
+    def uses_lanes(self, group: int, fp8: bool) -> bool:
+        """Whether a decode with `group` query heads per KV head on an fp8 (or not) cache runs the lanes."""
+        return group == 1 and (self.decode_lanes == "all" or (self.decode_lanes == "fp8" and fp8))
+
+    def lanes_heads(self, num_kv_heads: int) -> int:
+        """KV heads per lanes program: decode_lanes_heads, or the largest power of two below it dividing them."""
+        return math.gcd(self.decode_lanes_heads, num_kv_heads)
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, tuning: TritonTuning) -> int:
@@ -130,9 +145,10 @@ class TritonPagedAttention:
             assert q.shape[0] == md.seq_lens.shape[0], "decode batches have one token per sequence"
             num_splits = self.num_splits
             if num_splits is None:
-                num_splits = choose_num_splits(
-                    md.seq_lens.shape[0] * k.shape[1], md.max_seq_len, self._sm_count(q.device), self.tuning
-                )
+                programs = md.seq_lens.shape[0] * k.shape[1]
+                if self.tuning.uses_lanes(q.shape[1] // k.shape[1], isinstance(kv_cache, FP8KVCache)):
+                    programs //= self.tuning.lanes_heads(k.shape[1])
+                num_splits = choose_num_splits(programs, md.max_seq_len, self._sm_count(q.device), self.tuning)
             paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning, rope)
         else:
             q, k = rope_qk(q, k, rope)
@@ -300,7 +316,7 @@ def paged_decode(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     split = num_splits > 1
-    lanes = group == 1 and (tuning.decode_lanes == "all" or (tuning.decode_lanes == "fp8" and scales is not None))
+    lanes = tuning.uses_lanes(group, scales is not None)
     if split:
         part_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -341,23 +357,39 @@ def paged_decode(
         kv_cache.stride(3),
         *scale_strides,
     )
-    paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        *args,
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        BLOCK_SIZE=md.block_size,
-        HEAD_DIM=head_dim,
-        BLOCK_M=1 if lanes else max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tuning.decode_lanes_block_n if lanes else tuning.decode_block_n,
-        SPLIT=split,
-        IEEE=q.dtype == torch.float32,
-        FP8=scales is not None,
-        ROPE=rope is not None,
-        LANES=lanes,
-        LOOP_STAGES=tuning.decode_lanes_num_stages if lanes else None,
-        num_warps=tuning.decode_lanes_num_warps if lanes else tuning.decode_num_warps,
-        num_stages=tuning.decode_num_stages,
-    )
+    fp8, use_rope = scales is not None, rope is not None
+    if lanes:
+        heads = tuning.lanes_heads(num_kv_heads)
+        paged_decode_lanes_kernel[(num_seqs, num_kv_heads // heads, num_splits)](
+            *args,
+            NUM_HEADS=num_heads,
+            HEADS=heads,
+            BLOCK_SIZE=md.block_size,
+            HEAD_DIM=head_dim,
+            BLOCK_N=tuning.decode_lanes_block_n,
+            SPLIT=split,
+            FP8=fp8,
+            ROPE=use_rope,
+            LOOP_STAGES=tuning.decode_lanes_num_stages,
+            num_warps=tuning.decode_lanes_num_warps,
+            num_stages=tuning.decode_num_stages,
+        )
+    else:
+        paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            *args,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            BLOCK_SIZE=md.block_size,
+            HEAD_DIM=head_dim,
+            BLOCK_M=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=tuning.decode_block_n,
+            SPLIT=split,
+            IEEE=q.dtype == torch.float32,
+            FP8=fp8,
+            ROPE=use_rope,
+            num_warps=tuning.decode_num_warps,
+            num_stages=tuning.decode_num_stages,
+        )
     if split:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out,
