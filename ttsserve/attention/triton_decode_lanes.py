@@ -124,8 +124,12 @@ def paged_decode_lanes_kernel(
             FP8,
             ROPE,
         )  # [HEADS, D] -> every row its head's (token 0's rows attend to it, the others mask it)
-        k_new = tl.reshape(tl.broadcast_to(k_new[None, :, :], (BLOCK_N, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
-        v_new = tl.reshape(tl.broadcast_to(v_new[None, :, :], (BLOCK_N, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
+        if HEADS == 1:
+            k_new = tl.broadcast_to(k_new, (ROWS, HEAD_DIM))
+            v_new = tl.broadcast_to(v_new, (ROWS, HEAD_DIM))
+        else:
+            k_new = tl.reshape(tl.broadcast_to(k_new[None, :, :], (BLOCK_N, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
+            v_new = tl.reshape(tl.broadcast_to(v_new[None, :, :], (BLOCK_N, HEADS, HEAD_DIM)), (ROWS, HEAD_DIM))
         m_l, l_l, acc_l = attend_lanes(q, k_new, v_new, 1.0, 1.0, rt == 0, qk_scale, m_l, l_l, acc_l, False)
     row_off = b * stride_bt
     for start in tl.range(lo, end, BLOCK_N, num_stages=LOOP_STAGES):
