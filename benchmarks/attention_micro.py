@@ -38,17 +38,17 @@ PEAK_TBPS = 4.3  # device-to-device copy measured on an H200 of this workplace (
 SHAPES = [(1, 300), (1, 1500), (8, 1500), (64, 300), (64, 1500), (256, 300), (256, 1500)]
 KV_SHAPES = [(64, 300), (256, 300), (512, 300)]
 DOT_TILES = [(64, 4), (32, 4)]  # (BLOCK_N, warps)
-# (BLOCK_N tokens, warps, loop stages, KV heads a program); stages None: the loop not pipelined (tl.range's
-# num_stages); a tile is BLOCK_N * heads lanes
+# (lanes a tile: tokens x heads, warps, loop stages, KV heads a program); stages None: the loop not pipelined
+# (tl.range's num_stages); heads None: as TritonTuning.lanes_heads picks for the batch
 LANE_TILES = [
     (32, 4, None, 1),
     (32, 4, 3, 1),
-    (16, 4, 3, 2),
-    (8, 4, None, 4),
-    (8, 4, 3, 4),
-    (8, 4, 4, 4),
-    (16, 8, 3, 4),
-    (4, 4, 3, 4),
+    (32, 4, 3, 2),
+    (32, 4, None, 4),
+    (32, 4, 3, 4),
+    (32, 4, 4, 4),
+    (16, 4, 3, 4),
+    (32, 4, 3, None),
 ]
 
 
@@ -197,7 +197,10 @@ def kv_table(gen: torch.Generator, rows: list[dict], shapes: list[tuple[int, int
     stages) of LANE_TILES."""
     from ttsserve.attention.triton_paged import TritonPagedAttention, TritonTuning
 
-    print(f"decode (graph ms per {LAYERS} layers; TB/s of the bytes each must read), n<BLOCK_N>/w<warps>/s<stages>:")
+    print(
+        f"decode (graph ms per {LAYERS} layers; TB/s of the bytes each must read), "
+        "n<dots: tokens | lanes: lanes a tile>/w<warps>/s<stages>[/h<lanes: KV heads a program>]:"
+    )
     for batch, ctx in shapes:
         for kv in ("auto", "fp8"):
             setup = PagedSetup([1] * batch, [ctx] * batch, gen, kv)
@@ -215,15 +218,16 @@ def kv_table(gen: torch.Generator, rows: list[dict], shapes: list[tuple[int, int
                         bn,
                         w,
                         decode_lanes=path,
-                        decode_lanes_block_n=bn,
+                        decode_lanes_rows=bn,
                         decode_lanes_num_warps=w,
                         decode_lanes_num_stages=st,
-                        decode_lanes_heads=heads,
+                        decode_lanes_heads=heads or TritonTuning.decode_lanes_heads,
+                        decode_lanes_programs_per_sm=TritonTuning.decode_lanes_programs_per_sm if heads is None else 0,
                     )
                     ms = graph_time_ms(setup.step_fn(TritonPagedAttention(tuning=tuning)))
                     row = dict(batch=batch, ctx=ctx, kv=kv, lanes=lanes, block_n=bn, warps=w, stages=st, graph_ms=ms)
                     rows.append(dict(row, heads=heads) if lanes else row)
-                    label = f"n{bn}/w{w}/s{st or '-'}" + (f"/h{heads}" if lanes else "")
+                    label = f"n{bn}/w{w}/s{st or '-'}" + (f"/h{heads or 'auto'}" if lanes else "")
                     cells.append(f"{label} {ms:.3f} ({nbytes / ms / 1e9:.2f})")
                 name = "lanes" if lanes else "dots"
                 print(f"  B={batch:<4} ctx={ctx:<4} {kv:>4} {name:>5} (diff {diff:.0e}): " + "  ".join(cells))

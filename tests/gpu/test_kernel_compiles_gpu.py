@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("the JIT hooks run where Triton compiles: CUDA", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from triton_attention_util import check, make_case  # noqa: E402
+from triton_attention_util import check, make_case, to_fp8_cache  # noqa: E402
 
 from ttsserve.attention.triton_paged import TritonPagedAttention, choose_num_splits  # noqa: E402
 from ttsserve.layers.quant.linear import QuantLinear, precompile_quant_linears  # noqa: E402
@@ -58,6 +58,27 @@ def test_eager_decode_compiles_nothing_after_precompile(dtype):
         check(case, backend)
     assert len(splits) >= 4  # one split, several, and 16 or more among them
     assert kc.count == compiled, "a decode launch compiled a kernel after precompile_decode"
+
+
+def test_fp8_lanes_compile_nothing_after_precompile():
+    """The fp8 cache decodes through the lanes, one KV head a program at few rows and four at many: both
+    precompiled."""
+    gen = torch.Generator().manual_seed(8)
+    backend = TritonPagedAttention()
+    first = make_case([3], [1], 16, torch.bfloat16, gen)
+    backend.precompile_decode(to_fp8_cache(first.kv_cache), 12, torch.bfloat16)
+    kc = kernel_compiles()
+    compiled = kc.count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads = set()
+    for batch, ctx in [(1, 40), (3, 900), (16, 128), (2 * sms, 60), (4 * sms, 30)]:
+        lens = torch.randint(max(ctx // 2, 1), ctx + 1, (batch,), generator=gen).tolist()
+        case = make_case(lens, [1] * batch, 16, torch.bfloat16, gen)
+        heads.add(backend.tuning.lanes_heads(batch, 12, sms))
+        out = backend.forward(case.q, case.k, case.v, to_fp8_cache(case.kv_cache), case.md, case.scale)
+        assert bool(torch.isfinite(out).all())
+    assert heads == {1, 4}
+    assert kc.count == compiled, "an fp8 decode launch compiled a kernel after precompile_decode"
 
 
 @pytest.mark.parametrize("method", ["int8", "awq-int4"])

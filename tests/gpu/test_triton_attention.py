@@ -81,9 +81,10 @@ def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_spli
     tuning = TritonTuning(
         decode_block_n=block_n,
         decode_lanes="all" if lanes else "none",
-        decode_lanes_block_n=block_n // heads,
+        decode_lanes_rows=block_n,
         decode_lanes_num_stages=None if path == "lanes-unpipelined" else 3,
         decode_lanes_heads=heads,
+        decode_lanes_programs_per_sm=0,  # every batch takes `heads` a program
     )
     check(case, TritonPagedAttention(num_splits=num_splits, tuning=tuning))
 
@@ -91,11 +92,18 @@ def test_decode_paths_match_reference(dtype: torch.dtype, block_n: int, num_spli
 @pytest.mark.parametrize("num_kv_heads, heads", [(6, 2), (3, 1), (12, 4)])
 def test_lanes_heads_divide_the_kv_heads(num_kv_heads: int, heads: int) -> None:
     """decode_lanes_heads = 4 on a model whose KV heads it does not divide: the largest power of two that does."""
-    assert TritonTuning(decode_lanes_heads=4).lanes_heads(num_kv_heads) == heads
+    tuning = TritonTuning(decode_lanes="all", decode_lanes_rows=16, decode_lanes_programs_per_sm=0)
+    assert tuning.lanes_heads(1, num_kv_heads, 132) == heads
     gen = torch.Generator().manual_seed(num_kv_heads)
     case = make_case([0, 5, 40], [1, 1, 1], 16, torch.float32, gen, num_heads=num_kv_heads, num_kv_heads=num_kv_heads)
-    tuning = TritonTuning(decode_lanes="all", decode_lanes_block_n=8, decode_lanes_heads=4)
     check(case, TritonPagedAttention(num_splits=2, tuning=tuning))
+
+
+def test_lanes_heads_keep_the_device_filled() -> None:
+    """Four heads a program while that leaves four programs a multiprocessor (132 of them), fewer below."""
+    tuning = TritonTuning()
+    assert [tuning.lanes_heads(rows, 12, 132) for rows in (512, 176, 175, 88, 87, 1)] == [4, 4, 2, 2, 1, 1]
+    assert TritonTuning(decode_lanes_heads=2).lanes_heads(512, 12, 132) == 2
 
 
 def test_tuning_rejects_an_unknown_lanes_choice() -> None:
@@ -106,6 +114,8 @@ def test_tuning_rejects_an_unknown_lanes_choice() -> None:
     for heads in (0, 3, 6):
         with pytest.raises(ValueError, match="decode_lanes_heads"):
             TritonTuning(decode_lanes_heads=heads)
+        with pytest.raises(ValueError, match="decode_lanes_rows"):
+            TritonTuning(decode_lanes_rows=heads)
 
 
 def test_split_heuristic() -> None:

@@ -108,7 +108,7 @@ def test_rope_decode_fp8_cache_equals_rotate_then_decode(
     gen = torch.Generator().manual_seed(7 + num_splits)
     ctx = [0, 37] + rand_lens(3, 1, MAX_CTX - 1, gen)
     case = make_case(ctx, [1] * len(ctx), 16, dtype, gen, num_kv_heads=num_kv_heads)
-    tuning = TritonTuning(decode_lanes=lanes, decode_lanes_block_n=32 // heads, decode_lanes_heads=heads)
+    tuning = TritonTuning(decode_lanes=lanes, decode_lanes_heads=heads, decode_lanes_programs_per_sm=0)
     check_rope_decode(case, TritonPagedAttention(num_splits=num_splits, tuning=tuning), fp8=True)
 
 

@@ -80,13 +80,14 @@ class TritonPagedAttention:
             return out
         if md.is_decode_only:
             assert q.shape[0] == md.seq_lens.shape[0], "decode batches have one token per sequence"
+            num_seqs, num_kv_heads, sms = md.seq_lens.shape[0], k.shape[1], self._sm_count(q.device)
+            heads = 1
+            if self.tuning.uses_lanes(q.shape[1] // num_kv_heads, isinstance(kv_cache, FP8KVCache)):
+                heads = self.tuning.lanes_heads(num_seqs, num_kv_heads, sms)
             num_splits = self.num_splits
             if num_splits is None:
-                programs = md.seq_lens.shape[0] * k.shape[1]
-                if self.tuning.uses_lanes(q.shape[1] // k.shape[1], isinstance(kv_cache, FP8KVCache)):
-                    programs //= self.tuning.lanes_heads(k.shape[1])
-                num_splits = choose_num_splits(programs, md.max_seq_len, self._sm_count(q.device), self.tuning)
-            paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning, rope)
+                num_splits = choose_num_splits(num_seqs * num_kv_heads // heads, md.max_seq_len, sms, self.tuning)
+            paged_decode(out, q, k, v, kv_cache, md, scale, num_splits, self.tuning, rope, heads)
         else:
             q, k = rope_qk(q, k, rope)
             paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
@@ -94,7 +95,8 @@ class TritonPagedAttention:
 
     def precompile_decode(self, kv_cache: torch.Tensor | FP8KVCache, num_heads: int, dtype: torch.dtype) -> None:
         """Compile the eager decode path's kernels now: one sequence with one split and with two (the split
-        variant with its reduce), RoPE applied before the kernel as GPT.forward does. The decode graphs
+        variant with its reduce), and for the lanes each number of heads a program may take, RoPE applied before
+        the kernel as GPT.forward does. The decode graphs
         compile their own launches at capture; the eager path (a few prompts just prefilled, decoding through
         the general path) would otherwise compile these in a served step. Writes nothing (slot -1)."""
         cache, _ = _split_cache(kv_cache)
@@ -112,8 +114,12 @@ class TritonPagedAttention:
             cu_seqlens_q_cpu=[0, 1],
             seq_lens_cpu=[1],
         )
-        for splits in (1, 2):
-            paged_decode(torch.empty_like(q), q, kv[0], kv[1], kv_cache, md, 1.0, splits, self.tuning)
+        lanes = self.tuning.uses_lanes(num_heads // num_kv_heads, isinstance(kv_cache, FP8KVCache))
+        most = self.tuning.lanes_heads(1 << 30, num_kv_heads, 1) if lanes else 1
+        for heads in sorted({1, most}):  # the lanes' program takes one head at few rows, several at many
+            for splits in (1, 2):
+                out = torch.empty_like(q)
+                paged_decode(out, q, kv[0], kv[1], kv_cache, md, 1.0, splits, self.tuning, None, heads)
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
@@ -243,10 +249,12 @@ def paged_decode(
     num_splits: int,
     tuning: TritonTuning,
     rope: Rope | None = None,
+    lanes_heads: int = 1,
 ) -> None:
     """out[b] = attention of q[b] ([Hq, D], one new token per sequence) over its md.seq_lens[b] tokens,
     the last being k[b] / v[b], which are also stored at md.slot_mapping[b]. With rope = (cos, sin), q[b]
-    and k[b] are rotated in the kernel first (cos / sin [B, 1, D] or [B, D])."""
+    and k[b] are rotated in the kernel first (cos / sin [B, 1, D] or [B, D]). lanes_heads: KV heads a program
+    when the lanes decode (TritonTuning.lanes_heads; it divides the KV heads)."""
     kv_cache, scales = _split_cache(kv_cache)
     scale_ptr, *scale_strides = _scale_args(kv_cache, scales)
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
@@ -296,14 +304,14 @@ def paged_decode(
     )
     fp8, use_rope = scales is not None, rope is not None
     if lanes:
-        heads = tuning.lanes_heads(num_kv_heads)
-        paged_decode_lanes_kernel[(num_seqs, num_kv_heads // heads, num_splits)](
+        assert num_kv_heads % lanes_heads == 0 and tuning.decode_lanes_rows % lanes_heads == 0
+        paged_decode_lanes_kernel[(num_seqs, num_kv_heads // lanes_heads, num_splits)](
             *args,
             NUM_HEADS=num_heads,
-            HEADS=heads,
+            HEADS=lanes_heads,
             BLOCK_SIZE=md.block_size,
             HEAD_DIM=head_dim,
-            BLOCK_N=tuning.decode_lanes_block_n,
+            BLOCK_N=tuning.decode_lanes_rows // lanes_heads,
             SPLIT=split,
             FP8=fp8,
             ROPE=use_rope,

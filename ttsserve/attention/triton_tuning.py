@@ -12,25 +12,27 @@ import triton
 @dataclass(frozen=True)
 class TritonTuning:
     """Launch parameters (defaults: the best or near-best of a sweep on an H200, benchmarks/attention_micro.py).
-    Tile sizes are KV tokens per loop step (powers of two >= 16); prefill_block_m None: by max_query_len."""
+    Tile sizes are KV tokens per loop step (powers of two; >= 16 where they feed a tensor-core dot); prefill_block_m
+    None: by max_query_len."""
 
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     # One query row per KV head (GROUP == 1, ChatTTS's case): which caches decode on the CUDA cores
-    # (triton_common.attend_lanes, tiles of decode_lanes_block_n) instead of tensor-core dots: "fp8", "all" or
-    # "none". H100, 512 rows of 300 frames, 20 layers: fp8 cache 2.83 ms as lanes of 32, 3.94-4.15 as dots;
-    # bf16 cache 3.58 ms as dots, 3.58-3.67 as lanes (benchmarks/attention_micro.py --kv). At 150 frames fp8
-    # lanes 1.61, bf16 dots 1.96; at 32 frames 1.03 against 0.70 (the lanes' fixed work a program).
+    # (triton_decode_lanes.py, tiles of decode_lanes_rows lanes: tokens x KV heads, software-pipelined
+    # decode_lanes_num_stages deep; None: not pipelined) instead of tensor-core dots: "fp8", "all" or "none".
     decode_lanes: str = "fp8"
-    decode_lanes_block_n: int = 32
+    decode_lanes_rows: int = 32
     decode_lanes_num_warps: int = 4
-    # Tiles in flight in the lanes' loop (LOOP_STAGES in paged_decode_kernel); None: not pipelined. H100, 512
-    # rows, fp8 cache: 3 stages 2-3 % faster at 150-300 frames of context, 18 % slower at 32 (one or two tiles);
-    # the bf16 lanes 6-13 % faster (benchmarks/attention_micro.py --kv).
     decode_lanes_num_stages: int | None = 3
-    # KV heads a lanes program takes (a power of two; the largest that divides the model's KV heads is used).
-    decode_lanes_heads: int = 1
+    # KV heads a lanes program takes at most (a power of two; lanes_heads picks per batch). A token's heads are read
+    # as one run and the program's fixed work is shared; fewer programs, though, fill fewer multiprocessors. H100,
+    # 20 layers, ms (benchmarks/attention_micro.py --kv), fp8 cache, one head / four heads a program: 512 rows of
+    # 32 / 150 / 300 frames 1.07 / 0.60, 1.62 / 1.26, 2.84 / 2.05 (bf16 cache as dots: 0.70, 1.87, 3.40); 256 x 150
+    # 0.90 / 0.67; 64 x 300 0.43 / 0.47; 1 x 469 0.13 / 0.14.
+    decode_lanes_heads: int = 4
+    # lanes_heads keeps at least this many programs a multiprocessor (0: always decode_lanes_heads, for tests).
+    decode_lanes_programs_per_sm: int = 4
     min_tokens_per_split: int = 32
     max_splits: int = 32
     prefill_block_m: int | None = None
@@ -41,6 +43,8 @@ class TritonTuning:
     def __post_init__(self) -> None:
         if self.decode_lanes not in ("fp8", "all", "none"):
             raise ValueError(f"decode_lanes must be 'fp8', 'all' or 'none', got {self.decode_lanes!r}")
+        if self.decode_lanes_rows < 1 or self.decode_lanes_rows & (self.decode_lanes_rows - 1):
+            raise ValueError(f"decode_lanes_rows must be a power of two, got {self.decode_lanes_rows}")
         if self.decode_lanes_num_stages is not None and self.decode_lanes_num_stages < 1:
             raise ValueError(f"decode_lanes_num_stages must be None or >= 1, got {self.decode_lanes_num_stages}")
         heads = self.decode_lanes_heads
@@ -51,9 +55,14 @@ class TritonTuning:
         """Whether a decode with `group` query heads per KV head on an fp8 (or not) cache runs the lanes."""
         return group == 1 and (self.decode_lanes == "all" or (self.decode_lanes == "fp8" and fp8))
 
-    def lanes_heads(self, num_kv_heads: int) -> int:
-        """KV heads per lanes program: decode_lanes_heads, or the largest power of two below it dividing them."""
-        return math.gcd(self.decode_lanes_heads, num_kv_heads)
+    def lanes_heads(self, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+        """KV heads per lanes program: the most, up to decode_lanes_heads and dividing num_kv_heads, that still
+        give decode_lanes_programs_per_sm programs a multiprocessor; one when none does (the split count then
+        fills the device)."""
+        heads = math.gcd(self.decode_lanes_heads, num_kv_heads)
+        while heads > 1 and num_seqs * num_kv_heads // heads < self.decode_lanes_programs_per_sm * num_sms:
+            heads //= 2
+        return heads
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, tuning: TritonTuning) -> int:
