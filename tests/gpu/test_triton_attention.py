@@ -104,6 +104,7 @@ def test_lanes_heads_keep_the_device_filled() -> None:
     tuning = TritonTuning()
     assert [tuning.lanes_heads(rows, 12, 132) for rows in (512, 176, 175, 88, 87, 1)] == [4, 4, 2, 2, 1, 1]
     assert TritonTuning(decode_lanes_heads=2).lanes_heads(512, 12, 132) == 2
+    assert tuning.lanes_heads_choices(12) == [1, 2, 4] and tuning.lanes_heads_choices(6) == [1, 2]
 
 
 def test_tuning_rejects_an_unknown_lanes_choice() -> None:

@@ -95,10 +95,10 @@ class TritonPagedAttention:
 
     def precompile_decode(self, kv_cache: torch.Tensor | FP8KVCache, num_heads: int, dtype: torch.dtype) -> None:
         """Compile the eager decode path's kernels now: one sequence with one split and with two (the split
-        variant with its reduce), and for the lanes each number of heads a program may take, RoPE applied before
-        the kernel as GPT.forward does. The decode graphs
-        compile their own launches at capture; the eager path (a few prompts just prefilled, decoding through
-        the general path) would otherwise compile these in a served step. Writes nothing (slot -1)."""
+        variant with its reduce), for the lanes with each number of heads a program may take, RoPE applied
+        before the kernel as GPT.forward does. The decode graphs compile their own launches at capture; the eager
+        path (a few prompts just prefilled, decoding through the general path) would otherwise compile these in a
+        served step. Writes nothing (slot -1)."""
         cache, _ = _split_cache(kv_cache)
         num_kv_heads, head_dim, dev = cache.shape[3], cache.shape[4], cache.device
         q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
@@ -115,8 +115,7 @@ class TritonPagedAttention:
             seq_lens_cpu=[1],
         )
         lanes = self.tuning.uses_lanes(num_heads // num_kv_heads, isinstance(kv_cache, FP8KVCache))
-        most = self.tuning.lanes_heads(1 << 30, num_kv_heads, 1) if lanes else 1
-        for heads in sorted({1, most}):  # the lanes' program takes one head at few rows, several at many
+        for heads in self.tuning.lanes_heads_choices(num_kv_heads) if lanes else [1]:
             for splits in (1, 2):
                 out = torch.empty_like(q)
                 paged_decode(out, q, kv[0], kv[1], kv_cache, md, 1.0, splits, self.tuning, None, heads)
