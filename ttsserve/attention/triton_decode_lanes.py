@@ -87,6 +87,7 @@ def paged_decode_lanes_kernel(
     r = tl.arange(0, ROWS)
     rt = r // HEADS  # each row's token in the tile
     rh = h0 + r % HEADS  # each row's head
+    hh = h0 + tl.arange(0, HEADS)  # the program's heads
     d = tl.arange(0, HEAD_DIM)
     q_rows = q_ptr + b * stride_qt + rh[:, None] * stride_qh  # [ROWS, 1]: a head's query repeats down its rows
     if ROPE:
@@ -101,7 +102,6 @@ def paged_decode_lanes_kernel(
     l_l = tl.zeros([ROWS], dtype=tl.float32)
     acc_l = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     if (lo <= last) & (last < hi):  # this split holds the new token: the first update of token 0's rows
-        hh = h0 + tl.arange(0, HEADS)
         k_new, v_new = store_new_rows(
             k_ptr + b * stride_kt + hh[:, None] * stride_kh,
             v_ptr + b * stride_vt + hh[:, None] * stride_vh,
@@ -148,7 +148,6 @@ def paged_decode_lanes_kernel(
             vs = 1.0
         m_l, l_l, acc_l = attend_lanes(q, k, v, ks, vs, valid, qk_scale, m_l, l_l, acc_l, FP8)
     m, den, o = merge_lanes(m_l, l_l, acc_l, BLOCK_N, HEADS, HEAD_DIM)
-    hh = h0 + tl.arange(0, HEADS)
     if SPLIT:
         part = (b * NUM_HEADS + hh) * num_splits + s
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o)
