@@ -157,7 +157,6 @@ def store_new_rows(
     sc_stride_h,
     slot,
     heads,
-    keep,
     cos,
     sin,
     d,
@@ -166,10 +165,9 @@ def store_new_rows(
     FP8: tl.constexpr,
     ROPE: tl.constexpr,
 ):
-    """This step's k / v of the rows' KV heads `heads` [R] (k_rows / v_rows: [R, 1] pointers to each row's
-    inputs; k rotated first with ROPE), stored at `slot` for the rows where keep [R] (a head's k / v once;
-    nothing when slot < 0) -> (k, v) fp32 [R, HEAD_DIM]: the values the cache holds (fp8-rounded for the fp8
-    cache), which is what this step attends to."""
+    """This step's k / v of the KV heads `heads` [H] (k_rows / v_rows: [H, 1] pointers to each head's inputs; k
+    rotated first with ROPE), stored at `slot` (nothing when slot < 0) -> (k, v) fp32 [H, HEAD_DIM]: the values
+    the cache holds (fp8-rounded for the fp8 cache), which is what this step attends to."""
     # conditions broadcast to full shape through * 0: Triton's CPU interpreter rejects scalar mask terms
     full = heads[:, None] * 0 + d[None, :] * 0
     if ROPE:
@@ -177,7 +175,7 @@ def store_new_rows(
     else:
         k_raw = tl.load(k_rows + d[None, :])
     v_raw = tl.load(v_rows + d[None, :])
-    write = ((full + slot) >= 0) & keep[:, None]
+    write = (full + slot) >= 0
     dst = cache_ptr + slot * stride_slot + heads[:, None] * stride_ch + d[None, :]
     if FP8:
         kq, ks = fp8_quant_rows(k_raw)
@@ -185,7 +183,7 @@ def store_new_rows(
         tl.store(dst, kq, mask=write)
         tl.store(dst + v_offset, vq, mask=write)
         sdst = scale_ptr + (slot // BLOCK_SIZE) * sc_stride_blk + heads * sc_stride_h + slot % BLOCK_SIZE
-        swrite = ((heads * 0 + slot) >= 0) & keep
+        swrite = (heads * 0 + slot) >= 0
         tl.store(sdst, ks, mask=swrite)
         tl.store(sdst + sc_v_offset, vs, mask=swrite)
         k_new = kq.to(tl.float32) * ks[:, None]

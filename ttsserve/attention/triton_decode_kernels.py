@@ -130,7 +130,6 @@ def paged_decode_kernel(
             sc_stride_h,
             tl.load(slot_mapping_ptr + b).to(tl.int64),
             kv_h + one * 0,
-            one == 0,
             cos,
             sin,
             d,

@@ -115,7 +115,6 @@ def paged_decode_lanes_kernel(
             sc_stride_h,
             tl.load(slot_mapping_ptr + b).to(tl.int64),
             hh,
-            hh >= 0,
             cos,
             sin,
             d,
