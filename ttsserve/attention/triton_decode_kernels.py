@@ -108,12 +108,11 @@ def paged_decode_kernel(
             soff = blks * sc_stride_blk + kv_h * sc_stride_h + n % BLOCK_SIZE
             ks = tl.load(scale_ptr + soff, mask=valid, other=0.0)
             vs = tl.load(scale_ptr + sc_v_offset + soff, mask=valid, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         else:
             ks = 1.0  # unused without FP8
             vs = 1.0
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
         m_i, l_i, acc = attend_tile(q, k, v, ks, vs, valid[None, :], qk_scale, m_i, l_i, acc, FP8, IEEE)
     if (lo <= last) & (last < hi):  # this split holds the new token
         one = tl.arange(0, 1)
