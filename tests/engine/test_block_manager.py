@@ -142,10 +142,29 @@ def test_output_blocks_are_cached_for_recompute():
         assert bm.allocate_slots(r, 1)
         r.num_computed_tokens += 1
     r.output_token_ids.append((8,))  # sampled by the last step, not computed yet
-    bm.free(r)  # preempted (recompute): 6 computed positions = 3 full blocks stay cached
+    assert len(bm.cached_blocks) == 1  # while it runs, only the full prompt block [1, 2] is published
+    bm.free(r, keep_outputs=True)  # preempted (recompute): 6 computed positions = 3 full blocks stay cached
     r.num_computed_tokens = 0
     assert bm.get_computed_blocks(r) == 6
     check_consistent(bm, [r])
+
+
+def test_a_finished_request_publishes_its_prompt_blocks_only():
+    """Output blocks hold sampled codes no other request repeats: a finished request leaves its prompt's full
+    blocks cached (an identical prompt reuses them) and hashes none of its outputs."""
+    bm = KVCacheManager(num_gpu_blocks=8, block_size=2)
+    r = make_req("r", [1, 2, 3, 4, 5])
+    admit(bm, r)
+    finish_prefill(r)
+    for tok in [(5,), (6,), (7,), (8,)]:
+        r.output_token_ids.append(tok)
+        assert bm.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    bm.free(r)
+    assert sorted(h[1] for h in bm.cached_blocks) == [(1, 2), (3, 4)]
+    again = make_req("again", [1, 2, 3, 4, 5])
+    assert bm.get_computed_blocks(again) == 4
+    check_consistent(bm, [again])
 
 
 def test_swap_out_and_in_round_trip():
@@ -241,7 +260,7 @@ def test_request_rejects_unhashable_prompt_items():
 
 
 def test_cached_block_keys_leave_the_garbage_collector():
-    """The prefix cache keeps one key per full block ever computed (hundreds of thousands in a GPU's pool).
+    """The prefix cache keeps a key per full block it publishes (hundreds of thousands in a GPU's pool).
     Each must become untracked by the GC (an exact tuple of untracked items): tracked keys made every full
     collection of the served engine core walk them, a 20-55-ms stall of the step loop on the H200."""
     import gc

@@ -8,7 +8,10 @@ Prefix caching: every FULL block whose KV has been written gets a chain hash
 equal reuses them (ref count + 1). Freed blocks keep their hash and stay reusable until the LRU free
 queue hands them out again (eviction). Only blocks whose KV is already computed (before this step) are
 registered, so a block is never shared before its KV exists, even if its owner is preempted mid-step.
-Output blocks are cached too: a request preempted by recompute usually finds its own blocks again.
+Prompt blocks are published as soon as they are computed; output blocks (sampled codes, which no other request
+repeats) only when their request is preempted by recompute, which then finds its own blocks again. Hashing every
+output block as it filled cost the scheduler ~0.7 of its 2.0 ms a step at 512 rows (benchmarks/core_loop_cost.py
+--served) and filled the cache with keys nobody could hit.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from ttsserve.engine.request import Request
 
 # Dict key of a cached full block: (chain hash, the block's items), so a hash collision alone never aliases two
 # different blocks. A plain tuple, not a NamedTuple: the GC untracks exact tuples of untracked items, and
-# the cache holds one key per full block ever computed (hundreds of thousands on a GPU), which as tracked
-# objects made every full collection of the engine core a 20-55-ms stall of the step loop (measured on the H200).
+# the cache holds a key per block it publishes (hundreds of thousands on a GPU while every output block was
+# published), which as tracked objects made every full collection of the engine core a 20-55-ms stall of the step
+# loop (measured on the H200).
 BlockHash = tuple[int, tuple]
 
 
@@ -132,8 +136,9 @@ class KVCacheManager:
             raise ValueError(f"{request.request_id}: num_new_tokens must be >= 1, got {num_new_tokens}")
         bs, computed = self.block_size, request.num_computed_tokens
         # _register_computed's own early exit, inlined: called for every running request every step
-        if self.enable_prefix_caching and computed // bs > self._num_registered.get(request.request_id, 0):
-            self._register_computed(request)
+        upto = min(computed, request.num_prompt_tokens)
+        if self.enable_prefix_caching and upto // bs > self._num_registered.get(request.request_id, 0):
+            self._register_computed(request, upto)
         need = -(-(computed + num_new_tokens) // bs) - len(request.block_table)
         if need > 0:  # a decode step mostly lands in its last block
             if need > len(self.free_queue):
@@ -147,9 +152,10 @@ class KVCacheManager:
             self.prefix_cache_hits += hits
         return True
 
-    def free(self, request: Request) -> None:
-        """Release the request's GPU blocks (computed full blocks stay cached) and its host blocks."""
-        self._register_computed(request)
+    def free(self, request: Request, keep_outputs: bool = False) -> None:
+        """Release the request's GPU blocks (its computed full prompt blocks stay cached, and its output blocks
+        with keep_outputs: a preemption by recompute) and its host blocks."""
+        self._register_computed(request, None if keep_outputs else self._prompt_computed(request))
         self._release(request.block_table)
         request.block_table = []
         self._forget(request.request_id)
@@ -168,7 +174,7 @@ class KVCacheManager:
         n = self.blocks_for(request.num_computed_tokens)
         if n > len(self.cpu_free):
             raise ValueError(f"{request.request_id}: needs {n} host blocks, {len(self.cpu_free)} free")
-        self._register_computed(request)
+        self._register_computed(request, self._prompt_computed(request))
         mapping = [(request.block_table[i], self.cpu_free.pop()) for i in range(n)]
         self._cpu_tables[request.request_id] = [c for _, c in mapping]
         self._release(request.block_table)
@@ -225,13 +231,17 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         self._pending_stats.pop(request_id, None)
 
-    def _register_computed(self, request: Request) -> None:
-        """Publish the full blocks whose KV is written (positions < num_computed_tokens)."""
+    @staticmethod
+    def _prompt_computed(request: Request) -> int:
+        return min(request.num_computed_tokens, request.num_prompt_tokens)
+
+    def _register_computed(self, request: Request, upto: int | None = None) -> None:
+        """Publish the full blocks whose KV is written below position `upto` (default num_computed_tokens)."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
         start = self._num_registered.get(rid, 0)
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = (request.num_computed_tokens if upto is None else upto) // self.block_size
         if num_full <= start:  # the per-step common case: no block completed since the last call
             return
         num_full = min(num_full, len(request.block_table))

@@ -341,7 +341,7 @@ class Scheduler(OutputCommitter):
             self.swapped.append(victim)
             out.swapped_out_ids.append(victim.request_id)
         else:
-            bm.free(victim)
+            bm.free(victim, keep_outputs=True)
             victim.num_computed_tokens = 0  # re-prefill prompt + outputs (prefix cache may cover most)
             victim.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(victim)
