@@ -59,10 +59,10 @@ class TritonTuning:
         """KV heads per lanes program: the most, up to decode_lanes_heads and dividing num_kv_heads, that still
         give decode_lanes_programs_per_sm programs a multiprocessor; one when none does (the split count then
         fills the device)."""
-        for heads in reversed(self.lanes_heads_choices(num_kv_heads)):
-            if heads == 1 or num_seqs * num_kv_heads // heads >= self.decode_lanes_programs_per_sm * num_sms:
-                return heads
-        raise AssertionError("unreachable: 1 is always a choice")
+        heads = math.gcd(self.decode_lanes_heads, num_kv_heads)  # a power of two dividing num_kv_heads
+        while heads > 1 and num_seqs * num_kv_heads // heads < self.decode_lanes_programs_per_sm * num_sms:
+            heads //= 2
+        return heads
 
     def lanes_heads_choices(self, num_kv_heads: int) -> list[int]:
         """Every count lanes_heads may pick for a model with num_kv_heads: 1, 2, ... up to the most it allows."""
