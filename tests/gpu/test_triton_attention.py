@@ -117,6 +117,10 @@ def test_tuning_rejects_an_unknown_lanes_choice() -> None:
             TritonTuning(decode_lanes_heads=heads)
         with pytest.raises(ValueError, match="decode_lanes_rows"):
             TritonTuning(decode_lanes_rows=heads)
+    with pytest.raises(ValueError, match="must not exceed decode_lanes_rows"):
+        TritonTuning(decode_lanes_rows=2, decode_lanes_heads=4)  # a tile narrower than a token's heads
+    with pytest.raises(ValueError, match="decode_lanes_programs_per_sm"):
+        TritonTuning(decode_lanes_programs_per_sm=-1)
 
 
 def test_split_heuristic() -> None:

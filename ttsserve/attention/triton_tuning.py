@@ -50,6 +50,12 @@ class TritonTuning:
         heads = self.decode_lanes_heads
         if heads < 1 or heads & (heads - 1):
             raise ValueError(f"decode_lanes_heads must be a power of two, got {heads}")
+        if heads > self.decode_lanes_rows:
+            raise ValueError(
+                f"decode_lanes_heads ({heads}) must not exceed decode_lanes_rows ({self.decode_lanes_rows})"
+            )
+        if self.decode_lanes_programs_per_sm < 0:
+            raise ValueError(f"decode_lanes_programs_per_sm must be >= 0, got {self.decode_lanes_programs_per_sm}")
 
     def uses_lanes(self, group: int, fp8: bool) -> bool:
         """Whether a decode with `group` query heads per KV head on an fp8 (or not) cache runs the lanes."""
