@@ -95,9 +95,6 @@ class EngineConfig:
     dummy_size: "real" or "tiny" (random weights at the real ChatTTS size, or the test size).
     kv_cache_memory: bytes for the KV pool on CPU (and on GPU when set; otherwise sized from
         gpu_memory_utilization after profiling).
-    gpu_share: engines sharing this GPU (`serve --cores-per-gpu K` sets it for its cores): each sizes itself to
-        gpu_memory_utilization / gpu_share of the GPU's memory, the others' usage not subtracted (they hold
-        their own shares), and never to more than is free when it profiles.
     swap_space: GiB of host memory for swapped-out KV blocks.
     target_step_latency_ms: the dynamic-batching goal; 0 disables the controller.
     first_chunk_frames / max_chunk_frames: streaming chunk sizes (the first is small for a low time to first
@@ -145,7 +142,6 @@ class EngineConfig:
     verify_sha256: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    gpu_share: int = 1
     kv_cache_memory: int | None = None
     swap_space: float = 4.0
     max_num_seqs: int | None = None
@@ -182,7 +178,6 @@ class EngineConfig:
             (self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype must be auto|fp8"),
             (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
             (0.05 <= self.gpu_memory_utilization <= 0.99, "gpu_memory_utilization must be in [0.05, 0.99]"),
-            (1 <= self.gpu_share <= 64, "gpu_share must be in [1, 64]"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
             (self.swap_space >= 0, "swap_space must be >= 0"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),

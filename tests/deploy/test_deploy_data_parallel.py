@@ -18,13 +18,7 @@ import pytest
 from deploy_helpers import ROOT, TINY_SERVE_ARGS, free_port
 
 from tests.prom_util import metric
-from ttsserve.entrypoints.data_parallel import (
-    add_data_parallel_args,
-    cores_per_gpu,
-    data_parallel_size,
-    gpu_share,
-    plan_cores,
-)
+from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, plan_cores
 
 SPEECH = {"model": "chattts", "voice": "alloy", "response_format": "pcm", "max_new_tokens": 40}
 
@@ -35,34 +29,21 @@ def test_plan_gpu_cores_one_visible_gpu_each() -> None:
     assert plan_cores(1, "cuda:1", ["0", "1"]) == [{}]  # one core: the device flag as given
 
 
-def test_plan_several_cores_a_gpu_go_round_the_fewest_gpus() -> None:
-    envs = plan_cores(2, "cuda", ["0", "1"], per_gpu=2)
-    assert envs == [{"CUDA_VISIBLE_DEVICES": "0"}] * 2 and gpu_share(envs) == 2
-    envs = plan_cores(3, "cuda", ["4", "5", "6"], per_gpu=2)  # two GPUs used, the first holds two cores
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4", "5", "4"] and gpu_share(envs) == 2
-    envs = plan_cores(4, "auto", ["0", "1"], per_gpu=2)
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "0", "1"] and gpu_share(envs) == 2
-    assert gpu_share(plan_cores(2, "cuda", ["0", "1"])) == 1
-    assert gpu_share(plan_cores(2, "cpu", [], cpu_count=4)) == 1
-
-
 def test_plan_cpu_cores_split_the_threads() -> None:
     assert plan_cores(2, "cpu", [], cpu_count=8) == [{"OMP_NUM_THREADS": "4"}] * 2
     assert plan_cores(4, "auto", [], cpu_count=2) == [{"OMP_NUM_THREADS": "1"}] * 4
 
 
 @pytest.mark.parametrize(
-    ("n", "device", "gpus", "per_gpu", "match"),
+    ("n", "device", "gpus", "match"),
     [
-        (2, "cuda", ["0"], 1, "needs 2 GPUs, 1 visible"),
-        (2, "cuda:0", ["0", "1"], 1, "pins one GPU"),
-        (5, "cuda", ["0", "1"], 2, "needs 3 GPUs at 2 cores a GPU, 2 visible"),
-        (2, "cpu", [], 2, "applies to GPUs"),
+        (2, "cuda", ["0"], "needs 2 GPUs, 1 visible"),
+        (2, "cuda:0", ["0", "1"], "pins one GPU"),
     ],
 )
-def test_plan_errors(n: int, device: str, gpus: list[str], per_gpu: int, match: str) -> None:
+def test_plan_errors(n: int, device: str, gpus: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        plan_cores(n, device, gpus, per_gpu=per_gpu)
+        plan_cores(n, device, gpus)
 
 
 def test_data_parallel_size_flag_env_default() -> None:
@@ -73,11 +54,6 @@ def test_data_parallel_size_flag_env_default() -> None:
     assert data_parallel_size(p.parse_args(["--data-parallel-size", "2"]), env={}) == 2
     with pytest.raises(ValueError, match="positive integer"):
         data_parallel_size(p.parse_args(["--data-parallel-size", "0"]), env={})
-    assert cores_per_gpu(p.parse_args([]), env={}) == 1
-    assert cores_per_gpu(p.parse_args([]), env={"TTSSERVE_CORES_PER_GPU": "2"}) == 2
-    assert cores_per_gpu(p.parse_args(["--cores-per-gpu", "3"]), env={"TTSSERVE_CORES_PER_GPU": "2"}) == 3
-    with pytest.raises(ValueError, match="--cores-per-gpu must be a positive integer, got 'x'"):
-        cores_per_gpu(p.parse_args(["--cores-per-gpu", "x"]), env={})
 
 
 def test_a_bad_core_plan_is_a_configuration_error(tmp_path) -> None:

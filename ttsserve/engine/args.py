@@ -54,7 +54,6 @@ HELP = {
     "later sample exact",
     "block_size": "KV cache block size in frames (8, 16, 32, 64, 128)",
     "gpu_memory_utilization": "fraction of GPU memory for weights + activations + KV cache",
-    "gpu_share": "engines sharing this GPU: each takes gpu_memory_utilization / gpu_share of its memory",
     "kv_cache_memory": "bytes for the KV pool (suffixes K/M/G/KiB/MiB/GiB accepted)",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "max_num_seqs": "most sequences (text segments being spoken) in one engine step's batch; unset: 512 on CUDA "

@@ -11,17 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import replace
 
 from ttsserve.entrypoints.api_servers import add_api_server_args, api_server_count, run_api_servers
-from ttsserve.entrypoints.data_parallel import (
-    add_data_parallel_args,
-    cores_per_gpu,
-    data_parallel_size,
-    gpu_share,
-    plan_cores,
-    visible_gpus,
-)
+from ttsserve.entrypoints.data_parallel import add_data_parallel_args, data_parallel_size, plan_cores, visible_gpus
 from ttsserve.server.args import add_serve_arguments, build_configs, public_url
 from ttsserve.server.paths import log_outside_paths
 from ttsserve.server.preflight import REUSE_PORT_BALANCES, bind_socket, check_engine_config
@@ -62,10 +54,8 @@ def run_serve(args: argparse.Namespace) -> int:
         decode_ops_mode()  # before the slow load
         api_servers = api_server_count(args)
         cores = data_parallel_size(args)
-        per_gpu, core_envs = cores_per_gpu(args), None
+        core_envs = plan_cores(cores, engine_cfg.device, visible_gpus(engine_cfg.device)) if cores > 1 else None
         if cores > 1:  # the cores run in their own processes: at least one API server in front of them
-            core_envs = plan_cores(cores, engine_cfg.device, visible_gpus(engine_cfg.device), per_gpu=per_gpu)
-            engine_cfg = replace(engine_cfg, gpu_share=max(engine_cfg.gpu_share, gpu_share(core_envs)))
             api_servers = max(api_servers, 1)
         # Everything that can be checked without the weights, before the slow load: a bad --model, a missing
         # GPU, a taken port. The socket stays bound through the load, so the port cannot be lost meanwhile.

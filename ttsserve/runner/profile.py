@@ -3,11 +3,6 @@
 budget = utilization * total - memory other users hold (CUDA context, other processes) - the weights
          - the peak activations of a max-size step - a reserve for the CUDA graphs and allocator slack.
 
-An engine that shares its GPU with others of the same server (gpu_share > 1, `serve --cores-per-gpu`) takes
-utilization / gpu_share of the total and counts only its own CUDA context as used by others: the other cores
-profile at the same time, and what they hold or will hold is their own share. It never takes more than is
-free when it profiles.
-
 The max-size step is profiled, not guessed: one forward of max_num_batched_tokens prompt tokens through the GPT
 (paged attention over a temporary cache just big enough), the heads and the sampler for max_num_seqs rows, and
 the vocoder stage's largest batched call.
@@ -27,7 +22,6 @@ from ttsserve.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 GRAPH_RESERVE_BYTES = 256 << 20  # decode graphs' pool (measured ~100 MiB at 256 rows) + allocator slack
-CONTEXT_BYTES = 1 << 30  # a CUDA context's memory, at most (~0.5 GiB with torch's kernels on an H100)
 
 
 def kv_budget_after_profiling(model, cfg: EngineConfig) -> int:
@@ -53,18 +47,13 @@ def kv_budget_after_profiling(model, cfg: EngineConfig) -> int:
     # the piecewise prefill graphs one as large as a max-size step's largest piece, at most its activations.
     graph_pools = 0 if cfg.enforce_eager else profile_vocoder_call_bytes(model, cfg) + activations
     reserve = GRAPH_RESERVE_BYTES + graph_pools
-    share = cfg.gpu_memory_utilization / cfg.gpu_share
-    if cfg.gpu_share > 1:
-        others = min(others, CONTEXT_BYTES)
-    budget = int(share * total - others - weights - activations - reserve)
-    if cfg.gpu_share > 1:
-        budget = min(budget, free - activations - reserve)
+    budget = int(cfg.gpu_memory_utilization * total - others - weights - activations - reserve)
     logger.info(
-        "memory: %.2f GiB total x %.2f (utilization / gpu_share); %.2f GiB used by others (context, processes), "
+        "memory: %.2f GiB total x %.2f utilization; %.2f GiB used by others (context, processes), "
         "%.2f GiB weights, %.2f GiB peak activations of a max-size step, %.2f GiB graph reserve "
         "-> %.2f GiB for the KV cache",
         total / 2**30,
-        share,
+        cfg.gpu_memory_utilization,
         others / 2**30,
         weights / 2**30,
         activations / 2**30,
