@@ -7,6 +7,8 @@ vocoder and admissions every 2nd step, requests of --frames frames (200: ~4.3 s 
 the start-up heap frozen as the core does; the GPT forward, the sampler, the vocoder networks and the audio crop
 (device work on the H200, not host work) are stubbed, so the step is the host's bookkeeping. It also reports the
 garbage collector's time and longest pause per generation (--gc-thresholds: try others than the core's).
+--graphs: the decode rows take the CUDA path's DecodeGraphs.run (its pinned-buffer fill, copies and output
+tensors; the replay itself stubbed) instead of the CPU's eager decode, whose torch ops are device work on a GPU.
 
 Usage: python3 benchmarks/core_loop_cost.py [--concurrency 128] [--api-servers 8] [--steps 400]
        python3 benchmarks/core_loop_cost.py --served --concurrency 512 --api-servers 12 --steps 200 --warmup 200
@@ -57,7 +59,7 @@ def _timed(times: dict, name: str, fn):
     return wrapper
 
 
-def _served_engine(concurrency: int) -> Engine:
+def _served_engine(concurrency: int, graphs: bool = False) -> Engine:
     """The served path's scheduling on the CPU, its device work stubbed (see the module docstring)."""
     import torch
 
@@ -91,8 +93,15 @@ def _served_engine(concurrency: int) -> Engine:
     engine.model.embed.code_logits = lambda h: h.new_zeros(h.shape[0], num_vq, vocab)
     model_runner.sample = sample
     engine.runner.sample_rows.__func__.__defaults__ = (sample,)
-    engine.audio.pipeline = lambda kind, x, info, n: torch.zeros(x.shape[0], hop * 2 * n)
+    engine.audio.pipeline = lambda kind, x, info, n: torch.empty(x.shape[0], hop * 2 * n)
     incremental_stage.crop_rows = lambda wav, starts, sizes: torch.zeros(sum(sizes))
+    if graphs:
+        from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
+
+        g = DecodeGraphs(engine.runner, default_capture_sizes(concurrency), fused=False, max_steps=4)
+        g.capture()  # off CUDA: the buckets' bookkeeping, no graph
+        g._replay = lambda bs: None
+        engine.runner.graphs = g
     return engine
 
 
@@ -118,10 +127,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--served", action="store_true", help="the served path's host work (module docstring)")
     ap.add_argument("--frames", type=int, default=200, help="--served: frames per request")
+    ap.add_argument("--graphs", action="store_true", help="--served: the decode graphs' host path (docstring)")
     ap.add_argument("--gc-thresholds", default=None, help="--served: e.g. 700,10,10 (default: the core's)")
     a = ap.parse_args()
     if a.served:
-        engine = _served_engine(a.concurrency)
+        engine = _served_engine(a.concurrency, a.graphs)
         freeze_startup_heap("benchmark", step_loop=True)
         if a.gc_thresholds:
             gc.set_threshold(*map(int, a.gc_thresholds.split(",")))
