@@ -11,7 +11,7 @@ garbage collector's time and longest pause per generation (--gc-thresholds: try 
 tensors; the replay itself stubbed) instead of the CPU's eager decode, whose torch ops are device work on a GPU.
 
 Usage: python3 benchmarks/core_loop_cost.py [--concurrency 128] [--api-servers 8] [--steps 400]
-       python3 benchmarks/core_loop_cost.py --served --concurrency 512 --api-servers 12 --steps 200 --warmup 200
+       python3 benchmarks/core_loop_cost.py --served --graphs --concurrency 512 --api-servers 12 --warmup 200
 """
 
 from __future__ import annotations
