@@ -199,6 +199,7 @@ def main() -> int:
             times.clear()
             engine.reset_stats()  # the step's phase timings below cover the measured steps only
             pauses.on = True
+            vocoder0 = (engine.audio.calls_total, engine.audio.frames_decoded_total)
             t_start = time.perf_counter()
         # --served: arrivals ramp up over ~40 steps, so that the streams' ends spread as under served load
         target = min(a.concurrency, (k + 1) * max(1, a.concurrency // 40)) if a.served else a.concurrency
@@ -226,6 +227,8 @@ def main() -> int:
         print(f"  {name:52s} {t / n * 1e3:7.3f} ms")
     for name, ms in engine.timings.as_dict(engine.counters.steps).items():  # inside engine.step
         print(f"    step phase {name:45s} {ms:7.3f} ms")
+    calls, frames = engine.audio.calls_total - vocoder0[0], engine.audio.frames_decoded_total - vocoder0[1]
+    print(f"  vocoder calls per step {calls / n:.2f}, {frames / max(calls, 1):.0f} frames a call")
     gc_ms = [sum(pauses.pauses[g]) / n * 1e3 for g in range(3)]
     longest = [max(pauses.pauses[g], default=0.0) * 1e3 for g in range(3)]
     print(

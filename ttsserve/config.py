@@ -120,6 +120,9 @@ class EngineConfig:
         results, so the host's bookkeeping overlaps the device's work (vLLM V1's asynchronous scheduling;
         engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),
         off on the CPU, where torch runs each op in the calling thread and there is nothing to overlap.
+    audio_stream: on CUDA, the streaming vocoder queues its device work (frame appends, calls, crops, copies to
+        the host) on a CUDA stream of its own, so its kernels run beside the GPT's (audio/stream_base.py). None:
+        on with CUDA; no effect on the CPU.
     cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
         may use (ttsserve/runner/cpu_threads.py).
     background_graph_capture: on CUDA, capture only each CUDA-graph family's largest bucket while the engine
@@ -159,6 +162,7 @@ class EngineConfig:
     admission_interval: int | None = None
     num_scheduler_steps: int | None = None
     async_scheduling: bool | None = None
+    audio_stream: bool | None = None
     enforce_eager: bool = False
     max_queue_len: int = 1024
     cpu_threads: int | None = None

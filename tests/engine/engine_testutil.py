@@ -39,12 +39,12 @@ class FrameRecorder:
         self.frames: dict[str, list] = {}
         orig_append, orig_update = engine.audio.append_batch, engine.scheduler.update_from_output
 
-        def append_batch(seq_ids, h, counts=None):
+        def append_batch(seq_ids, h, counts=None, ready=None):
             for j, frames in enumerate(h if h.dim() == 3 else h[None]):  # [m, n, H]: m frames each, step-major
                 for i, seq_id in enumerate(seq_ids):
                     if counts is None or j < counts[i]:  # counts: how many of its m frames request i keeps
                         self.hiddens.setdefault(seq_id, []).append(frames[i : i + 1].detach().cpu().numpy().copy())
-            return orig_append(seq_ids, h, counts)
+            return orig_append(seq_ids, h, counts, ready)
 
         def update(sched, sampled, stopped):
             updates = orig_update(sched, sampled, stopped)

@@ -158,9 +158,9 @@ def test_a_batch_with_rows_ending_inside_it_is_one_append_of_each_rows_accepted_
     calls = []
     append = e.audio.append_batch
 
-    def recording_append(seq_ids, frames, counts=None):
+    def recording_append(seq_ids, frames, counts=None, ready=None):
         calls.append(len(seq_ids))
-        return append(seq_ids, frames, counts)
+        return append(seq_ids, frames, counts, ready)
 
     e.audio.append_batch = recording_append
     before = {s: e.audio._streams[s].num_frames for s in ids}

@@ -144,10 +144,10 @@ def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16, monkeypatch):
 
     orig_append = e._append_frames
 
-    def append(frames, updates):
+    def append(frames, updates, done=None):
         accepted = {u.request_id: u.num_new_tokens for u in updates}
         dropped.append(sum(accepted.get(rid, 0) < h.shape[0] for ids, h in frames for rid in ids))  # h: [m, n, H]
-        return orig_append(frames, updates)
+        return orig_append(frames, updates, done)
 
     import ttsserve.runner.model_runner as model_runner
 
@@ -199,3 +199,45 @@ def test_mid_step_audio_on_cuda_equals_end_of_step_audio(tiny_cuda):
         np.testing.assert_allclose(early[rid], audio, atol=1e-5, rtol=0)
     # a tiny model's vocoder call is done long before the host has queued the next step
     assert 0 < e.audio.polled_total <= e.audio.collects_total
+
+
+def test_audio_on_its_own_stream_equals_audio_on_the_gpt_stream(real_bf16):
+    """The vocoder on a CUDA stream of its own (the default) against the same engine with every kernel on one
+    stream: real size, 40 streams arriving four a step with aborts, 120-360 frames each (the frame pool shifts
+    and grows, rows end by EOS and by length while calls are in flight): the same audio, sample for sample."""
+    print(f"seed {SEED}")
+    rng = random.Random(SEED)
+    reqs = [
+        SynthesisRequest(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 20))),
+            request_id=f"s{i}",
+            code_params=SamplingParams(seed=rng.getrandbits(40), max_new_tokens=rng.randint(120, 360)),
+        )
+        for i in range(40)
+    ]
+    abort = {"s5", "s17", "s30"}
+
+    def audio_of(own_stream: bool) -> tuple[dict, Engine]:
+        e = _engine(real_bf16, kv_cache_memory=1 << 30, max_num_seqs=64, audio_stream=own_stream)
+        assert (e.audio.stream is not None) == own_stream
+        got: dict[str, list] = {}
+        pending, steps = list(reqs), 0
+        while pending or e.has_unfinished():
+            for r in pending[:4]:
+                e.add_synthesis(r)
+            pending = pending[4:]
+            for out in e.step():
+                got.setdefault(out.request_id, []).append(out.samples)
+            steps += 1
+            if steps == 12:
+                for rid in abort:
+                    e.abort(rid)
+        return {rid: np.concatenate(a) for rid, a in got.items()}, e
+
+    one, _ = audio_of(False)
+    own, e = audio_of(True)
+    assert set(own) == set(one)
+    assert e.audio.calls_total > 20
+    for rid, audio in one.items():
+        assert own[rid].shape == audio.shape, rid
+        np.testing.assert_array_equal(own[rid], audio, err_msg=rid)

@@ -32,6 +32,7 @@ from ttsserve.audio.stream_base import (
     Stream,
     StreamingStage,
     crop_rows,
+    on_stage_stream,
 )
 from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
@@ -134,6 +135,7 @@ class IncrementalAudioStage(StreamingStage):
         return per_slot + self._vocos.tails[0].numel() * self._vocos.tails.element_size()
 
     # ---- requests ------------------------------------------------------------------------------------
+    @on_stage_stream
     def add_request(self, req_id: str, use_codes: bool = False) -> None:
         super().add_request(req_id, use_codes)
         slot = self._allocate_slot()
@@ -160,10 +162,12 @@ class IncrementalAudioStage(StreamingStage):
         self._num_slots = n
         self.slot_generation += 1
 
+    @on_stage_stream
     def reserve_scratch_slot(self) -> int:
         """A state slot no stream will own: padding rows of graphed calls write their state there."""
         return self._allocate_slot()
 
+    @on_stage_stream
     def enable_cuda_graphs(
         self,
         max_streams: int,
@@ -376,6 +380,7 @@ class IncrementalAudioStage(StreamingStage):
         kept = wav if len(rows) == len(feeds) else wav[to_device(rows, wav.device)]
         return crop_rows(kept, starts, sizes), specs, sizes
 
+    @on_stage_stream
     def warm_chunk_shapes(self, rows: int = 1) -> None:
         """One call of `rows` rows per call size streams started together make (their first call, then each
         chunk size), in scratch slots, counters untouched: a call of a new shape pays the convolutions' first
@@ -384,6 +389,7 @@ class IncrementalAudioStage(StreamingStage):
         for n in sorted(sizes):
             self._scratch_call(rows, n)
 
+    @on_stage_stream
     @torch.no_grad()
     def profile_max_call(self, num_windows: int | None = None) -> None:
         """Run the largest call this stage makes (max_windows_per_call rows of max_call_frames new frames) in

@@ -30,6 +30,7 @@ from ttsserve.audio.stream_base import (
     Stream,
     StreamingStage,
     crop_rows,
+    on_stage_stream,
 )
 from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
@@ -153,11 +154,13 @@ class AudioStage(StreamingStage):
     def max_window_frames(self) -> int:
         return self.left_context_frames + self.max_chunk_frames + self.right_context_frames
 
+    @on_stage_stream
     def profile_max_call(self, num_windows: int | None = None) -> None:
         """Run the largest batched call this stage makes (max_windows_per_call windows of the longest
         window) on random frames: for memory profiling, and as a warm-up of the convolution kernels."""
         self._scratch_call(num_windows or self.max_windows_per_call, self.max_window_frames)
 
+    @on_stage_stream
     def warm_chunk_shapes(self, rows: int = 1) -> None:
         """One call of `rows` windows per window length the chunks of streams started together make (they grow
         with the left context until it is full): a call of a new shape pays the convolutions' first use."""

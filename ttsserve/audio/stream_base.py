@@ -4,11 +4,18 @@ Two stages build on it (both exact unless a lookahead is set):
 - `AudioStage` (audio/stage.py): decodes overlapping windows, each with L + R frames of context.
 - `IncrementalAudioStage` (audio/incremental_stage.py): every conv keeps the tail of its input per request,
   so each frame is decoded once. The engine's default for exact streaming.
+
+On CUDA a stage may queue its device work on a stream of its own (`use_own_stream`), so its kernels run beside
+the GPT's instead of after them. Every kernel that touches the stage's buffers (frame pool, conv states, static
+graph inputs) is then on that stream, in host order: appends, shifts and growths of the pool, calls, crops and
+copies to the host. What crosses streams: the appended frames (the stream waits for the producer's event, and the
+tensor's memory is kept until the stream has read it) and the audio (an event after each call's copy to the host).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, compress
@@ -81,6 +88,19 @@ def crop_rows(wav: Tensor, starts: list[int], sizes: list[int]) -> Tensor:
     return wav.reshape(-1)[row * wav.shape[1] + col].float()
 
 
+def on_stage_stream(method):
+    """Run a stage method's device work on the stage's stream (StreamingStage.stream; None: the caller's)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.stream is None:
+            return method(self, *args, **kwargs)
+        with torch.cuda.stream(self.stream):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class StreamingStage:
     """Requests, their frame buffers and the step protocol; subclasses plan and decode (`_launch`)."""
 
@@ -131,7 +151,15 @@ class StreamingStage:
         if dvae is not None:
             self._pools[True] = FramePool(dvae.num_vq, torch.long, self.device, pool_capacity)
         self._streams: dict[str, Stream] = {}
+        self.stream: torch.cuda.Stream | None = None  # use_own_stream()
         self.reset_stats()
+
+    def use_own_stream(self) -> None:
+        """From now on queue the stage's device work on a CUDA stream of its own (no-op off CUDA), so a call runs
+        beside the GPT step queued before it (module docstring)."""
+        if self.device.type == "cuda" and self.stream is None:
+            torch.cuda.synchronize(self.device)  # work queued on the caller's stream so far is done
+            self.stream = torch.cuda.Stream(self.device)
 
     def reset_stats(self) -> None:
         self.frames_decoded_total = 0  # real frames in decoded rows (context included)
@@ -145,6 +173,7 @@ class StreamingStage:
     def num_requests(self) -> int:
         return len(self._streams)
 
+    @on_stage_stream
     def add_request(self, req_id: str, use_codes: bool = False) -> None:
         """Register a stream; use_codes=True feeds codes [n, 4] through the DVAE instead of hiddens."""
         if req_id in self._streams:
@@ -153,27 +182,48 @@ class StreamingStage:
             raise ValueError(f"AudioStage: no {'DVAE' if use_codes else 'decoder'} for request {req_id!r}")
         self._streams[req_id] = Stream(use_codes, self._pools[use_codes].allocate())
 
-    def append(self, req_id: str, frames: Tensor) -> None:
-        """frames: [n, H] hidden states (fp32, any device) or LongTensor codes [n, 4] for a use_codes request."""
+    def append(self, req_id: str, frames: Tensor, ready=None) -> None:
+        """frames: [n, H] hidden states (fp32, any device) or LongTensor codes [n, 4] for a use_codes request.
+        ready: as append_batch's."""
         st = self._get(req_id)
         self._check_frames(req_id, st, frames)
         n = frames.shape[0]
         if n == 0:
             return
-        pool = self._reserve(st, n)
-        pos = st.num_frames - st.base
-        pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
+        self._hand_over(frames, ready)
+        with torch.cuda.stream(self.stream):
+            pool = self._reserve(st, n)
+            pos = st.num_frames - st.base
+            pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
         st.num_frames += n
 
-    def append_batch(self, req_ids: list[str], frames: Tensor, counts: np.ndarray | None = None) -> None:
+    def _hand_over(self, frames: Tensor, ready) -> None:
+        """With a stream of its own: the stage's stream waits until the frames are written (ready: a CUDA event
+        recorded after their producer, e.g. RunnerOutput.done; None: all the caller's stream has queued), and
+        their memory is not reused before that stream has read them."""
+        if self.stream is None or frames.device.type != "cuda":
+            return
+        if ready is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.stream.wait_event(ready)
+        frames.record_stream(self.stream)
+
+    def append_batch(self, req_ids: list[str], frames: Tensor, counts: np.ndarray | None = None, ready=None) -> None:
         """One frame (frames [len(req_ids), C]) or m frames (frames [m, len(req_ids), C], step-major: a decode
         burst's) for each of many requests, in one device write. C: the hidden size (or 4 codes).
         counts: int [len(req_ids)], request i takes frames[:counts[i], i] only (0: none, and its id need not be
-        live: a row whose results were dropped); None: all m each.
+        live: a row whose results were dropped); None: all m each. ready: a CUDA event after the frames'
+        producer (the stage's own stream waits on it; None: on everything the caller's stream has queued).
 
         Called every engine step for every running stream: the per-stream work is C-level maps and one
         Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put;
         with counts below m, an index_select of the kept frames too)."""
+        self._hand_over(frames, ready)
+        with torch.cuda.stream(self.stream):
+            self._append_batch(req_ids, frames, counts)
+
+    def _append_batch(self, req_ids: list[str], frames: Tensor, counts: np.ndarray | None) -> None:
         n = len(req_ids)
         if frames.dim() == 2:
             frames = frames[None]
@@ -287,6 +337,7 @@ class StreamingStage:
     def _chunk_frames(self, k: int) -> int:
         return min(self.first_chunk_frames << min(k, 32), self.max_chunk_frames)
 
+    @on_stage_stream
     def step(self) -> list[AudioChunk]:
         """Decode what every request can emit now, in batched calls; returns the new chunks, in order per
         request. A finished request's last chunk has is_final=True (empty for a zero-frame request).

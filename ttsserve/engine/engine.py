@@ -284,7 +284,7 @@ class Engine:
             updates = [u for u in updates if u.request_id in self.sequences]
         t5 = clock()
         if out.frames:
-            self._append_frames(out.frames, updates)
+            self._append_frames(out.frames, updates, out.done)
         t6 = clock()
         for u in compress(updates, map(_FINISHED, updates)):
             self._finish_sequence(u.request_id, u.finish_reason or "stop")
@@ -315,16 +315,17 @@ class Engine:
         chunks = self.audio.poll()  # [] unless a deferred call is in flight and done
         return self._collect_audio(chunks) if chunks else []
 
-    def _append_frames(self, frames: list, updates: list) -> None:
+    def _append_frames(self, frames: list, updates: list, done=None) -> None:
         """The hidden states of accepted frames into the audio stage (RunnerOutput.frames batches [m, n, H]): of a
         request's m frames, as many as its update appended (RequestUpdate.num_new_tokens). Fewer: a burst cut by
         EOS or max_new_tokens; none: a pipelined step's row whose results the scheduler dropped (EOS, abort or
         preemption while in flight). One append per batch: the audio stage keeps the counts' frames. A
-        segment's frame count is its sequence's outputs, taken when it leaves (SequenceRegistry.release)."""
+        segment's frame count is its sequence's outputs, taken when it leaves (SequenceRegistry.release).
+        done: the step's completion event (RunnerOutput.done), which an audio stage on its own stream waits on."""
         get = dict(zip(map(_ID, updates), map(_NUM_NEW, updates))).get
         for seq_ids, hiddens in frames:
             m, counts = hiddens.shape[0], np.fromiter(map(get, seq_ids, repeat(0)), np.int64, len(seq_ids))
-            self.audio.append_batch(seq_ids, hiddens, None if counts.min(initial=m) >= m else counts)
+            self.audio.append_batch(seq_ids, hiddens, None if counts.min(initial=m) >= m else counts, done)
             self.counters.frames += int(counts.sum())
 
     def _account(self, t0: float, sched, phases: dict[str, float], pauses: tuple, vocoder: tuple[int, int]) -> None:

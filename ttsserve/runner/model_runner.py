@@ -226,7 +226,9 @@ class ModelRunner:
             rows, starts, steps, ids = rows[idx], starts[idx], steps[idx], _pick(ids, idx)
         if self.graphs is not None and self.graphs.can_run(len(rows)):
             tokens, hidden = self.graphs.run(rows, starts, steps, num_steps)
-            if self.pipelined and num_steps == 1:  # the next replay, queued before this is read, rewrites it
+            if num_steps == 1:
+                # a view of the graph's output, which the next replay rewrites; its reader (the audio stage, maybe
+                # on a CUDA stream of its own) may read it after that
                 hidden = hidden.clone()
             self.timings.graph_steps += 1
         else:
@@ -247,6 +249,7 @@ class ModelRunner:
         # what it takes here (runner_output's tolist line 5.3% of the core's samples, 0.5 ms a step);
         # the copy's effect there has not been measured
         out = runner_output(launched.groups, launched.host.numpy().copy(), self.cfg.audio_eos_id, self.text_eos_id)
+        out.done = launched.event
         self.timings.forward_ms += (t1 - t0) * 1e3
         self.timings.output_ms += (time.perf_counter() - t1) * 1e3
         return out

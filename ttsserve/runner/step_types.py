@@ -58,12 +58,15 @@ class RunnerOutput:
     hidden [m, len(req_ids), H] fp32 on the device) batch per code group: the m frames of this step of each listed
     request (m > 1 in decode bursts), EOS frames and those after them included. Which are real audio frames is
     the scheduler's to say: a request's first RequestUpdate.num_new_tokens (none for a row without an update).
-    Valid until the next execute().
+    Each is a tensor of its own (no view of a buffer a later step rewrites), so a reader on another CUDA stream
+    may hold it. done: the step's completion event on CUDA (already waited for: every frame is written), which
+    such a reader's stream waits on; None off CUDA.
     """
 
     sampled: dict[str, object] = field(default_factory=dict)
     stopped: dict[str, bool] = field(default_factory=dict)
     frames: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+    done: object | None = None
 
 
 @dataclass
