@@ -121,8 +121,10 @@ class EngineConfig:
         engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),
         off on the CPU, where torch runs each op in the calling thread and there is nothing to overlap.
     audio_stream: on CUDA, the streaming vocoder queues its device work (frame appends, calls, crops, copies to
-        the host) on a CUDA stream of its own, so its kernels run beside the GPT's (audio/stream_base.py). None:
-        on with CUDA; no effect on the CPU.
+        the host) on a CUDA stream of its own, so its kernels run beside the GPT's (audio/stream_base.py); the
+        audio is the same sample for sample. Off by default: on an H100 at 512 served streams it cost 5-13 % with
+        the fp8 KV cache (the overlapping calls slowed the GPT step the host waited for) and its gain with the
+        bf16 cache was within the run-to-run spread (docs/benchmarks-history.md). No effect on the CPU.
     cpu_threads: intra-op threads on the CPU; None = $OMP_NUM_THREADS, else the physical cores this process
         may use (ttsserve/runner/cpu_threads.py).
     background_graph_capture: on CUDA, capture only each CUDA-graph family's largest bucket while the engine
@@ -162,7 +164,7 @@ class EngineConfig:
     admission_interval: int | None = None
     num_scheduler_steps: int | None = None
     async_scheduling: bool | None = None
-    audio_stream: bool | None = None
+    audio_stream: bool = False
     enforce_eager: bool = False
     max_queue_len: int = 1024
     cpu_threads: int | None = None

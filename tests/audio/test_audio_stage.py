@@ -25,6 +25,17 @@ def test_stitched_equals_one_shot_tiny(tiny, n, stage_cls) -> None:
 
 
 @pytest.mark.parametrize("stage_cls", STAGES)
+def test_own_stream_is_a_no_op_off_cuda(tiny, stage_cls) -> None:
+    """use_own_stream() (EngineConfig.audio_stream) on the CPU: no stream, the same audio."""
+    dec, _, vocos = tiny
+    frames = torch.randn(40, 64, generator=torch.Generator().manual_seed(40))
+    stage = stage_cls(dec, None, vocos)
+    stage.use_own_stream()
+    assert stage.stream is None
+    assert np.abs(joined(stream(stage, "r", frames)) - one_shot(dec, vocos, frames)).max() < 1e-5
+
+
+@pytest.mark.parametrize("stage_cls", STAGES)
 def test_stitched_equals_one_shot_dvae_codes(tiny, stage_cls) -> None:
     _, dvae, vocos = tiny
     codes = torch.randint(0, 625, (90, 4), generator=torch.Generator().manual_seed(1))

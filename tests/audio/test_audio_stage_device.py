@@ -17,8 +17,11 @@ from ttsserve.audio.stage import AudioChunk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("own_stream", [False, True])
 @pytest.mark.parametrize("stage_cls", STAGES)
-def test_cuda_stage_matches_cpu(tiny, stage_cls) -> None:
+def test_cuda_stage_matches_cpu(tiny, stage_cls, own_stream) -> None:
+    """own_stream: the stage's device work on a CUDA stream of its own (use_own_stream), the frames appended
+    from the caller's stream."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.backends.cudnn.allow_tf32 = False
@@ -29,6 +32,9 @@ def test_cuda_stage_matches_cpu(tiny, stage_cls) -> None:
     dec_c, voc_c = copy.deepcopy(dec).cuda(), copy.deepcopy(vocos).cuda()
     stage = stage_cls(dec_c, None, voc_c, deferred=True)
     assert stage.device.type == "cuda"
+    if own_stream:
+        stage.use_own_stream()
+        assert stage.stream is not None and stage.stream != torch.cuda.current_stream()
     wav = joined(stream(stage, "r", frames.cuda(), [1] * 300))
     assert np.abs(wav - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))
 

@@ -202,7 +202,7 @@ def test_mid_step_audio_on_cuda_equals_end_of_step_audio(tiny_cuda):
 
 
 def test_audio_on_its_own_stream_equals_audio_on_the_gpt_stream(real_bf16):
-    """The vocoder on a CUDA stream of its own (the default) against the same engine with every kernel on one
+    """The vocoder on a CUDA stream of its own (--audio-stream) against the same engine with every kernel on one
     stream: real size, 40 streams arriving four a step with aborts, 120-360 frames each (the frame pool shifts
     and grows, rows end by EOS and by length while calls are in flight): the same audio, sample for sample."""
     print(f"seed {SEED}")

@@ -81,7 +81,7 @@ HELP = {
     "max_queue_len": "most requests in the engine (queued + running); also the server's in-flight bound",
     "target_step_latency_ms": "dynamic batching goal; 0 disables the controller",
     "async_scheduling": "schedule and queue step n+1 while step n runs on the GPU (default: on with CUDA)",
-    "audio_stream": "run the vocoder's GPU work on a CUDA stream of its own, beside the GPT's (default: on with CUDA)",
+    "audio_stream": "run the vocoder's GPU work on a CUDA stream of its own, beside the GPT's (CUDA only)",
     "num_scheduler_steps": "decode steps per schedule: a stream's next k frames run back to back on the device, "
     "host bookkeeping once per k (multi-step scheduling; same codes as 1)",
 }

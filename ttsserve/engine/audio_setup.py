@@ -19,6 +19,6 @@ def build_audio_stage(cfg: EngineConfig, model, cadence: int, cuda_graphs: bool,
         stage.enable_cuda_graphs(cfg.max_num_seqs, defer=defer)
     elif cuda:
         stage.profile_max_call(1)  # warm-up: the first real call must not pay the kernel selection
-    if cuda and cfg.audio_stream is not False:
+    if cuda and cfg.audio_stream:
         stage.use_own_stream()
     return stage
