@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Two server configurations measured interleaved on one machine (A, B, A, B, ...): the spread between runs follows
+# the host's speed from minute to minute (docs/benchmarks-history.md), so a flag's effect is only read from
+# neighbouring runs of one lease. Each run is a fresh `ttsserve serve` (benchmarks/gpu_targets.sh's serve part,
+# DUR seconds a point), its reports under OUT/<a|b><round>; benchmarks/ab_summary.py then prints one line per run
+# and point (audio-s/s, TTFA, steps/s, host ms a step waiting for the device) and each B run against the mean of
+# the A runs beside it, and writes OUT/ab.json.
+#   bash benchmarks/gpu_ab.sh OUT "ARGS_A" "ARGS_B" [POINTS (pcm:512)] [ROUNDS (2)]
+# e.g. bash benchmarks/gpu_ab.sh /tmp/ab "--kv-cache-dtype fp8" "--kv-cache-dtype fp8 --audio-stream"
+# Env: DUR (12), RUN_TIMEOUT (seconds a run may take, 150), MODEL_ARGS as gpu_targets.sh's; DEADLINE (seconds
+# from the start, 560): no run starts that could not end before it, so a device call's limit never cuts one off.
+set -u
+OUT=${1:?usage: $0 OUT ARGS_A ARGS_B [POINTS] [ROUNDS]}
+A=${2?ARGS_A}
+B=${3?ARGS_B}
+POINTS=${4:-pcm:512}
+ROUNDS=${5:-2}
+mkdir -p "$OUT"
+printf 'a\t%s\nb\t%s\npoints\t%s\n' "$A" "$B" "$POINTS" > "$OUT/ab_args.tsv"
+t0=$SECONDS
+run() {  # NAME ARGS
+    left=$(( ${DEADLINE:-560} - (SECONDS - t0) ))
+    t=${RUN_TIMEOUT:-150}
+    if [ "$left" -lt "$t" ]; then echo "$1: skipped ($left s left before the deadline)"; return; fi
+    PARTS=serve SERVE_POINTS="$POINTS" DUR="${DUR:-12}" SERVE_ARGS="$2" timeout "$t" \
+        bash "$(dirname "$0")/gpu_targets.sh" "$OUT/$1" > "$OUT/$1.log" 2>&1
+    echo "$1 ($2): rc=$?"
+    # a server a timeout cut off must not hold the port or the GPU for the next run
+    pkill -INT -f 'entrypoints.cli serve' 2> /dev/null && sleep 3
+    pkill -9 -f 'entrypoints.cli serve' 2> /dev/null
+}
+for r in $(seq "$ROUNDS"); do
+    run "a$r" "$A"
+    run "b$r" "$B"
+done
+run "a$((ROUNDS + 1))" "$A"  # B's every run between two A runs
+python3 "$(dirname "$0")/ab_summary.py" "$OUT" | tee "$OUT/ab.txt"
