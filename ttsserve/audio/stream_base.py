@@ -200,7 +200,7 @@ class StreamingStage:
     def _hand_over(self, frames: Tensor, ready) -> None:
         """With a stream of its own: the stage's stream waits until the frames are written (ready: a CUDA event
         recorded after their producer, e.g. RunnerOutput.done; None: all the caller's stream has queued), and
-        their memory is not reused before that stream has read them."""
+        their memory is not reused before that stream has read them. Without one: nothing."""
         if self.stream is None or frames.device.type != "cuda":
             return
         if ready is None:
@@ -219,6 +219,9 @@ class StreamingStage:
         Called every engine step for every running stream: the per-stream work is C-level maps and one
         Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put;
         with counts below m, an index_select of the kept frames too)."""
+        if self.stream is None:  # the default: every engine step comes here, no stream switch
+            self._append_batch(req_ids, frames, counts)
+            return
         self._hand_over(frames, ready)
         with torch.cuda.stream(self.stream):
             self._append_batch(req_ids, frames, counts)
