@@ -103,6 +103,57 @@ def test_the_engines_sampling_state_layout() -> None:
     assert torch.equal(got[greedy], want[greedy])
 
 
+def _window_and_sort(logits: torch.Tensor, params: list[SamplingParams], seed: int):
+    """The kernel's draws with the window of the largest keys (the default) and with the full sort forced, and the
+    reference's, for one batch."""
+    b = logits.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    hist = [torch.randint(0, V, (i % 8, R), generator=g) for i in range(b)]
+    want = sample(logits, make_sampling_batch(params, seeds, [3] * b, hist, R, EOS))
+    batch = make_sampling_batch(params, seeds, [3] * b, hist, R, EOS, device=DEVICE)
+    window = triton_sampler.sample(logits.to(DEVICE), batch).cpu()
+    sort = triton_sampler.sample(logits.to(DEVICE), batch, top_window=0).cpu()
+    return window, sort, want
+
+
+def test_the_window_of_the_largest_keys_cuts_as_the_full_sort() -> None:
+    """ChatTTS's processors (top-k 20 <= the window; top-p 0.5-1.0) on logits rounded to a coarse grid, so values
+    tie across the k-th: the window and the sort give the same draws (bar a float sum on the top-p threshold),
+    and with top-p 1.0 exactly."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(B, R, V, generator=g) * 2.5 * 4).round() / 4
+    params = [
+        SamplingParams(top_k=[20, 3, 32][i % 3], top_p=[0.7, 1.0, 0.5][i % 3 if i % 2 else 1], temperature=0.7)
+        for i in range(B)
+    ]
+    window, sort, want = _window_and_sort(logits, params, 6)
+    _agree(window, sort)
+    _agree(window, want)
+    no_top_p = torch.tensor([p.top_p == 1.0 for p in params])
+    assert torch.equal(window[no_top_p], sort[no_top_p])
+
+
+def test_ties_past_the_window_take_the_full_sort() -> None:
+    """40 tokens share the largest value and top-k is 20: top-k keeps all 40 (it cuts by value), more than the
+    window's 32 keys hold, so the kernel must fall back to the full sort. Without that, the 8 tied tokens outside the
+    window could never be drawn (a fifth of the draws)."""
+    b = B
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(b, R, V, generator=g) - 10.0
+    outside = torch.zeros(b, R, V, dtype=torch.bool)  # the tied tokens the window does not hold: lowest columns
+    for i in range(b):
+        for r in range(R):
+            tied = torch.randperm(V, generator=g)[:40].sort().values
+            logits[i, r, tied] = 3.0
+            outside[i, r, tied[:8]] = True
+    params = [SamplingParams(top_k=20, top_p=1.0, temperature=1.0, repetition_penalty=1.0) for _ in range(b)]
+    window, sort, want = _window_and_sort(logits, params, 8)
+    assert torch.equal(window, sort)
+    assert torch.equal(window, want)
+    assert bool(outside.gather(-1, window[:, :, None]).any())  # the case under test occurred
+
+
 def test_plain_draws_are_the_reference_draws_exactly() -> None:
     """No top-p / top-k cut (p = 1, k = V) and no penalty: the draw is the hash race alone, whose integer math
     gives identical bits."""

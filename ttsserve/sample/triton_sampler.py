@@ -24,6 +24,9 @@ MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) tak
 # requests on an H200 (17 / 85 / 160 us a call; 4 warps 28 / 116 / 220; torch.compile'd 98 / 110 / 152):
 # benchmarks/sampler_micro.py
 NUM_WARPS = 16
+# rows whose k_eff <= TOP_WINDOW (ChatTTS's top_k is 20) take the TOP_WINDOW largest keys instead of a full
+# sort (0: always the full sort)
+TOP_WINDOW = 32
 
 
 @triton.jit
@@ -42,6 +45,53 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
+
+
+@triton.jit
+def _key_values(skeys):
+    """The fp32 values of sort keys (padding keys: -inf)."""
+    sbits = (skeys >> 32).to(tl.int32)
+    sbits = sbits ^ ((sbits >> 31) & 0x7FFFFFFF)
+    svals = sbits.to(tl.float32, bitcast=True)
+    return tl.where(skeys >> 32 == -2147483648, -float("inf"), svals)
+
+
+@triton.jit
+def _cut_sorted(keys, v, threshold, k_eff, BLOCK: tl.constexpr):
+    """(first_kept, kth) from all BLOCK keys sorted ascending, HF's order: top-p removes the prefix whose
+    cumulative probability is <= threshold (never the top 3), top-k every value below the k_eff-th largest."""
+    skeys = tl.sort(keys, 0)
+    svals = _key_values(skeys)
+    sp = tl.exp(svals - tl.max(svals, 0))
+    cum = tl.cumsum(sp / tl.sum(sp, 0), 0)
+    remove_sorted = (cum <= threshold) & (v < BLOCK - 3)  # HF keeps at least 3 tokens
+    n_removed = tl.sum(remove_sorted.to(tl.int32), 0)  # a prefix: cum never decreases
+    first_kept = tl.sum(tl.where(v == n_removed, skeys, 0), 0)
+    kth_pos = BLOCK - k_eff
+    kth = tl.sum(tl.where(v == kth_pos, svals, 0.0), 0)
+    kth = tl.where(kth_pos < n_removed, -float("inf"), kth)
+    return first_kept, kth
+
+
+@triton.jit
+def _cut_in_window(x, keys, threshold, k_eff, WINDOW: tl.constexpr):
+    """_cut_sorted from the WINDOW largest keys only (k_eff <= WINDOW): a partial bitonic sort instead of the full
+    one. A token's ascending cumulative probability is 1 - (the mass above it), so the window's own prefix sums
+    decide top-p inside it. Returns cut = 0 where the window cannot decide: nothing in it is removed by top-p and
+    its last value ties the k-th (tokens outside it, equal to the k-th, keep or lose by top-p)."""
+    tk = tl.topk(keys, WINDOW)  # descending
+    tv = _key_values(tk)
+    d = tl.arange(0, WINDOW)
+    m = tl.max(x, 0)
+    denom = tl.sum(tl.exp(x - m), 0)
+    e = tl.exp(tv - m)
+    cum = (denom - (tl.cumsum(e, 0) - e)) / denom  # ascending cumulative probability at each window position
+    n_kept = tl.sum(((cum > threshold) | (d < 3)).to(tl.int32), 0)  # a prefix of the window: cum falls with d
+    first_kept = tl.sum(tl.where(d == n_kept - 1, tk, 0), 0)
+    kth = tl.sum(tl.where(d == k_eff - 1, tv, 0.0), 0)
+    last = tl.sum(tl.where(d == WINDOW - 1, tv, 0.0), 0)
+    cut = ((n_kept < WINDOW) | (last < kth)).to(tl.int32)
+    return first_kept, kth, cut
 
 
 @triton.jit
@@ -78,6 +128,7 @@ def _sample_kernel(
     ROW_SALT: tl.constexpr,
     STEP_SALT: tl.constexpr,
     BLOCK: tl.constexpr,
+    TOP_WINDOW: tl.constexpr,
 ):
     """Grid (B * R,): tokens[b, r] for logits[b, r, :vocab]; BLOCK = next power of two >= vocab. The [B]
     parameters may be strided (columns of the engine's per-row parameter tables: sample/state.py)."""
@@ -104,21 +155,17 @@ def _sample_kernel(
     bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     hi = tl.where(real, bits.to(tl.int64), -2147483648)
     keys = (hi << 32) | v.to(tl.int64)
-    skeys = tl.sort(keys, 0)
-    sbits = (skeys >> 32).to(tl.int32)
-    sbits = sbits ^ ((sbits >> 31) & 0x7FFFFFFF)
-    svals = sbits.to(tl.float32, bitcast=True)
-    svals = tl.where(skeys >> 32 == -2147483648, -float("inf"), svals)
-    sp = tl.exp(svals - tl.max(svals, 0))
-    cum = tl.cumsum(sp / tl.sum(sp, 0), 0)
     threshold = (1.0 - tl.load(top_p_ptr + b * stride_p).to(tl.float64)).to(tl.float32)
-    remove_sorted = (cum <= threshold) & (v < BLOCK - 3)  # HF keeps at least 3 tokens
-    n_removed = tl.sum(remove_sorted.to(tl.int32), 0)  # a prefix: cum never decreases
-    first_kept = tl.sum(tl.where(v == n_removed, skeys, 0), 0)
     k_eff = tl.minimum(tl.maximum(tl.load(top_k_ptr + b * stride_k), 3), vocab).to(tl.int32)
-    kth_pos = BLOCK - k_eff
-    kth = tl.sum(tl.where(v == kth_pos, svals, 0.0), 0)
-    kth = tl.where(kth_pos < n_removed, -float("inf"), kth)
+    # the kept tokens are (keys >= first_kept) & (x >= kth); first_kept is a key, kth a value
+    first_kept = tl.min(keys, 0)
+    kth = tl.full([], -float("inf"), tl.float32)
+    cut = tl.full([], 0, tl.int32)
+    if TOP_WINDOW > 0:
+        if k_eff <= TOP_WINDOW:
+            first_kept, kth, cut = _cut_in_window(x, keys, threshold, k_eff, TOP_WINDOW)
+    if cut == 0:
+        first_kept, kth = _cut_sorted(keys, v, threshold, k_eff, BLOCK)
     x = tl.where((keys < first_kept) | (x < kth), -float("inf"), x)
     x = tl.where((v == eos_id) & (tl.load(banned_ptr + b * stride_ban) != 0), -float("inf"), x)
 
@@ -142,7 +189,7 @@ def can_sample(logits: torch.Tensor) -> bool:
     return logits.is_cuda and logits.shape[-1] <= MAX_VOCAB
 
 
-def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: int = TOP_WINDOW) -> torch.Tensor:
     """sampler.sample for CUDA logits [B, R, V] (V <= MAX_VOCAB) and a SamplingBatch on the same device ->
     tokens [B, R] int64. No host sync (graph-capturable)."""
     b, r, v = logits.shape
@@ -184,6 +231,7 @@ def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS) -> torch.Ten
         ROW_SALT=_ROW_SALT,
         STEP_SALT=_STEP_SALT,
         BLOCK=triton.next_power_of_2(v),
+        TOP_WINDOW=min(top_window, triton.next_power_of_2(v)) if top_window else 0,
         num_warps=num_warps,
     )
     return out
