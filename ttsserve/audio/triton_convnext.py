@@ -43,6 +43,9 @@ from ttsserve.audio.decoder_net import ConvNeXtBlock
 # W, lag and the strides vary with the call's width and the conv: not specialised on (beyond a stride of 1, which
 # says which axis of x is contiguous), so each conv compiles one or two variants, not one per bucket width
 _STRIDES = ["stride_xb", "stride_xc", "stride_xw", "stride_cache"]
+# the front kernel's tiles past the cached positions read x through one plain pointer (False: every tile picks the
+# cache or x per position; benchmarks/convnext_micro.py times both)
+INTERIOR_TILES = True
 
 
 @triton.jit
@@ -83,6 +86,8 @@ def _front_kernel(
     DIL: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    INTERIOR: tl.constexpr,
 ):
     """Grid (B, cdiv(W, BLOCK_W)); BLOCK_C >= C. h[b * W + k, :] = LN(dwconv(buffer)[k]) for output frames k of
     this tile; output k is centred on buffer position r + k (frame start - lag - r + k)."""
@@ -95,9 +100,23 @@ def _front_kernel(
     x_row = x_ptr + b.to(tl.int64) * stride_xb
     cache_row = cache_ptr + tl.load(slots_ptr + b) * stride_cache
     acc = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
-    for t in range(KSIZE):  # a loop, not unrolled: unrolled, every tap's tile is live at once and spills
-        v = _buffer_tile(x_row, cache_row, c, k + t * DIL, cm, first, limit, W, stride_xc, stride_xw, R2)
-        acc += tl.load(conv_w_ptr + c * KSIZE + t, mask=cm, other=0.0).to(tl.float32) * v
+    if X_ALIGNED:  # x's channels contiguous, its strides multiples of 8 elements (_channels_aligned)
+        stride_xb = tl.multiple_of(stride_xb, 8)
+        stride_xw = tl.multiple_of(stride_xw, 8)
+        x_row = x_ptr + b.to(tl.int64) * stride_xb
+    if INTERIOR and tl.program_id(1) * BLOCK_W >= R2:
+        # every tap of this tile reads x (buffer positions >= 2r): one plain pointer, which the compiler can
+        # vectorize, not a pointer picked per position between the cache and x
+        for t in range(KSIZE):
+            p = k + t * DIL
+            frame = first + p
+            ok = (frame >= 0) & (frame < limit) & (p < R2 + W)
+            v = tl.load(x_row + c * stride_xc + (p - R2) * stride_xw, mask=cm & ok, other=0.0).to(tl.float32)
+            acc += tl.load(conv_w_ptr + c * KSIZE + t, mask=cm, other=0.0).to(tl.float32) * v
+    else:
+        for t in range(KSIZE):  # a loop, not unrolled: unrolled, every tap's tile is live at once and spills
+            v = _buffer_tile(x_row, cache_row, c, k + t * DIL, cm, first, limit, W, stride_xc, stride_xw, R2)
+            acc += tl.load(conv_w_ptr + c * KSIZE + t, mask=cm, other=0.0).to(tl.float32) * v
     acc += tl.load(conv_b_ptr + c, mask=cm, other=0.0).to(tl.float32)
     acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the torch path's conv writes the activation dtype
     mean = tl.sum(acc, axis=1)[:, None] / C  # padded channels hold exact zeros
@@ -231,6 +250,12 @@ def masked_buffer(state, x: Tensor, rows) -> Tensor:
     return buf
 
 
+def _channels_aligned(x: Tensor) -> bool:
+    """Whether x [B, C, W] has contiguous channels and row and frame strides that are multiples of 8 elements
+    (16 bytes in fp16), so the front kernel may load 8 channels at a time. x's own address is Triton's to check."""
+    return x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
+
+
 def convnext_block(block: ConvNeXtBlock, state, x: Tensor, rows) -> Tensor:
     """`_block(block, state, x, rows)` fused: x [B, C, W] (any strides) -> [B, C, W] (channels contiguous), and
     state.cache[rows.slots] advanced to each row's last 2r masked input frames. No host sync, no allocation
@@ -266,6 +291,8 @@ def convnext_block(block: ConvNeXtBlock, state, x: Tensor, rows) -> Tensor:
         DIL=dil,
         BLOCK_C=block_c,
         BLOCK_W=block_w,
+        X_ALIGNED=_channels_aligned(x),
+        INTERIOR=INTERIOR_TILES,
         num_warps=8 if block_c * block_w >= 4096 else 4,
     )
     y = torch.ops.aten.gelu_(F.linear(h, block.pwconv1.weight, block.pwconv1.bias))  # exact erf GELU

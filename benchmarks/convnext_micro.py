@@ -1,0 +1,80 @@
+"""One incremental ConvNeXt block of the vocoder on CUDA (audio/triton_convnext.py), its parts timed apart: the
+whole block and its torch parts (Linear1, the GELU, Linear2; the rest is the front and back Triton kernels), with
+and without the front kernel's interior-tile path (INTERIOR_TILES). fp16, the real model's blocks (the Decoder's
+512 -> 2048, dilation 2; the Vocos' 512 -> 1536, dilation 1), channels-contiguous input as every block after the
+first sees.
+
+    python3 benchmarks/convnext_micro.py [--shapes 128x16 128x48 512x24] [--json PATH]
+
+Shapes are rows x new mel frames per row. Figures: triton.testing.do_bench medians, us a call, launched eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton.testing  # noqa: E402
+
+from ttsserve.audio import triton_convnext  # noqa: E402
+from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402
+from ttsserve.audio.incremental import NOT_FINISHED, ConvState, Rows  # noqa: E402
+
+BLOCKS = {"decoder": (512, 2048, 2, "weight"), "vocos": (512, 1536, 1, "gamma")}
+
+
+def _inputs(name: str, rows: int, width: int):
+    dim, inter, dil, scale = BLOCKS[name]
+    block = ConvNeXtBlock(dim, inter, 7, dil, scale).cuda().half().eval()
+    state = ConvState(block.dwconv, lag=9)
+    state.resize(rows)
+    state.cache.normal_()
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
+    start = [100 + 7 * i for i in range(rows)]
+    r = Rows(t(list(range(rows))), t(start), t([width] * rows), t([NOT_FINISHED] * rows), width, 9 + 2 * state.r + 3)
+    x = torch.randn(rows, width, dim, device="cuda", dtype=torch.float16).transpose(1, 2)  # channels contiguous
+    return block, state, r, x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["128x16", "128x48", "512x24"])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    out = []
+    with torch.no_grad():
+        for name in BLOCKS:
+            for shape in args.shapes:
+                rows, width = (int(v) for v in shape.split("x"))
+                block, state, r, x = _inputs(name, rows, width)
+                row = {"block": name, "rows": rows, "width": width}
+                for interior in (False, True):
+                    triton_convnext.INTERIOR_TILES = interior
+                    tag = "interior" if interior else "picked"
+                    row[f"block_{tag}_us"] = 1e3 * triton.testing.do_bench(
+                        lambda: triton_convnext.convnext_block(block, state, x, r)
+                    )
+                h = torch.randn(rows * width, block.pwconv1.in_features, device="cuda", dtype=torch.float16)
+                lin1, lin2 = block.pwconv1, block.pwconv2
+                y1 = F.linear(h, lin1.weight, lin1.bias)
+                row["linear1_us"] = 1e3 * triton.testing.do_bench(lambda: F.linear(h, lin1.weight, lin1.bias))
+                row["gelu_us"] = 1e3 * triton.testing.do_bench(lambda: torch.ops.aten.gelu_(y1))
+                row["linear2_us"] = 1e3 * triton.testing.do_bench(lambda: F.linear(y1, lin2.weight, lin2.bias))
+                torch_us = row["linear1_us"] + row["gelu_us"] + row["linear2_us"]
+                for tag in ("picked", "interior"):  # the block less its torch parts: the front and back kernels
+                    row[f"kernels_{tag}_us"] = row[f"block_{tag}_us"] - torch_us
+                out.append(row)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    triton_convnext.INTERIOR_TILES = True
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
