@@ -1,8 +1,9 @@
 """One incremental ConvNeXt block of the vocoder on CUDA (audio/triton_convnext.py), its parts timed apart: the
 whole block and its torch parts (Linear1, the GELU, Linear2; the rest is the front and back Triton kernels), with
-and without the front kernel's interior-tile path (INTERIOR_TILES). fp16, the real model's blocks (the Decoder's
-512 -> 2048, dilation 2; the Vocos' 512 -> 1536, dilation 1), channels-contiguous input as every block after the
-first sees.
+and without the front kernel's interior-tile path (INTERIOR_TILES); and Linear1 + GELU as one Triton kernel
+(triton_convnext.linear_gelu) in a few tile shapes, with its largest error relative to the torch pair's. fp16,
+the real model's blocks (the Decoder's 512 -> 2048, dilation 2; the Vocos' 512 -> 1536, dilation 1),
+channels-contiguous input as every block after the first sees.
 
     python3 benchmarks/convnext_micro.py [--shapes 128x16 128x48 512x24] [--json PATH]
 
@@ -26,6 +27,8 @@ from ttsserve.audio import triton_convnext  # noqa: E402
 from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402
 from ttsserve.audio.incremental import NOT_FINISHED, ConvState, Rows  # noqa: E402
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of triton_convnext.linear_gelu, against Linear1 + GELU in torch
+LINEAR_GELU_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
 BLOCKS = {"decoder": (512, 2048, 2, "weight"), "vocos": (512, 1536, 1, "gamma")}
 
 
@@ -67,6 +70,12 @@ def main() -> None:
                 row["gelu_us"] = 1e3 * triton.testing.do_bench(lambda: torch.ops.aten.gelu_(y1))
                 row["linear2_us"] = 1e3 * triton.testing.do_bench(lambda: F.linear(y1, lin2.weight, lin2.bias))
                 torch_us = row["linear1_us"] + row["gelu_us"] + row["linear2_us"]
+                ref = torch.ops.aten.gelu_(F.linear(h, lin1.weight, lin1.bias)).float()
+                for bm, bn, bk, warps, stages in LINEAR_GELU_CONFIGS:
+                    run = lambda: triton_convnext.linear_gelu(h, lin1, (bm, bn, bk), warps, stages)  # noqa: E731
+                    tag = f"linear1_gelu_triton_{bm}x{bn}x{bk}_w{warps}s{stages}"
+                    row[f"{tag}_us"] = 1e3 * triton.testing.do_bench(run)
+                    row[f"{tag}_err"] = float((run().float() - ref).abs().max() / ref.abs().max())
                 for tag in ("picked", "interior"):  # the block less its torch parts: the front and back kernels
                     row[f"kernels_{tag}_us"] = row[f"block_{tag}_us"] - torch_us
                 out.append(row)
