@@ -8,22 +8,29 @@
 #   bash benchmarks/gpu_ab.sh OUT "ARGS_A" "ARGS_B" [POINTS (pcm:512)] [ROUNDS (2)]
 # e.g. bash benchmarks/gpu_ab.sh /tmp/ab "--kv-cache-dtype fp8" "--kv-cache-dtype fp8 --audio-stream"
 # Env: DUR (12), RUN_TIMEOUT (seconds a run may take, 150), MODEL_ARGS as gpu_targets.sh's; DEADLINE (seconds
-# from the start, 560): no run starts that could not end before it, so a device call's limit never cuts one off.
+# from the start, 560): no run starts that could not end before it, so a device call's limit never cuts one off;
+# A_TREE: another checkout of the repo (`git worktree add DIR REV`, or `git archive REV | tar -x -C DIR`) whose
+# package and gpu_targets.sh serve the A runs, to measure a code change rather than a flag (ARGS_A may then equal
+# ARGS_B).
 set -u
+REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:?usage: $0 OUT ARGS_A ARGS_B [POINTS] [ROUNDS]}
 A=${2?ARGS_A}
 B=${3?ARGS_B}
 POINTS=${4:-pcm:512}
 ROUNDS=${5:-2}
 mkdir -p "$OUT"
-printf 'a\t%s\nb\t%s\npoints\t%s\n' "$A" "$B" "$POINTS" > "$OUT/ab_args.tsv"
+OUT=$(cd "$OUT" && pwd)
+printf 'a\t%s\nb\t%s\npoints\t%s\na_tree\t%s\n' "$A" "$B" "$POINTS" "${A_TREE:-}" > "$OUT/ab_args.tsv"
 t0=$SECONDS
 run() {  # NAME ARGS
     left=$(( ${DEADLINE:-560} - (SECONDS - t0) ))
     t=${RUN_TIMEOUT:-150}
     if [ "$left" -lt "$t" ]; then echo "$1: skipped ($left s left before the deadline)"; return; fi
-    PARTS=serve SERVE_POINTS="$POINTS" DUR="${DUR:-12}" SERVE_ARGS="$2" timeout "$t" \
-        bash "$(dirname "$0")/gpu_targets.sh" "$OUT/$1" > "$OUT/$1.log" 2>&1
+    tree=$REPO
+    case "$1" in a*) tree=${A_TREE:-$REPO} ;; esac
+    (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PARTS=serve SERVE_POINTS="$POINTS" \
+        DUR="${DUR:-12}" SERVE_ARGS="$2" timeout "$t" bash benchmarks/gpu_targets.sh "$OUT/$1") > "$OUT/$1.log" 2>&1
     echo "$1 ($2): rc=$?"
     # a server a timeout cut off must not hold the port or the GPU for the next run
     pkill -INT -f 'entrypoints.cli serve' 2> /dev/null && sleep 3
@@ -34,4 +41,4 @@ for r in $(seq "$ROUNDS"); do
     run "b$r" "$B"
 done
 run "a$((ROUNDS + 1))" "$A"  # B's every run between two A runs
-python3 "$(dirname "$0")/ab_summary.py" "$OUT" | tee "$OUT/ab.txt"
+python3 "$REPO/benchmarks/ab_summary.py" "$OUT" | tee "$OUT/ab.txt"
