@@ -250,7 +250,7 @@ def masked_buffer(state, x: Tensor, rows) -> Tensor:
     return buf
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_gelu_kernel(
     a_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):
