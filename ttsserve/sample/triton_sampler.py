@@ -12,6 +12,8 @@ sum lands on the top-p threshold a token may differ; tests/gpu/test_triton_sampl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -20,12 +22,10 @@ from ttsserve.sample import sampler
 from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
 
 MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) take sampler.sample
-# one program per (request, codebook row) sorts 1,024 keys: 16 warps were the fastest of 1-16 at 1, 256 and 512
-# requests on an H200 (17 / 85 / 160 us a call; 4 warps 28 / 116 / 220; torch.compile'd 98 / 110 / 152):
-# benchmarks/sampler_micro.py
-NUM_WARPS = 16
-# rows whose k_eff <= TOP_WINDOW (ChatTTS's top_k is 20) take the TOP_WINDOW largest keys instead of a full
-# sort (0: always the full sort)
+# Rows whose k_eff <= TOP_WINDOW (ChatTTS's top_k is 20) take the TOP_WINDOW largest keys (a partial bitonic sort)
+# instead of sorting all 1,024 (0: always the full sort). H100, us a call (benchmarks/sampler_micro.py), ChatTTS's
+# processors at 1 / 256 / 512 requests: full sort at 16 warps 60 / 84 / 161, window at 16 warps 12 / 70 / 139, at
+# 4 warps 26 / 46 / 83. So 16 warps while every program has a multiprocessor to itself, then 4 (_num_warps).
 TOP_WINDOW = 32
 
 
@@ -185,11 +185,22 @@ def _sample_kernel(
     tl.store(out_ptr + pid, token.to(tl.int64))
 
 
+def _num_warps(programs: int, device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter
+        return 4
+    return 16 if programs <= _num_sms(device) else 4
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def can_sample(logits: torch.Tensor) -> bool:
     return logits.is_cuda and logits.shape[-1] <= MAX_VOCAB
 
 
-def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: int = TOP_WINDOW) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch, num_warps: int | None = None, top_window: int = TOP_WINDOW) -> torch.Tensor:
     """sampler.sample for CUDA logits [B, R, V] (V <= MAX_VOCAB) and a SamplingBatch on the same device ->
     tokens [B, R] int64. No host sync (graph-capturable)."""
     b, r, v = logits.shape
@@ -232,7 +243,7 @@ def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: 
         STEP_SALT=_STEP_SALT,
         BLOCK=triton.next_power_of_2(v),
         TOP_WINDOW=min(top_window, triton.next_power_of_2(v)) if top_window else 0,
-        num_warps=num_warps,
+        num_warps=num_warps or _num_warps(b * r, logits.device),
     )
     return out
 
