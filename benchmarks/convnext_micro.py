@@ -1,5 +1,6 @@
 """One incremental ConvNeXt block of the vocoder on CUDA (audio/triton_convnext.py), its parts timed apart: the
-whole block and its torch parts (Linear1, the GELU, Linear2; the rest is the front and back Triton kernels), with
+whole block, its kernels' device time (torch.profiler: the front and back Triton kernels, the torch rest), and its
+torch parts alone (Linear1, the GELU, Linear2), with
 and without the front kernel's interior-tile path (INTERIOR_TILES); and Linear1 + GELU as one Triton kernel
 (triton_convnext.linear_gelu) in a few tile shapes, with its largest error relative to the torch pair's. fp16,
 the real model's blocks (the Decoder's 512 -> 2048, dilation 2; the Vocos' 512 -> 1536, dilation 1),
@@ -45,6 +46,24 @@ def _inputs(name: str, rows: int, width: int):
     return block, state, r, x
 
 
+def _kernel_us(call, reps: int = 20) -> dict[str, float]:
+    """Device us a call of each of call()'s kernels (torch.profiler): the front and back kernels by name, the
+    rest as "torch" (the GEMMs and the GELU)."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    out = {"front": 0.0, "back": 0.0, "torch": 0.0}
+    for e in prof.key_averages():
+        us = e.device_time_total / reps  # device_time_total: us over all reps
+        if us > 0:
+            name = "front" if "_front_kernel" in e.key else "back" if "_back_kernel" in e.key else "torch"
+            out[name] += us
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["128x16", "128x48", "512x24"])
@@ -60,9 +79,10 @@ def main() -> None:
                 for interior in (False, True):
                     triton_convnext.INTERIOR_TILES = interior
                     tag = "interior" if interior else "picked"
-                    row[f"block_{tag}_us"] = 1e3 * triton.testing.do_bench(
-                        lambda: triton_convnext.convnext_block(block, state, x, r)
-                    )
+                    call = lambda: triton_convnext.convnext_block(block, state, x, r)  # noqa: E731
+                    row[f"block_{tag}_us"] = 1e3 * triton.testing.do_bench(call)
+                    for kernel, us in _kernel_us(call).items():
+                        row[f"{kernel}_{tag}_us"] = us
                 h = torch.randn(rows * width, block.pwconv1.in_features, device="cuda", dtype=torch.float16)
                 lin1, lin2 = block.pwconv1, block.pwconv2
                 y1 = F.linear(h, lin1.weight, lin1.bias)
