@@ -2,7 +2,7 @@
 whole block, its kernels' device time (torch.profiler: the front and back Triton kernels, the torch rest), and its
 torch parts alone (Linear1, the GELU, Linear2), with
 and without the front kernel's interior-tile path (INTERIOR_TILES); and Linear1 + GELU as one Triton kernel
-(triton_convnext.linear_gelu) in a few tile shapes, with its largest error relative to the torch pair's. fp16,
+(benchmarks/linear_gelu_kernel.py) in a few tile shapes, with its largest error relative to the torch pair's. fp16,
 the real model's blocks (the Decoder's 512 -> 2048, dilation 2; the Vocos' 512 -> 1536, dilation 1),
 channels-contiguous input as every block after the first sees.
 
@@ -19,16 +19,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton.testing  # noqa: E402
+from linear_gelu_kernel import linear_gelu  # noqa: E402
 
 from ttsserve.audio import triton_convnext  # noqa: E402
 from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402
 from ttsserve.audio.incremental import NOT_FINISHED, ConvState, Rows  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of triton_convnext.linear_gelu, against Linear1 + GELU in torch
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of linear_gelu_kernel.linear_gelu, against Linear1 + GELU in torch
 LINEAR_GELU_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
 BLOCKS = {"decoder": (512, 2048, 2, "weight"), "vocos": (512, 1536, 1, "gamma")}
 
@@ -92,14 +94,17 @@ def main() -> None:
                 torch_us = row["linear1_us"] + row["gelu_us"] + row["linear2_us"]
                 ref = torch.ops.aten.gelu_(F.linear(h, lin1.weight, lin1.bias)).float()
                 for bm, bn, bk, warps, stages in LINEAR_GELU_CONFIGS:
-                    run = lambda: triton_convnext.linear_gelu(h, lin1, (bm, bn, bk), warps, stages)  # noqa: E731
+                    run = lambda: linear_gelu(h, lin1, (bm, bn, bk), warps, stages)  # noqa: E731
                     tag = f"linear1_gelu_triton_{bm}x{bn}x{bk}_w{warps}s{stages}"
                     row[f"{tag}_us"] = 1e3 * triton.testing.do_bench(run)
                     row[f"{tag}_err"] = float((run().float() - ref).abs().max() / ref.abs().max())
                 for tag in ("picked", "interior"):  # the block less its torch parts: the front and back kernels
                     row[f"kernels_{tag}_us"] = row[f"block_{tag}_us"] - torch_us
                 out.append(row)
-                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                print(
+                    json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}),
+                    flush=True,
+                )
     triton_convnext.INTERIOR_TILES = True
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

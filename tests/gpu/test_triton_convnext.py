@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +25,7 @@ require_cuda_or_interpreter()
 from ttsserve.audio import incremental  # noqa: E402
 from ttsserve.audio.decoder_net import ConvNeXtBlock  # noqa: E402
 from ttsserve.audio.incremental import NOT_FINISHED, ConvState, Rows, block_torch  # noqa: E402
-from ttsserve.audio.triton_convnext import convnext_block, linear_gelu, masked_buffer  # noqa: E402
+from ttsserve.audio.triton_convnext import convnext_block, masked_buffer  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
@@ -223,23 +222,3 @@ def test_pipeline_fused_equals_unfused(real_nets, graphs: bool, monkeypatch) -> 
         assert fused[i].shape == unfused[i].shape == exact[i].shape
         assert rel(fused[i], unfused[i]) < 5e-3, f"stream {i}"
         assert rel(fused[i], exact[i]) < max(1.5 * rel(unfused[i], exact[i]), 1e-3), f"stream {i}"
-
-
-@torch.no_grad()
-def test_linear_gelu_equals_linear_then_gelu() -> None:
-    """Linear1 + bias + exact GELU in one kernel against F.linear then F.gelu, with rows that fill no whole tile
-    (the real block's 512 -> 1536 on CUDA; a small shape in the interpreter)."""
-    k, n, m, block, warps = (
-        (512, 1536, 300, (128, 128, 64), 8) if DEVICE.type == "cuda" else (64, 128, 50, (32, 64, 32), 4)
-    )
-    g = torch.Generator().manual_seed(9)
-    lin = torch.nn.Linear(k, n)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
-        lin.bias.copy_(torch.randn(n, generator=g))
-    lin = lin.to(DEVICE, DTYPE)
-    h = torch.randn(m, k, generator=g).to(DEVICE, DTYPE)
-    got = linear_gelu(h, lin, block, warps)
-    want = F.gelu(F.linear(h.float(), lin.weight.float(), lin.bias.float()))
-    assert got.shape == (m, n) and got.dtype == DTYPE
-    assert _rel(got, want) < REL_TOL[DTYPE], _rel(got, want)
