@@ -1,6 +1,7 @@
 """Linear1 + bias + exact-erf GELU of a vocoder ConvNeXt block as one Triton GEMM, measured against cuBLAS's
-Linear then torch's GELU by benchmarks/convnext_micro.py and not kept: on an H100 it saved 0-7.5 us of 21-91 us
-(the Triton GEMM is slower than cuBLAS's by about what the separate GELU costs), ~0.4 % of a served step.
+Linear then torch's GELU by benchmarks/convnext_micro.py and not kept: on an H100 it saved 0-7.5 us of 21-91 us a
+block, on an H200 it lost 0-7.5 us of 24-82 (the Triton GEMM is slower than cuBLAS's by about what the separate
+GELU costs).
 """
 
 from __future__ import annotations
