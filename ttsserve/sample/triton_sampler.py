@@ -5,14 +5,13 @@ Why: torch.compile's set-up of the sampler took 10.2 s of an H200 start, and the
 ms more device time per step (7 %) than compiled. This kernel needs neither.
 
 Same results as `sampler.sample` up to float rounding (the reductions sum in another order): the stable ascending
-sort of HF's top-p is a sort of int64 keys (the float's order-preserving bits, then the column), the hash draws
+sort of HF's top-p is a sort of int64 keys (the float's order-preserving bits, then the column; with top-k <= 32
+only the 32 largest keys are ordered, unless values tie past them), the hash draws
 are sample/rng.py's integer math (identical bits), argmax takes the first maximum as torch does. Where a float
 sum lands on the top-p threshold a token may differ; tests/gpu/test_triton_sampler.py bounds how often.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -25,8 +24,10 @@ MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) tak
 # Rows whose k_eff <= TOP_WINDOW (ChatTTS's top_k is 20) take the TOP_WINDOW largest keys (a partial bitonic sort)
 # instead of sorting all 1,024 (0: always the full sort). H100, us a call (benchmarks/sampler_micro.py), ChatTTS's
 # processors at 1 / 256 / 512 requests: full sort at 16 warps 60 / 84 / 161, window at 16 warps 12 / 70 / 139, at
-# 4 warps 26 / 46 / 83. So 16 warps while every program has a multiprocessor to itself, then 4 (_num_warps).
+# 4 warps 26 / 46 / 83. One warp count for every batch: a second one per batch size made a variant that the
+# start-up's captures did not reach, compiled while serving.
 TOP_WINDOW = 32
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -185,22 +186,11 @@ def _sample_kernel(
     tl.store(out_ptr + pid, token.to(tl.int64))
 
 
-def _num_warps(programs: int, device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter
-        return 4
-    return 16 if programs <= _num_sms(device) else 4
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def can_sample(logits: torch.Tensor) -> bool:
     return logits.is_cuda and logits.shape[-1] <= MAX_VOCAB
 
 
-def sample(logits: torch.Tensor, batch, num_warps: int | None = None, top_window: int = TOP_WINDOW) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: int = TOP_WINDOW) -> torch.Tensor:
     """sampler.sample for CUDA logits [B, R, V] (V <= MAX_VOCAB) and a SamplingBatch on the same device ->
     tokens [B, R] int64. No host sync (graph-capturable)."""
     b, r, v = logits.shape
@@ -243,7 +233,7 @@ def sample(logits: torch.Tensor, batch, num_warps: int | None = None, top_window
         STEP_SALT=_STEP_SALT,
         BLOCK=triton.next_power_of_2(v),
         TOP_WINDOW=min(top_window, triton.next_power_of_2(v)) if top_window else 0,
-        num_warps=num_warps or _num_warps(b * r, logits.device),
+        num_warps=num_warps,
     )
     return out
 
