@@ -2,6 +2,10 @@
 and point, then each B run against the mean of the A runs on either side of it (the host's speed drifts over a
 lease, so only neighbours compare); writes OUT/ab.json.
 
+Each pair also compares the engine core's pure-Python phases (schedule + update + outputs, ms a step: no device
+work, and the same code in A and B unless the change is to them): a B run whose host ran slower than its
+neighbours' by more than the figure moved says little about the change.
+
     python3 benchmarks/ab_summary.py OUT
 """
 
@@ -11,6 +15,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+PYTHON_PHASES = ("schedule", "update", "outputs")
 
 
 def run_points(run: Path) -> dict[str, dict]:
@@ -27,6 +33,7 @@ def run_points(run: Path) -> dict[str, dict]:
             "ok": f"{s['num_ok']}/{s['num_requests']}",
             "steps_per_s": round(s.get("server_steps_per_s", 0.0), 1),
             "device_wait_ms": round(step.get("runner_forward", float("nan")), 2),
+            "python_ms": round(sum(step.get(k, float("nan")) for k in PYTHON_PHASES), 2),
         }
     return points
 
@@ -47,7 +54,15 @@ def summarize(out: Path) -> dict:
             around = [f for f in around if f]
             if around:
                 base = sum(f["audio_s_per_s"] for f in around) / len(around)
-                pairs.append({"run": name, "point": point, "b_over_a": round(fig["audio_s_per_s"] / base, 3)})
+                python = sum(f["python_ms"] for f in around) / len(around)
+                pairs.append(
+                    {
+                        "run": name,
+                        "point": point,
+                        "b_over_a": round(fig["audio_s_per_s"] / base, 3),
+                        "python_ms_b_over_a": round(fig["python_ms"] / python, 3),
+                    }
+                )
     return {"runs": table, "b_against_neighbouring_a": pairs}
 
 
@@ -60,10 +75,13 @@ def main() -> int:
             print(
                 f"{name:4s} {point:16s} {f['audio_s_per_s']:8.1f} audio-s/s  TTFA {f['ttfa_p50_s']:.2f} / "
                 f"{f['ttfa_p99_s']:.2f} s  {f['steps_per_s']:5.1f} steps/s  waits {f['device_wait_ms']:.2f} ms  "
-                f"underruns {f['underrun_streams']}  ok {f['ok']}"
+                f"python {f['python_ms']:.2f} ms  underruns {f['underrun_streams']}  ok {f['ok']}"
             )
     for p in result["b_against_neighbouring_a"]:
-        print(f"{p['run']} {p['point']}: B / A = {p['b_over_a']:.3f}")
+        print(
+            f"{p['run']} {p['point']}: B / A = {p['b_over_a']:.3f}  "
+            f"(its host's pure-Python phases: {p['python_ms_b_over_a']:.3f} of the A runs')"
+        )
     return 0
 
 

@@ -13,7 +13,7 @@ ab_summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ab_summary)
 
 
-def _report(path: Path, audio: float, wait_ms: float = 1.0) -> None:
+def _report(path: Path, audio: float, wait_ms: float = 1.0, python_ms: float = 3.0) -> None:
     summary = {
         "audio_seconds_per_s": audio,
         "num_ok": 10,
@@ -21,7 +21,12 @@ def _report(path: Path, audio: float, wait_ms: float = 1.0) -> None:
         "ttfa_s": {"p50": 0.2, "p99": 0.4},
         "underrun_streams": 0,
         "server_steps_per_s": 50.0,
-        "server_step_ms": {"runner_forward": wait_ms},
+        "server_step_ms": {
+            "runner_forward": wait_ms,
+            "schedule": python_ms / 2,
+            "update": python_ms / 4,
+            "outputs": python_ms / 4,
+        },
     }
     path.mkdir(parents=True)
     (path / "report.json").write_text(json.dumps({"results": [{"summary": summary}]}))
@@ -29,12 +34,15 @@ def _report(path: Path, audio: float, wait_ms: float = 1.0) -> None:
 
 def test_each_b_run_is_judged_against_its_neighbouring_a_runs(tmp_path: Path) -> None:
     # the host sped up over the lease: A went 1,000 -> 1,200 -> 1,400; B ran between them
-    for name, audio in (("a1", 1000), ("b1", 1210), ("a2", 1200), ("b2", 1300), ("a3", 1400)):
-        _report(tmp_path / name / "serve_pcm_512", audio, wait_ms=2.5)
+    runs = (("a1", 1000, 4.0), ("b1", 1210, 3.3), ("a2", 1200, 3.0), ("b2", 1300, 3.3), ("a3", 1400, 3.0))
+    for name, audio, python_ms in runs:
+        _report(tmp_path / name / "serve_pcm_512", audio, wait_ms=2.5, python_ms=python_ms)
     got = ab_summary.summarize(tmp_path)
     assert list(got["runs"]) == ["a1", "b1", "a2", "b2", "a3"]  # the order they ran in: by round, A first
     assert got["runs"]["b1"]["serve_pcm_512"]["device_wait_ms"] == 2.5
     pairs = {p["run"]: p["b_over_a"] for p in got["b_against_neighbouring_a"]}
     assert pairs == {"b1": 1.1, "b2": 1.0}  # 1,210 / mean(1,000, 1,200); 1,300 / mean(1,200, 1,400)
+    python = {p["run"]: p["python_ms_b_over_a"] for p in got["b_against_neighbouring_a"]}
+    assert python == {"b1": 0.943, "b2": 1.1}  # 3.3 / mean(4.0, 3.0); 3.3 / mean(3.0, 3.0)
     (tmp_path / "b3").mkdir()  # a run cut off before its report: no line, no pair
     assert "b3" not in {p["run"] for p in ab_summary.summarize(tmp_path)["b_against_neighbouring_a"]}
