@@ -191,11 +191,15 @@ class StreamingStage:
         if n == 0:
             return
         self._hand_over(frames, ready)
-        with torch.cuda.stream(self.stream):
-            pool = self._reserve(st, n)
-            pos = st.num_frames - st.base
-            pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
+        self._write(st, frames)
         st.num_frames += n
+
+    @on_stage_stream
+    def _write(self, st: Stream, frames: Tensor) -> None:
+        n = frames.shape[0]
+        pool = self._reserve(st, n)
+        pos = st.num_frames - st.base
+        pool.data[st.slot, pos : pos + n] = frames.to(device=self.device, dtype=pool.data.dtype)
 
     def _hand_over(self, frames: Tensor, ready) -> None:
         """With a stream of its own: the stage's stream waits until the frames are written (ready: a CUDA event
@@ -219,13 +223,10 @@ class StreamingStage:
         Called every engine step for every running stream: the per-stream work is C-level maps and one
         Python loop, the device work one pinned copy of the write index and one index_copy_ (FramePool.put;
         with counts below m, an index_select of the kept frames too)."""
-        if self.stream is None:  # the default: every engine step comes here, no stream switch
-            self._append_batch(req_ids, frames, counts)
-            return
         self._hand_over(frames, ready)
-        with torch.cuda.stream(self.stream):
-            self._append_batch(req_ids, frames, counts)
+        self._append_batch(req_ids, frames, counts)
 
+    @on_stage_stream
     def _append_batch(self, req_ids: list[str], frames: Tensor, counts: np.ndarray | None) -> None:
         n = len(req_ids)
         if frames.dim() == 2:

@@ -97,13 +97,12 @@ def _front_kernel(
     cm = c < C
     first = tl.load(start_ptr + b) - lag - R2
     limit = tl.load(limit_ptr + b)
-    x_row = x_ptr + b.to(tl.int64) * stride_xb
-    cache_row = cache_ptr + tl.load(slots_ptr + b) * stride_cache
-    acc = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
     if X_ALIGNED:  # x's channels contiguous, its strides multiples of 8 elements (_channels_aligned)
         stride_xb = tl.multiple_of(stride_xb, 8)
         stride_xw = tl.multiple_of(stride_xw, 8)
-        x_row = x_ptr + b.to(tl.int64) * stride_xb
+    x_row = x_ptr + b.to(tl.int64) * stride_xb
+    cache_row = cache_ptr + tl.load(slots_ptr + b) * stride_cache
+    acc = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
     if INTERIOR and tl.program_id(1) * BLOCK_W >= R2:
         # every tap of this tile reads x (buffer positions >= 2r): one plain pointer, which the compiler can
         # vectorize, not a pointer picked per position between the cache and x

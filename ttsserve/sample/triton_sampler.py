@@ -159,7 +159,7 @@ def _sample_kernel(
     threshold = (1.0 - tl.load(top_p_ptr + b * stride_p).to(tl.float64)).to(tl.float32)
     k_eff = tl.minimum(tl.maximum(tl.load(top_k_ptr + b * stride_k), 3), vocab).to(tl.int32)
     # the kept tokens are (keys >= first_kept) & (x >= kth); first_kept is a key, kth a value
-    first_kept = tl.min(keys, 0)
+    first_kept = tl.full([], 0, tl.int64)  # placeholders: a cut below sets both
     kth = tl.full([], -float("inf"), tl.float32)
     cut = tl.full([], 0, tl.int32)
     if TOP_WINDOW > 0:
@@ -198,6 +198,7 @@ def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: 
     if b == 0:
         return out
     assert logits.stride(-1) == 1 and batch.temperature.stride(-1) == 1
+    assert top_window & (top_window - 1) == 0, "the window is a power of two (tl.topk)"
     hist = batch.history
     _sample_kernel[(b * r,)](
         out,
