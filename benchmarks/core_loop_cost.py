@@ -2,11 +2,12 @@
 N API servers (ZMQ DEALER sockets in this process, reading what the core sends) keeping C requests in flight.
 CPU, tiny dummy model; the core's own phases are timed around its methods; steady state after a warm-up.
 
---served models the served H200 path's host work on the CPU: decode bursts of 4, asynchronous scheduling,
-vocoder and admissions every 2nd step, requests of --frames frames (200: ~4.3 s of audio), one thread for torch,
-the start-up heap frozen as the core does; the GPT forward, the sampler, the vocoder networks and the audio crop
-(device work on the H200, not host work) are stubbed, so the step is the host's bookkeeping. It also reports the
-garbage collector's time and longest pause per generation (--gc-thresholds: try others than the core's).
+--served models the served H200 path's host work on the CPU: decode bursts of 4 (--burst), asynchronous
+scheduling, vocoder and admissions every 8 // burst steps (the CUDA defaults), requests of --frames frames (200:
+~4.3 s of audio), one thread for torch, the start-up heap frozen as the core does; the GPT forward, the sampler,
+the vocoder networks and the audio crop (device work on the H200, not host work) are stubbed, so the step is the
+host's bookkeeping. It also reports the garbage collector's time and longest pause per generation
+(--gc-thresholds: try others than the core's).
 --graphs: the decode rows take the CUDA path's DecodeGraphs.run (its pinned-buffer fill, copies and output
 tensors; the replay itself stubbed) instead of the CPU's eager decode, whose torch ops are device work on a GPU.
 
@@ -59,7 +60,7 @@ def _timed(times: dict, name: str, fn):
     return wrapper
 
 
-def _served_engine(concurrency: int, graphs: bool = False) -> Engine:
+def _served_engine(concurrency: int, graphs: bool = False, burst: int = 4) -> Engine:
     """The served path's scheduling on the CPU, its device work stubbed (see the module docstring)."""
     import torch
 
@@ -74,10 +75,10 @@ def _served_engine(concurrency: int, graphs: bool = False) -> Engine:
         swap_space=0,
         max_num_seqs=concurrency,
         max_num_batched_tokens=8192,
-        num_scheduler_steps=4,
+        num_scheduler_steps=burst,
         async_scheduling=True,
-        vocoder_cadence=2,
-        admission_interval=2,
+        vocoder_cadence=max(1, 8 // burst),  # the CUDA defaults (EngineConfig.step_intervals)
+        admission_interval=max(1, 8 // burst),
         cpu_threads=1,
     )
     engine = Engine(cfg)
@@ -98,7 +99,7 @@ def _served_engine(concurrency: int, graphs: bool = False) -> Engine:
     if graphs:
         from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
-        g = DecodeGraphs(engine.runner, default_capture_sizes(concurrency), fused=False, max_steps=4)
+        g = DecodeGraphs(engine.runner, default_capture_sizes(concurrency), fused=False, max_steps=burst)
         g.capture()  # off CUDA: the buckets' bookkeeping, no graph
         g._replay = lambda bs: None
         engine.runner.graphs = g
@@ -128,10 +129,11 @@ def main() -> int:
     ap.add_argument("--served", action="store_true", help="the served path's host work (module docstring)")
     ap.add_argument("--frames", type=int, default=200, help="--served: frames per request")
     ap.add_argument("--graphs", action="store_true", help="--served: the decode graphs' host path (docstring)")
+    ap.add_argument("--burst", type=int, default=4, help="--served: frames a decode burst (num_scheduler_steps)")
     ap.add_argument("--gc-thresholds", default=None, help="--served: e.g. 700,10,10 (default: the core's)")
     a = ap.parse_args()
     if a.served:
-        engine = _served_engine(a.concurrency, a.graphs)
+        engine = _served_engine(a.concurrency, a.graphs, a.burst)
         freeze_startup_heap("benchmark", step_loop=True)
         if a.gc_thresholds:
             gc.set_threshold(*map(int, a.gc_thresholds.split(",")))
@@ -200,6 +202,7 @@ def main() -> int:
             engine.reset_stats()  # the step's phase timings below cover the measured steps only
             pauses.on = True
             vocoder0 = (engine.audio.calls_total, engine.audio.frames_decoded_total)
+            frames0 = engine.counters.frames
             t_start = time.perf_counter()
         # --served: arrivals ramp up over ~40 steps, so that the streams' ends spread as under served load
         target = min(a.concurrency, (k + 1) * max(1, a.concurrency // 40)) if a.served else a.concurrency
@@ -229,6 +232,8 @@ def main() -> int:
         print(f"    step phase {name:45s} {ms:7.3f} ms")
     calls, frames = engine.audio.calls_total - vocoder0[0], engine.audio.frames_decoded_total - vocoder0[1]
     print(f"  vocoder calls per step {calls / n:.2f}, {frames / max(calls, 1):.0f} frames a call")
+    sampled = engine.counters.frames - frames0
+    print(f"  frames sampled per step {sampled / n:.0f}: {wall / max(sampled, 1) * 1e6:.2f} us of the loop a frame")
     gc_ms = [sum(pauses.pauses[g]) / n * 1e3 for g in range(3)]
     longest = [max(pauses.pauses[g], default=0.0) * 1e3 for g in range(3)]
     print(
