@@ -60,7 +60,7 @@ def _timed(times: dict, name: str, fn):
     return wrapper
 
 
-def _served_engine(concurrency: int, graphs: bool = False, burst: int = 4) -> Engine:
+def _served_engine(concurrency: int, graphs: bool = False, burst: int = 4, block_size: int = 16) -> Engine:
     """The served path's scheduling on the CPU, its device work stubbed (see the module docstring)."""
     import torch
 
@@ -76,6 +76,7 @@ def _served_engine(concurrency: int, graphs: bool = False, burst: int = 4) -> En
         max_num_seqs=concurrency,
         max_num_batched_tokens=8192,
         num_scheduler_steps=burst,
+        block_size=block_size,
         async_scheduling=True,
         vocoder_cadence=max(1, 8 // burst),  # the CUDA defaults (EngineConfig.step_intervals)
         admission_interval=max(1, 8 // burst),
@@ -130,10 +131,11 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=200, help="--served: frames per request")
     ap.add_argument("--graphs", action="store_true", help="--served: the decode graphs' host path (docstring)")
     ap.add_argument("--burst", type=int, default=4, help="--served: frames a decode burst (num_scheduler_steps)")
+    ap.add_argument("--block-size", type=int, default=16, help="--served: KV block size")
     ap.add_argument("--gc-thresholds", default=None, help="--served: e.g. 700,10,10 (default: the core's)")
     a = ap.parse_args()
     if a.served:
-        engine = _served_engine(a.concurrency, a.graphs, a.burst)
+        engine = _served_engine(a.concurrency, a.graphs, a.burst, a.block_size)
         freeze_startup_heap("benchmark", step_loop=True)
         if a.gc_thresholds:
             gc.set_threshold(*map(int, a.gc_thresholds.split(",")))
