@@ -23,6 +23,13 @@ from ttsserve.layers.quant.quantize import QuantConfig  # noqa: E402
 from ttsserve.runner.kernel_compiles import kernel_compiles  # noqa: E402
 
 
+def _rope(batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin as GPT.rotary gives them to the decode graphs' fused step: [B, 1, 64] rows of a bf16 table."""
+    table = torch.randn(2, 4096, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    rows = torch.randint(0, 4096, (batch,), generator=gen).cuda()
+    return table[0].index_select(0, rows)[:, None, :], table[1].index_select(0, rows)[:, None, :]
+
+
 def test_the_hooks_see_a_real_compile():
     import triton.language as tl
 
@@ -56,13 +63,18 @@ def test_eager_decode_compiles_nothing_after_precompile(dtype):
         case = make_case(lens, [1] * batch, 16, dtype, gen)  # block tables as wide as the longest context
         splits.add(choose_num_splits(batch * 12, max(lens) + 1, sms, backend.tuning))
         check(case, backend)
+        if dtype == torch.bfloat16:  # and RoPE in the kernel, as in the decode graphs
+            cos, sin = _rope(batch, gen)
+            out = backend.forward(case.q, case.k, case.v, case.kv_cache, case.md, case.scale, (cos, sin))
+            assert bool(torch.isfinite(out).all())
     assert len(splits) >= 4  # one split, several, and 16 or more among them
     assert kc.count == compiled, "a decode launch compiled a kernel after precompile_decode"
 
 
 def test_fp8_lanes_compile_nothing_after_precompile():
-    """The fp8 cache decodes through the lanes, one KV head a program at few rows, two, four at many: each
-    precompiled."""
+    """The fp8 cache decodes through the lanes, one KV head a program at few rows, two, four at many, with RoPE
+    before the kernel (the eager path) or in it (the decode graphs, whose buckets of tens of rows are captured
+    after start-up): each precompiled."""
     gen = torch.Generator().manual_seed(8)
     backend = TritonPagedAttention()
     first = make_case([3], [1], 16, torch.bfloat16, gen)
@@ -75,8 +87,9 @@ def test_fp8_lanes_compile_nothing_after_precompile():
         lens = torch.randint(max(ctx // 2, 1), ctx + 1, (batch,), generator=gen).tolist()
         case = make_case(lens, [1] * batch, 16, torch.bfloat16, gen)
         heads.add(backend.tuning.lanes_heads(batch, 12, sms))
-        out = backend.forward(case.q, case.k, case.v, to_fp8_cache(case.kv_cache), case.md, case.scale)
-        assert bool(torch.isfinite(out).all())
+        for rope in (None, _rope(batch, gen)):
+            out = backend.forward(case.q, case.k, case.v, to_fp8_cache(case.kv_cache), case.md, case.scale, rope)
+            assert bool(torch.isfinite(out).all())
     assert heads == {1, 2, 4}
     assert kc.count == compiled, "an fp8 decode launch compiled a kernel after precompile_decode"
 

@@ -25,6 +25,8 @@ a question of speed). Pass `num_splits` to pin it, e.g. for captures.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 
@@ -94,11 +96,13 @@ class TritonPagedAttention:
         return out
 
     def precompile_decode(self, kv_cache: torch.Tensor | FP8KVCache, num_heads: int, dtype: torch.dtype) -> None:
-        """Compile the eager decode path's kernels now: one sequence with one split and with two (the split
-        variant with its reduce), for the lanes with each number of heads a program may take, RoPE applied
-        before the kernel as GPT.forward does. The decode graphs compile their own launches at capture; the eager
-        path (a few prompts just prefilled, decoding through the general path) would otherwise compile these in a
-        served step. Writes nothing (slot -1)."""
+        """Compile the decode kernels now: one sequence with one split and with two (the split variant with its
+        reduce), for the lanes with each number of heads a program may take, with RoPE applied before the kernel
+        (the eager path, as GPT.forward does) and in it (the decode graphs' fused step). Otherwise the eager path
+        (a few prompts just prefilled, decoding through the general path) would compile in a served step, and so
+        would the graphs whose capture is deferred past start-up (a bucket of tens of rows takes one or two
+        heads a program, which neither the largest nor the smallest bucket reaches): 1.0-1.1 s a kernel on an
+        empty cache. Writes nothing (slot -1)."""
         cache, _ = _split_cache(kv_cache)
         num_kv_heads, head_dim, dev = cache.shape[3], cache.shape[4], cache.device
         q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
@@ -114,11 +118,12 @@ class TritonPagedAttention:
             cu_seqlens_q_cpu=[0, 1],
             seq_lens_cpu=[1],
         )
+        cos = torch.zeros(1, 1, head_dim, dtype=dtype, device=dev)  # as GPT.rotary's cos / sin: [T, 1, D]
         lanes = self.tuning.uses_lanes(num_heads // num_kv_heads, isinstance(kv_cache, FP8KVCache))
         for heads in self.tuning.lanes_heads_choices(num_kv_heads) if lanes else [1]:
-            for splits in (1, 2):
+            for splits, rope in itertools.product((1, 2), (None, (cos, cos))):
                 out = torch.empty_like(q)
-                paged_decode(out, q, kv[0], kv[1], kv_cache, md, 1.0, splits, self.tuning, None, heads)
+                paged_decode(out, q, kv[0], kv[1], kv_cache, md, 1.0, splits, self.tuning, rope, heads)
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
