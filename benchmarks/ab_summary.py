@@ -4,7 +4,8 @@ lease, so only neighbours compare); writes OUT/ab.json.
 
 Each pair also compares the engine core's pure-Python phases (schedule + update + outputs, ms a step: no device
 work, and the same code in A and B unless the change is to them): a B run whose host ran slower than its
-neighbours' by more than the figure moved says little about the change.
+neighbours' by more than the figure moved says little about the change. A change to the step itself (its rows, its
+decode burst: --num-scheduler-steps) changes these phases too, so there the ratio is not the host's drift.
 
     python3 benchmarks/ab_summary.py OUT
 """

@@ -2,7 +2,7 @@
 N API servers (ZMQ DEALER sockets in this process, reading what the core sends) keeping C requests in flight.
 CPU, tiny dummy model; the core's own phases are timed around its methods; steady state after a warm-up.
 
---served models the served H200 path's host work on the CPU: decode bursts of 4 (--burst), asynchronous
+--served models the served H200 path's host work on the CPU: decode bursts of 8 (--burst), asynchronous
 scheduling, vocoder and admissions every 8 // burst steps (the CUDA defaults), requests of --frames frames (200:
 ~4.3 s of audio), one thread for torch, the start-up heap frozen as the core does; the GPT forward, the sampler,
 the vocoder networks and the audio crop (device work on the H200, not host work) are stubbed, so the step is the
@@ -60,7 +60,7 @@ def _timed(times: dict, name: str, fn):
     return wrapper
 
 
-def _served_engine(concurrency: int, graphs: bool = False, burst: int = 4, block_size: int = 16) -> Engine:
+def _served_engine(concurrency: int, graphs: bool = False, burst: int = 8, block_size: int = 16) -> Engine:
     """The served path's scheduling on the CPU, its device work stubbed (see the module docstring)."""
     import torch
 
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--served", action="store_true", help="the served path's host work (module docstring)")
     ap.add_argument("--frames", type=int, default=200, help="--served: frames per request")
     ap.add_argument("--graphs", action="store_true", help="--served: the decode graphs' host path (docstring)")
-    ap.add_argument("--burst", type=int, default=4, help="--served: frames a decode burst (num_scheduler_steps)")
+    ap.add_argument("--burst", type=int, default=8, help="--served: frames a decode burst (num_scheduler_steps)")
     ap.add_argument("--block-size", type=int, default=16, help="--served: KV block size")
     ap.add_argument("--gc-thresholds", default=None, help="--served: e.g. 700,10,10 (default: the core's)")
     a = ap.parse_args()

@@ -113,9 +113,9 @@ class EngineConfig:
         stream's next k decode steps on the device in a row (each step's input is the frame the last one
         sampled), so the host's per-step work (scheduling, input packing, results, audio bookkeeping) is paid
         once per k frames. The codes are the same as k = 1 (the counter-based sampler keys on the step).
-        None: 4 on CUDA with async scheduling (the H200: 1,030 against 886 audio-s/s engine alone, 925 against
-        601 served, docs/benchmarks-history.md), else 1 (a CPU step is bound by its compute, not by the host's
-        bookkeeping).
+        None: 8 on CUDA with async scheduling (served with the fp8 cache on an H100, against 4 on the same
+        machine: 1.13-1.16x the audio-s/s at 512 streams, 1.04x at 256, 1.11x at 128, TTFA no later;
+        BENCHMARKS.md), else 1 (a CPU step is bound by its compute, not by the host's bookkeeping).
     async_scheduling: the engine schedules and queues step n + 1 on the device before it reads step n's
         results, so the host's bookkeeping overlaps the device's work (vLLM V1's asynchronous scheduling;
         engine/scheduler.py says what waits for an in-flight result). None: on with CUDA (and CUDA graphs),
@@ -239,7 +239,7 @@ class EngineConfig:
         """num_scheduler_steps with the default of `device_type` filled in."""
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
-        return 4 if device_type == "cuda" and self.pipelined(device_type) else 1
+        return 8 if device_type == "cuda" and self.pipelined(device_type) else 1
 
     def pipelined(self, device_type: str) -> bool:
         """async_scheduling with the default of `device_type` filled in."""

@@ -94,7 +94,7 @@ def test_cuda_step_intervals_count_frames():
     from ttsserve.config import EngineConfig
 
     assert EngineConfig(num_scheduler_steps=1).step_intervals("cuda") == (8, 8)
-    assert EngineConfig().scheduler_steps("cuda") == 4 and EngineConfig().step_intervals("cuda") == (2, 2)
+    assert EngineConfig().scheduler_steps("cuda") == 8 and EngineConfig().step_intervals("cuda") == (1, 1)
     assert EngineConfig().scheduler_steps("cpu") == 1 and EngineConfig(enforce_eager=True).scheduler_steps("cuda") == 1
     assert EngineConfig(num_scheduler_steps=4).step_intervals("cuda") == (2, 2)
     assert EngineConfig(num_scheduler_steps=16).step_intervals("cuda") == (1, 1)

@@ -34,14 +34,14 @@ from engine_testutil import GOLDEN, FrameRecorder, golden_json, run_all
 
 def test_engine_cuda_graphs_equal_cpu_reference(real_fp32, real_fp32_cpu):
     """Real size, fp32, TF32 off, greedy: the CUDA engine at its defaults (graphs, Triton attention, deferred
-    audio, async scheduling, decode bursts of 4) gives the CPU engine's codes, and hiddens / audio within fp32
+    audio, async scheduling, decode bursts of 8) gives the CPU engine's codes, and hiddens / audio within fp32
     noise."""
     print(f"seed {SEED}")
     reqs = _requests(4, 24, greedy=True)
     e = _engine(real_fp32, kv_cache_memory=1 << 30)
-    assert e.runner.graphs is not None and e.audio.deferred and e.runner.graphs.max_steps == 4  # decode bursts
+    assert e.runner.graphs is not None and e.audio.deferred and e.runner.graphs.max_steps == 8  # decode bursts
     rec_gpu, audio_gpu = _run(e, reqs)
-    assert e.runner.timings.graph_steps >= 5 and e.runner.timings.piecewise_steps > 0  # 23 frames in bursts of 4
+    assert e.runner.timings.graph_steps >= 2 and e.runner.timings.piecewise_steps > 0  # 23 frames in bursts of 8
     assert e.runner.timings.sampler_graph_steps > 0  # the first frames
     rec_cpu, audio_cpu = _run(_engine(real_fp32_cpu, kv_cache_memory=1 << 30), reqs)
     for r in reqs:

@@ -18,7 +18,7 @@ from ttsserve.engine.core.proc import EngineCoreProc
 from ttsserve.engine.engine import Engine
 from ttsserve.params import SamplingParams, SynthesisRequest
 
-CUDA_SCHEDULE = dict(async_scheduling=True, num_scheduler_steps=4, vocoder_cadence=2, admission_interval=2)
+CUDA_SCHEDULE = dict(async_scheduling=True, num_scheduler_steps=8, vocoder_cadence=1, admission_interval=1)
 
 
 def _requests() -> list[SynthesisRequest]:
