@@ -121,7 +121,7 @@ def test_graph_step_has_no_host_sync(real_bf16):
 
     runner.graphs.run = checked
     _run(e, _requests(3, 24, greedy=False))
-    assert runner.timings.graph_steps >= 5  # 23 frames after the prefill's, in bursts of 4 (the CUDA default)
+    assert runner.timings.graph_steps >= 3  # 23 frames after the prefill's, in bursts of 8 (the CUDA default)
 
 
 def test_pipelined_eos_rows_do_not_sync_the_queued_step(real_bf16, monkeypatch):
