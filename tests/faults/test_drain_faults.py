@@ -89,3 +89,40 @@ def test_sigterm_under_load_drains_and_refuses_new_requests_with_503(tmp_path, c
         assert m and not os.path.exists(m.group(1)), srv.log()[-2000:]
     assert "not cleanly" not in srv.log()
     assert f"writes voices (--voices-db, TTSSERVE_VOICES_DB): {tmp_path / 'v.db'}" in srv.log()  # files outside the run
+
+
+def test_api_servers_drain_together_so_an_idle_one_keeps_answering_503(tmp_path):
+    """Under the launcher an API server whose own requests are done keeps listening and answering 503 until
+    every server's are: on Linux each holds its own socket of one SO_REUSEPORT group, and one that closed
+    early reset the new connections the kernel had just hashed to it (a client saw a disconnect, not a 503)."""
+    srv = ServeProcess(tmp_path, "--max-new-tokens", "3000", count=3).wait_ready()
+    try:
+        done: list = []
+        started = threading.Event()
+
+        def stream() -> None:
+            long = {**STREAM, "min_new_tokens": 2500, "max_new_tokens": 2500}
+            with httpx.Client(base_url=srv.url, timeout=90) as c, c.stream("POST", "/v1/audio/speech", json=long) as r:
+                n = 0
+                for chunk in r.iter_bytes():
+                    n += len(chunk)
+                    started.set()
+                done.append((r.status_code, n))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the idle servers' drains are done by now: they used to stop here
+        answered = set()
+        for _ in range(30):  # fresh connections, hashed over every socket still open
+            r = httpx.get(srv.url + "/ready", timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+            answered.add(r.headers["x-api-server"])
+        assert t.is_alive(), "the stream ended before the probes: make it longer"
+        assert answered == {"0", "1", "2"}, answered
+        t.join(90)
+        assert len(done) == 1 and done[0][0] == 200 and done[0][1] >= 2499 * 512 * 2, done  # all of its audio
+        assert srv.proc.wait(60) == 0, srv.log()[-3000:]
+    finally:
+        srv.stop()

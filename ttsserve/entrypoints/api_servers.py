@@ -25,7 +25,7 @@ made through one API server is visible to all), Prometheus counters in PROMETHEU
 of any API server sums all of them), rate limits in the launcher. Request ids are namespaced per API server.
 
 Lifecycle: SIGTERM / SIGINT -> the API servers drain (server/drain.py: they keep listening and answer new
-requests 503 until their streams finish, up to --drain-timeout), then the core stops; exit status 0, as the
+requests 503 until the streams of all of them finish, up to --drain-timeout), then the core stops; exit status 0, as the
 single-process server. A second signal kills everything at once. An API server that dies is restarted
 (backoff 1 s doubling to 30 s, back to 1 s after 60 s up); its requests are aborted in the core.
 
@@ -144,6 +144,8 @@ class _Launcher:
             for i, env in enumerate(envs)
         ]
         self.servers: list = [None] * count
+        # 1 where API server i's drain is done or it is not running: they stop together (server/drain.py)
+        self.drained = self.mp.RawArray("b", count)
         self.restart_at = [0.0] * count
         self.backoff = [RestartBackoff() for _ in range(count)]
         self.sock: socket.socket | None = None  # the first listening socket
@@ -274,8 +276,9 @@ class _Launcher:
             target=_api_server_main,
             name=f"ttsserve-api-{i}",
             daemon=False,
-            args=(i, sock, self.server_cfg, addresses, self.limits_address, self.log_level, os.getpid()),
+            args=(i, sock, self.server_cfg, addresses, self.limits_address, self.log_level, os.getpid(), self.drained),
         )
+        self.drained[i] = 0
         p.start()
         self.servers[i] = p
         self.backoff[i].started(time.monotonic())
@@ -307,15 +310,14 @@ class _Launcher:
         """API servers first (they drain), then the core. 0 when everything exited cleanly."""
         for sock in {self.sock, *self.socks} - {None}:  # self.sock is socks[0] once the core started
             sock.close()  # our copies: once the API servers close theirs, new connections are refused
-        clean = True
-        servers = [p for p in self.servers if p is not None and p.is_alive()]
+        servers = {i: p for i, p in enumerate(self.servers) if p is not None and p.is_alive()}
+        for i in range(len(self.servers)):
+            self.drained[i] = i not in servers  # a server down (restarting) holds no request to wait for
         # API servers of cores that never came up hold no request and wait in their handshake: kill them
         stop = signal.SIGTERM if self.serving else signal.SIGKILL
-        for p in servers:
+        for p in servers.values():
             os.kill(p.pid, stop)
-        grace = self.server_cfg.drain_timeout_s + 10
-        for p in servers:
-            clean &= _join(p, grace) in (0, -stop)
+        clean = self._join_servers(servers, self.server_cfg.drain_timeout_s + 10, stop)
         cores = [core.proc for core in self.cores if core.alive()]  # not those that died
         for p in cores:
             p.terminate()  # a core still loading its model dies of it: that is clean too
@@ -325,6 +327,24 @@ class _Launcher:
             self.limiter.stop()
         logger.info("stopped" if clean else "stopped, not cleanly")
         return 0 if clean else 1
+
+    def _join_servers(self, servers: dict, grace_s: float, stop: int) -> bool:
+        """Wait for the signalled API servers to exit (marking each one that did drained, so that the others stop
+        waiting for it if it died mid-drain), killing those still up after grace_s -> whether all exited
+        cleanly."""
+        deadline, pending, clean = time.monotonic() + grace_s, dict(servers), True
+        while pending and time.monotonic() < deadline:
+            multiprocessing.connection.wait([p.sentinel for p in pending.values()], timeout=0.2)
+            for i, p in list(pending.items()):
+                if not p.is_alive():
+                    self.drained[i] = 1
+                    p.join()
+                    clean &= pending.pop(i).exitcode in (0, -stop)
+        for p in pending.values():
+            logger.error("%s (pid %d) did not stop in %.0f s: killing it", p.name, p.pid, grace_s)
+            p.kill()
+            p.join(5)
+        return clean and not pending
 
 
 def _join(p, timeout_s: float) -> int | None:

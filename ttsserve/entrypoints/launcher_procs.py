@@ -53,14 +53,16 @@ def _api_server_main(
     limits_address: str | None,
     log_level: str,
     parent_pid: int,
+    drained,
 ) -> None:
+    """drained: the API servers' shared drain flags (server/drain.py DrainGroup)."""
     _child_setup(parent_pid, log_level, f"api{index}")
     from ttsserve.server.http_server import ResponseHeader, raise_fd_limit, uvicorn_config
 
     raise_fd_limit()
     from ttsserve.engine.core.dp_client import DPClient
     from ttsserve.server.app import create_app
-    from ttsserve.server.drain import DrainingServer
+    from ttsserve.server.drain import DrainGroup, DrainingServer
 
     rate = None
     if limits_address is not None:
@@ -74,4 +76,5 @@ def _api_server_main(
 
     freeze_startup_heap(f"API server {index}")
     config = uvicorn_config(ResponseHeader(app, "X-API-Server", str(index)), server_cfg, log_level)
-    DrainingServer(config, app.state.drain, server_cfg.drain_timeout_s).run(sockets=[sock])
+    group = DrainGroup(drained, index)  # the API servers drain together (server/drain.py)
+    DrainingServer(config, app.state.drain, server_cfg.drain_timeout_s, group).run(sockets=[sock])

@@ -7,6 +7,11 @@ starts the drain (DrainState): every new request (on a new or a kept-alive conne
 answer), while the requests already accepted run to their end. Once none is left, or --drain-timeout
 passed, uvicorn's own shutdown closes the listener and the lifespan stops the engine. A second signal stops
 at once. The signal is not re-raised afterwards: a clean drain exits 0, in one process as under the launcher.
+
+Under the launcher the API servers drain as a group (DrainGroup): one whose own requests are done keeps
+answering 503 until every server's are, or its deadline passed. On Linux each has its own socket of one
+SO_REUSEPORT group and the kernel hashes new connections over the open ones, so a server that closed early
+reset the connections hashed to it in its last instants instead of answering them 503.
 """
 
 from __future__ import annotations
@@ -45,6 +50,19 @@ class DrainState:
         return self.draining and (self.in_flight == 0 or time.monotonic() >= self.deadline)
 
 
+class DrainGroup:
+    """The drain state of a launcher's N API servers: flags, a shared byte array [N] (multiprocessing.RawArray,
+    1 = that server's requests are done, or it is not running), and this server's index in it."""
+
+    def __init__(self, flags, index: int) -> None:
+        self.flags, self.index = flags, index
+
+    def drained(self) -> bool:
+        """Mark this server drained -> whether every server is."""
+        self.flags[self.index] = 1
+        return all(self.flags)
+
+
 class DrainMiddleware:
     """Pure ASGI: 503 + Retry-After + Connection: close for new requests while draining; counts the others."""
 
@@ -80,9 +98,11 @@ async def _refuse(send) -> None:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM / SIGINT drains through `state` (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, state: DrainState, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: DrainState, drain_timeout_s: float, group: DrainGroup | None = None
+    ) -> None:
         super().__init__(config)
-        self.drain, self.drain_timeout_s = state, drain_timeout_s
+        self.drain, self.drain_timeout_s, self.group = state, drain_timeout_s, group
 
     def handle_exit(self, sig: int, frame) -> None:  # a signal handler: only flags, the loop acts on them
         if self.drain.draining or self.should_exit:
@@ -97,9 +117,13 @@ class DrainingServer(uvicorn.Server):
         )
 
     async def on_tick(self, counter: int) -> bool:
-        if self.drain.done() and not self.should_exit:
+        if self.drain.done() and not self.should_exit and self._group_done():
             # what is left of the drain bounds uvicorn's own wait for connections
             self.config.timeout_graceful_shutdown = max(1.0, self.drain.deadline - time.monotonic())
             logger.info("drained (%d requests still in flight): stopping", self.drain.in_flight)
             self.should_exit = True
         return await super().on_tick(counter)
+
+    def _group_done(self) -> bool:
+        """Alone, or every server of the group drained, or this one's deadline passed."""
+        return self.group is None or self.group.drained() or time.monotonic() >= self.drain.deadline
