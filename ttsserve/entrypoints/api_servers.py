@@ -25,8 +25,8 @@ made through one API server is visible to all), Prometheus counters in PROMETHEU
 of any API server sums all of them), rate limits in the launcher. Request ids are namespaced per API server.
 
 Lifecycle: SIGTERM / SIGINT -> the API servers drain (server/drain.py: they keep listening and answer new
-requests 503 until the streams of all of them finish, up to --drain-timeout), then the core stops; exit status 0, as the
-single-process server. A second signal kills everything at once. An API server that dies is restarted
+requests 503 until the streams of all of them finish, up to --drain-timeout), then the core stops; exit status
+0, as the single-process server. A second signal kills everything at once. An API server that dies is restarted
 (backoff 1 s doubling to 30 s, back to 1 s after 60 s up); its requests are aborted in the core.
 
 The core is restarted in place the same way: when it dies, or stalls (its loop has not turned for
