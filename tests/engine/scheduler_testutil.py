@@ -143,7 +143,8 @@ class FakeRunner:
 def check_invariants(sched: Scheduler, out: SchedulerOutput, pipelined: bool = False) -> None:
     bm, cfg = sched.block_manager, sched.config
     assert out.num_scheduled_tokens == sum(s.num_new_tokens for s in out.scheduled)
-    assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+    # the budget counts one forward pass's tokens: a decode burst's row costs one
+    assert sum(1 if s.num_steps > 1 else s.num_new_tokens for s in out.scheduled) <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
     assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
     refs = [0] * bm.num_gpu_blocks

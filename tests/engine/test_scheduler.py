@@ -235,15 +235,21 @@ def test_pipelined_bursts_continue_from_the_in_flight_burst():
         create_scheduler(num_scheduler_steps=0)
 
 
-def test_bursts_leave_a_token_for_every_running_request():
-    """A burst takes k tokens of the step's budget only while every request after it still gets one."""
-    sched = create_scheduler(num_scheduler_steps=3, max_num_seqs=4, max_num_batched_tokens=6)
+def test_a_burst_costs_one_token_of_the_budget_a_forward_pass():
+    """The budget counts one forward pass's tokens: a burst's row costs one (its k positions are k passes), so
+    the rows' bursts leave the rest to a prefill (here a 5-position prompt gets 2 of the 6), where counting k
+    would have left it nothing and cut the later rows to single steps."""
+    sched = create_scheduler(num_scheduler_steps=3, max_num_seqs=5, max_num_batched_tokens=6)
     reqs = create_requests(4, prompt_len=1, max_new_tokens=20)
-    runner = FakeRunner(sched, {r.request_id: r for r in reqs})
+    late = create_requests(1, prompt_len=5, max_new_tokens=20, prefix="late")
+    runner = FakeRunner(sched, {r.request_id: r for r in reqs + late})
     for r in reqs:
         sched.add_request(r)
     step(sched, runner)  # the four prefills, one token each
+    sched.add_request(late[0])
     out, _ = step(sched, runner)
-    assert [s.num_steps for s in out.scheduled] == [3, 1, 1, 1] and out.num_scheduled_tokens == 6
+    assert [(s.num_new_tokens, s.num_steps) for s in out.scheduled] == [(3, 3)] * 4 + [(2, 1)]
+    assert out.num_scheduled_tokens == 14  # positions: 4 bursts of 3 and the chunk of 2
     drain(sched, runner)
+    reqs += late
     assert all(r.output_token_ids == [fake_sample(r, i) for i in range(20)] for r in reqs)

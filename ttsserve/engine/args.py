@@ -58,7 +58,8 @@ HELP = {
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "max_num_seqs": "most sequences (text segments being spoken) in one engine step's batch; unset: 512 on CUDA "
     "(no more than the KV pool holds 10-s utterances), 256 on the CPU",
-    "max_num_batched_tokens": "most positions (prompt tokens + frames) computed in one engine step",
+    "max_num_batched_tokens": "most tokens of one forward pass in an engine step (prompt positions, plus one a "
+    "decoding stream: a decode burst's k frames are k passes)",
     "enable_chunked_prefill": "split long prompts across steps so running streams keep getting frames",
     "preemption_mode": "auto | recompute | swap: how a sequence gives up its KV blocks when the pool runs out "
     "(auto: swap to host memory while host blocks are free, else recompute later)",

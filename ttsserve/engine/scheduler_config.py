@@ -10,7 +10,8 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 
 @dataclass
 class SchedulerConfig:
-    """max_num_batched_tokens: tokens computed per step over the whole batch (>= max_num_seqs).
+    """max_num_batched_tokens: tokens of one forward pass over the whole batch (>= max_num_seqs): a prefill chunk
+        counts its positions, a decode one, and a decode burst's row one too (its k positions are k passes).
     enable_chunked_prefill: split prompts (and recompute prefills) across steps; without it a prompt
         larger than the remaining budget waits, so then max_num_batched_tokens must be >= max_model_len.
     max_model_len: positions per request (prompt + outputs).
