@@ -2,9 +2,9 @@
 
 The budget (max_num_batched_tokens) counts the tokens of one forward pass: a prefill chunk costs its length, a
 decode one, and so does a decode burst's row (its k positions run as k forward passes of one token a row). Counted
-as k, bursts of 8 at 512 rows took the whole default budget of 4,096 and left new requests a few tokens a step:
-in a simulated closed loop of 512 streams (prompts of 40 positions) a request needed 7-8 steps to its 24th frame
-against 3, and the first wave's 99th percentile 23 steps against 6.
+as k, bursts of 8 at 512 rows took the whole default budget of 4,096 and left new requests a few tokens a step: in
+a closed loop of 512 streams with prompts of 40 positions (benchmarks/admission_steps.py) a request needed 7 / 9
+steps (p50 / p99) to its 24th frame against 3 / 4 now, and the first wave's p99 was 23 steps against 8.
 
 Each step (schedule):
   1. apply aborts;
