@@ -3,6 +3,8 @@ read (pure numpy; the hidden states stay on the device as they are; no sync)."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from ttsserve.runner.step_types import RunnerOutput, StepGroup
@@ -23,8 +25,9 @@ def runner_output(groups: list[StepGroup], host: np.ndarray, audio_eos_id: int, 
             out.stopped.update(zip(ids, (rows[:, 0, 0] == text_eos_id).tolist()))
             continue
         eos = _any_codebook(rows == audio_eos_id)  # [n, k]
-        # one tuple per frame and one tuple of frames per row, all by C-level maps: no Python work per row
-        frame_tuples = zip(*rows.reshape(n * k, width).T.tolist())
+        # one tuple per frame, unpacked from the buffer in C, and one tuple of frames per row by a C-level map: no
+        # Python work per row (runner_output at 512 rows x 8 frames: 658 against 792 us zipping tolist's columns)
+        frame_tuples = struct.iter_unpack(f"={width}q", rows.astype(np.int64, copy=False))
         if k == 1:
             out.sampled.update(zip(ids, frame_tuples))
             out.stopped.update(zip(ids, eos[:, 0].tolist()))
