@@ -74,7 +74,6 @@ def _served_engine(concurrency: int, graphs: bool = False, burst: int = 8, block
         kv_cache_memory=1024 << 20,
         swap_space=0,
         max_num_seqs=concurrency,
-        max_num_batched_tokens=8192,
         num_scheduler_steps=burst,
         block_size=block_size,
         async_scheduling=True,
