@@ -49,16 +49,20 @@ INTERIOR_TILES = True
 
 
 @triton.jit
-def _buffer_tile(x_row, cache_row, c, p, cm, first, limit, W, stride_xc, stride_xw, R2: tl.constexpr):
+def _buffer_tile(
+    x_row, cache_row, c, p, cm, first, limit, W, stride_xc, stride_xw, R2: tl.constexpr, X_ONLY: tl.constexpr
+):
     """Buffer positions p (position 0 is frame `first`) of channels c, fp32, in the broadcast shape of c and p
     (one of them a column, the other a row): zero where the frame lies outside [0, limit) or p is past the
     buffer (2r + W positions: 2r cached, then W new). One load through a pointer picked per position: two
-    loads (cache, x) per tap made the conv kernel spill."""
+    loads (cache, x) per tap made the conv kernel spill. X_ONLY: every p >= 2r, so the pointer is x's alone (one
+    plain pointer, which the compiler can vectorize)."""
     frame = first + p
     ok = (frame >= 0) & (frame < limit) & (p < R2 + W)
-    in_cache = cache_row + c * R2 + p
     in_x = x_row + c * stride_xc + (p - R2) * stride_xw  # int32 offsets: a row holds < 2^31 elements
-    return tl.load(tl.where(p < R2, in_cache, in_x), mask=cm & ok, other=0.0).to(tl.float32)
+    if not X_ONLY:
+        in_x = tl.where(p < R2, cache_row + c * R2 + p, in_x)
+    return tl.load(in_x, mask=cm & ok, other=0.0).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["W", "lag"], do_not_specialize_on_alignment=_STRIDES)
@@ -103,18 +107,15 @@ def _front_kernel(
     x_row = x_ptr + b.to(tl.int64) * stride_xb
     cache_row = cache_ptr + tl.load(slots_ptr + b) * stride_cache
     acc = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
+    # a loop, not unrolled: unrolled, every tap's tile is live at once and spills. A tile whose taps all read x
+    # (buffer positions >= 2r) takes the loop with x's pointer alone, not one picked per position
     if INTERIOR and tl.program_id(1) * BLOCK_W >= R2:
-        # every tap of this tile reads x (buffer positions >= 2r): one plain pointer, which the compiler can
-        # vectorize, not a pointer picked per position between the cache and x
         for t in range(KSIZE):
-            p = k + t * DIL
-            frame = first + p
-            ok = (frame >= 0) & (frame < limit) & (p < R2 + W)
-            v = tl.load(x_row + c * stride_xc + (p - R2) * stride_xw, mask=cm & ok, other=0.0).to(tl.float32)
+            v = _buffer_tile(x_row, cache_row, c, k + t * DIL, cm, first, limit, W, stride_xc, stride_xw, R2, True)
             acc += tl.load(conv_w_ptr + c * KSIZE + t, mask=cm, other=0.0).to(tl.float32) * v
     else:
-        for t in range(KSIZE):  # a loop, not unrolled: unrolled, every tap's tile is live at once and spills
-            v = _buffer_tile(x_row, cache_row, c, k + t * DIL, cm, first, limit, W, stride_xc, stride_xw, R2)
+        for t in range(KSIZE):
+            v = _buffer_tile(x_row, cache_row, c, k + t * DIL, cm, first, limit, W, stride_xc, stride_xw, R2, False)
             acc += tl.load(conv_w_ptr + c * KSIZE + t, mask=cm, other=0.0).to(tl.float32) * v
     acc += tl.load(conv_b_ptr + c, mask=cm, other=0.0).to(tl.float32)
     acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the torch path's conv writes the activation dtype
@@ -162,7 +163,7 @@ def _back_kernel(
     limit = tl.load(limit_ptr + b)
     x_row = x_ptr + b.to(tl.int64) * stride_xb
     cache_row = cache_ptr + tl.load(slots_ptr + b) * stride_cache
-    res = _buffer_tile(x_row, cache_row, c, k + R, cm, first, limit, W, stride_xc, stride_xw, 2 * R)
+    res = _buffer_tile(x_row, cache_row, c, k + R, cm, first, limit, W, stride_xc, stride_xw, 2 * R, False)
     at = (b * W + k).to(tl.int64) * C + c
     y = tl.load(y_ptr + at, mask=cm & (k < W), other=0.0).to(tl.float32)
     out = res + tl.load(scale_ptr + c, mask=cm, other=0.0).to(tl.float32) * y
@@ -170,7 +171,7 @@ def _back_kernel(
     if tile == 0:
         j = tl.arange(0, TAIL)[:, None]  # [TAIL, 1]
         count = tl.load(count_ptr + b)
-        tail = _buffer_tile(x_row, cache_row, c, count + j, cm, first, limit, W, stride_xc, stride_xw, 2 * R)
+        tail = _buffer_tile(x_row, cache_row, c, count + j, cm, first, limit, W, stride_xc, stride_xw, 2 * R, False)
         tl.debug_barrier()  # every thread of this program has read the old cache (res, tail) before any store
         tl.store(cache_row + c * (2 * R) + j, tail.to(cache_ptr.dtype.element_ty), mask=cm & (j < 2 * R))
 
@@ -209,11 +210,11 @@ def _buffer_kernel(
     buf_row = buf_ptr + b.to(tl.int64) * C * (R2 + W)
     for p0 in range(0, R2 + W, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)[None, :]  # [1, BLOCK_P]
-        v = _buffer_tile(x_row, cache_row, c, p, cm, first, limit, W, stride_xc, stride_xw, R2)
+        v = _buffer_tile(x_row, cache_row, c, p, cm, first, limit, W, stride_xc, stride_xw, R2, False)
         tl.store(buf_row + c * (R2 + W) + p, v.to(buf_ptr.dtype.element_ty), mask=cm & (p < R2 + W))
     j = tl.arange(0, TAIL)[None, :]  # [1, TAIL]
     count = tl.load(count_ptr + b)
-    tail = _buffer_tile(x_row, cache_row, c, count + j, cm, first, limit, W, stride_xc, stride_xw, R2)
+    tail = _buffer_tile(x_row, cache_row, c, count + j, cm, first, limit, W, stride_xc, stride_xw, R2, False)
     tl.debug_barrier()
     tl.store(cache_row + c * R2 + j, tail.to(cache_ptr.dtype.element_ty), mask=cm & (j < R2))
 
