@@ -44,6 +44,11 @@ _RUNNING = RequestStatus.RUNNING  # an enum member lookup costs ~0.2 us on CPyth
 _ID = attrgetter("request_id")
 
 
+def budget_cost(num_new: int, num_steps: int) -> int:
+    """Tokens of the step's budget a row takes: those of one forward pass (a decode burst's row: one)."""
+    return 1 if num_steps > 1 else num_new
+
+
 @dataclass
 class _Step:
     budget: int  # tokens of one forward pass left (a burst's row costs one)
@@ -321,7 +326,7 @@ class Scheduler(OutputCommitter):
         )
         req.num_inflight_tokens += num_new
         req.num_inflight_outputs += num_steps if will_sample else 0
-        st.budget -= 1 if num_steps > 1 else num_new
+        st.budget -= budget_cost(num_new, num_steps)
         st.tokens += num_new
         steady = self._steady
         if num_new == num_steps == steady.num_steps and will_sample and start >= n_prompt and req.mode == "code":
@@ -342,7 +347,7 @@ class Scheduler(OutputCommitter):
         self._steady.discard(victim)
         undone = st.scheduled.pop(victim.request_id, None)
         if undone is not None:  # scheduled earlier in this step: give its tokens back
-            st.budget += 1 if undone.num_steps > 1 else undone.num_new_tokens
+            st.budget += budget_cost(undone.num_new_tokens, undone.num_steps)
             st.tokens -= undone.num_new_tokens
         # whatever it has in flight is dropped: update_from_output skips it, it is no longer running
         victim.num_inflight_tokens = victim.num_inflight_outputs = 0

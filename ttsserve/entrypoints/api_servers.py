@@ -341,16 +341,18 @@ class _Launcher:
                     p.join()
                     clean &= pending.pop(i).exitcode in (0, -stop)
         for p in pending.values():
-            logger.error("%s (pid %d) did not stop in %.0f s: killing it", p.name, p.pid, grace_s)
-            p.kill()
-            p.join(5)
+            _kill(p, grace_s)
         return clean and not pending
 
 
 def _join(p, timeout_s: float) -> int | None:
     p.join(timeout_s)
     if p.is_alive():
-        logger.error("%s (pid %d) did not stop in %.0f s: killing it", p.name, p.pid, timeout_s)
-        p.kill()
-        p.join(5)
+        _kill(p, timeout_s)
     return p.exitcode
+
+
+def _kill(p, waited_s: float) -> None:
+    logger.error("%s (pid %d) did not stop in %.0f s: killing it", p.name, p.pid, waited_s)
+    p.kill()
+    p.join(5)
