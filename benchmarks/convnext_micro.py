@@ -2,7 +2,9 @@
 whole block, its kernels' device time (torch.profiler: the front and back Triton kernels, the torch rest), and its
 torch parts alone (Linear1, the GELU, Linear2), with
 and without the front kernel's interior-tile path (INTERIOR_TILES); and Linear1 + GELU as one Triton kernel
-(benchmarks/linear_gelu_kernel.py) in a few tile shapes, with its largest error relative to the torch pair's. fp16,
+(benchmarks/linear_gelu_kernel.py) in a few tile shapes, with its largest error relative to the torch pair's; and
+Linear1 + bias + GELU in cuBLASLt's epilogue as the block runs it (linear_gelu), the whole block with it, and
+its error and the separate pair's against fp32 erf GELU (relative Frobenius). fp16,
 the real model's blocks (the Decoder's 512 -> 2048, dilation 2; the Vocos' 512 -> 1536, dilation 1),
 channels-contiguous input as every block after the first sees.
 
@@ -48,6 +50,12 @@ def _inputs(name: str, rows: int, width: int):
     return block, state, r, x
 
 
+def _epilogue(h: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    """Linear1 + bias + GELU as the block runs it in fp16 / bf16 (cuBLASLt's epilogue)."""
+    triton_convnext.GELU_EPILOGUE = True
+    return triton_convnext.linear_gelu(h, lin)
+
+
 def _kernel_us(call, reps: int = 20) -> dict[str, float]:
     """Device us a call of each of call()'s kernels (torch.profiler): the front and back kernels by name, the
     rest as "torch" (the GEMMs and the GELU)."""
@@ -78,9 +86,9 @@ def main() -> None:
                 rows, width = (int(v) for v in shape.split("x"))
                 block, state, r, x = _inputs(name, rows, width)
                 row = {"block": name, "rows": rows, "width": width}
-                for interior in (False, True):
-                    triton_convnext.INTERIOR_TILES = interior
-                    tag = "interior" if interior else "picked"
+                for interior, epilogue in ((False, False), (True, False), (True, True)):
+                    triton_convnext.INTERIOR_TILES, triton_convnext.GELU_EPILOGUE = interior, epilogue
+                    tag = ("interior" if interior else "picked") + ("_epilogue" if epilogue else "")
                     call = lambda: triton_convnext.convnext_block(block, state, x, r)  # noqa: E731
                     row[f"block_{tag}_us"] = 1e3 * triton.testing.do_bench(call)
                     for kernel, us in _kernel_us(call).items():
@@ -92,6 +100,11 @@ def main() -> None:
                 row["gelu_us"] = 1e3 * triton.testing.do_bench(lambda: torch.ops.aten.gelu_(y1))
                 row["linear2_us"] = 1e3 * triton.testing.do_bench(lambda: F.linear(y1, lin2.weight, lin2.bias))
                 torch_us = row["linear1_us"] + row["gelu_us"] + row["linear2_us"]
+                row["linear1_gelu_epilogue_us"] = 1e3 * triton.testing.do_bench(lambda: _epilogue(h, lin1))
+                exact = F.gelu(F.linear(h.double(), lin1.weight.double(), lin1.bias.double()))
+                rel = lambda y: float((y.double() - exact).norm() / exact.norm())  # noqa: E731
+                row["linear1_gelu_separate_rel_err"] = rel(torch.ops.aten.gelu_(F.linear(h, lin1.weight, lin1.bias)))
+                row["linear1_gelu_epilogue_rel_err"] = rel(_epilogue(h, lin1))
                 ref = torch.ops.aten.gelu_(F.linear(h, lin1.weight, lin1.bias)).float()
                 for bm, bn, bk, warps, stages in LINEAR_GELU_CONFIGS:
                     run = lambda: linear_gelu(h, lin1, (bm, bn, bk), warps, stages)  # noqa: E731
@@ -99,13 +112,14 @@ def main() -> None:
                     row[f"{tag}_us"] = 1e3 * triton.testing.do_bench(run)
                     row[f"{tag}_err"] = float((run().float() - ref).abs().max() / ref.abs().max())
                 for tag in ("picked", "interior"):  # the block less its torch parts: the front and back kernels
+                    # (torch parts timed with the separate GELU: the epilogue runs are the whole block, below)
                     row[f"kernels_{tag}_us"] = row[f"block_{tag}_us"] - torch_us
                 out.append(row)
                 print(
                     json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}),
                     flush=True,
                 )
-    triton_convnext.INTERIOR_TILES = True
+    triton_convnext.INTERIOR_TILES = triton_convnext.GELU_EPILOGUE = True
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

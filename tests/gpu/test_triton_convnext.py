@@ -95,6 +95,41 @@ def test_fused_block_equals_torch_block(name: str, layout: str, monkeypatch) -> 
     assert torch.equal(state.cache[untouched], ref_state.cache[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@torch.no_grad()
+def test_linear_gelu_epilogue_is_one_kernel_no_further_from_fp32(dtype: torch.dtype, monkeypatch) -> None:
+    """The Vocos' Linear1 (512 -> 1536) + bias + GELU at 4,096 frames: with GELU in cuBLASLt's epilogue no GELU
+    kernel runs, and the result is no further from fp32 erf GELU than the separate GEMM and erf GELU's."""
+    if DEVICE.type != "cuda":
+        pytest.skip("cuBLASLt's epilogue: CUDA only (fp32 and the CPU keep erf GELU)")
+    from ttsserve.audio import triton_convnext
+
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(512, 1536)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / 512**0.5)
+        lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.3)
+    h = torch.randn(4096, 512, generator=g)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(h.double(), lin.weight.double(), lin.bias.double()))
+    lin, h = lin.to(DEVICE, dtype), h.to(DEVICE, dtype)
+
+    def run(epilogue: bool) -> tuple[torch.Tensor, list[str]]:
+        monkeypatch.setattr(triton_convnext, "GELU_EPILOGUE", epilogue)
+        triton_convnext.linear_gelu(h, lin)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = triton_convnext.linear_gelu(h, lin)
+            torch.cuda.synchronize()
+        return y, [e.key for e in prof.key_averages() if e.device_time_total > 0]
+
+    fused, fused_kernels = run(True)
+    separate, separate_kernels = run(False)
+    assert any("gelu" in k.lower() for k in separate_kernels), separate_kernels  # the check can see one
+    assert not any("gelu" in k.lower() for k in fused_kernels), fused_kernels
+    assert len(fused_kernels) < len(separate_kernels), (fused_kernels, separate_kernels)
+    err = lambda y: float((y.double().cpu() - ref).norm() / ref.norm())  # noqa: E731
+    assert err(fused) <= 1.05 * err(separate), (err(fused), err(separate))
+
+
 @pytest.mark.parametrize("kernel", [3, 7])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @torch.no_grad()
