@@ -14,7 +14,8 @@ reaches positions past the row's own, which are never kept (tails are gathered p
 leaves such frames out).
 
 On CUDA (with triton) the conv buffers and the ConvNeXt blocks run as Triton kernels (audio/triton_convnext.py)
-with the same masking, equal to this torch path within fp16 rounding; the CPU runs the torch path.
+with the same masking, equal to this torch path within fp16 rounding, and the ISTFT head's spectrum and
+overlap-add as two more (audio/triton_istft.py), equal to it within fp32 rounding; the CPU runs the torch path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -104,23 +106,28 @@ class ConvState:
         return F.conv1d(buf, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups), buf
 
 
-# On CUDA the conv buffers and the ConvNeXt blocks run as Triton kernels (audio/triton_convnext.py); "0" keeps
-# the torch path there too (the CPU always runs it)
+# On CUDA the conv buffers, the ConvNeXt blocks and the ISTFT head run as Triton kernels (audio/triton_convnext.py,
+# audio/triton_istft.py); "0" keeps the torch path there too (the CPU always runs it)
 USE_TRITON = os.environ.get("TTSSERVE_VOCODER_TRITON", "1") != "0"
 
 
 def triton_kernels(x: Tensor):
-    """The audio.triton_convnext module for x's device, or None: off CUDA, USE_TRITON off, triton missing."""
+    """The Triton kernels (audio/triton_convnext.py, audio/triton_istft.py) for x's device, or None: off CUDA,
+    USE_TRITON off, triton missing."""
     return _import_triton_kernels() if x.is_cuda and USE_TRITON else None
 
 
 @functools.cache
 def _import_triton_kernels():
     try:
-        from ttsserve.audio import triton_convnext
+        from ttsserve.audio import triton_convnext, triton_istft
     except ImportError:
         return None
-    return triton_convnext
+    return SimpleNamespace(
+        masked_buffer=triton_convnext.masked_buffer,
+        convnext_block=triton_convnext.convnext_block,
+        istft_overlap_add=triton_istft.istft_overlap_add,
+    )
 
 
 def _block(block: ConvNeXtBlock, state: ConvState, x: Tensor, rows: Rows) -> Tensor:
@@ -221,6 +228,8 @@ class IncrementalVocos:
 
     def _overlap_add(self, feats: Tensor, rows: Rows) -> Tensor:
         head: ISTFTHead = self.head
+        if (kernels := triton_kernels(feats)) is not None:
+            return kernels.istft_overlap_add(head, feats, rows, self.tails, self.lag)
         n_fft, hop, width = head.n_fft, head.hop_length, rows.width
         spec, window = head.spectrum(feats)
         k = torch.arange(width, device=spec.device)[None, :]
