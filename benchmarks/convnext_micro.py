@@ -51,7 +51,7 @@ def _inputs(name: str, rows: int, width: int):
 
 
 def _epilogue(h: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-    """Linear1 + bias + GELU as the block runs it in fp16 / bf16 (cuBLASLt's epilogue)."""
+    """Linear1 + bias + GELU as the block runs it in fp16 / bf16 with GELU_EPILOGUE (cuBLASLt's epilogue)."""
     triton_convnext.GELU_EPILOGUE = True
     return triton_convnext.linear_gelu(h, lin)
 
@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     out = []
+    defaults = triton_convnext.INTERIOR_TILES, triton_convnext.GELU_EPILOGUE
     with torch.no_grad():
         for name in BLOCKS:
             for shape in args.shapes:
@@ -119,7 +120,7 @@ def main() -> None:
                     json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}),
                     flush=True,
                 )
-    triton_convnext.INTERIOR_TILES = triton_convnext.GELU_EPILOGUE = True
+    triton_convnext.INTERIOR_TILES, triton_convnext.GELU_EPILOGUE = defaults
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

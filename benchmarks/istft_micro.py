@@ -52,14 +52,14 @@ def main() -> None:
             feats = torch.randn(rows, width, 512, device="cuda", dtype=torch.float16)
             row = {"rows": rows, "width": width}
             for fused in (False, True):
-                incremental.USE_TRITON = fused
+                incremental.USE_TRITON = incremental.TRITON_ISTFT = fused
                 tag = "triton" if fused else "torch"
                 call = lambda: vocos._overlap_add(feats, r)  # noqa: E731
                 row[f"{tag}_us"] = 1e3 * triton.testing.do_bench(call)
                 row[f"{tag}_kernels"] = _kernels(call)
             out.append(row)
             print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    incremental.USE_TRITON = True
+    incremental.USE_TRITON, incremental.TRITON_ISTFT = True, False
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -172,8 +172,9 @@ def test_masked_inputs_do_not_reach_the_output() -> None:
 @torch.no_grad()
 def test_interpreted_pipeline_equals_one_shot(monkeypatch) -> None:
     """Under the interpreter, every conv buffer, block and the ISTFT head of the streaming stage forced through the
-    kernels (as on CUDA): staggered streams of the tiny golden nets, hidden states and DVAE codes, equal the one-shot decode
-    (frames < 0 and past the end masked at every conv, the Vocos' transposed first-block input, the lags)."""
+    kernels (as on CUDA): staggered streams of the tiny golden nets, hidden states and DVAE codes, equal the
+    one-shot decode (frames < 0 and past the end masked at every conv, the Vocos' transposed first-block input, the
+    lags)."""
     if DEVICE.type == "cuda":
         pytest.skip("interpreter only: on CUDA the stage runs the kernels anyway (test_audio_stage_device)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audio"))
@@ -185,6 +186,7 @@ def test_interpreted_pipeline_equals_one_shot(monkeypatch) -> None:
     from ttsserve.audio.vocos import Vocos
 
     monkeypatch.setattr(incremental, "triton_kernels", lambda x: incremental._import_triton_kernels())
+    monkeypatch.setattr(incremental, "TRITON_ISTFT", True)
     dec, dvae, vocos = (
         cls.from_state_dict(load_file(ASSET / f"{name}.safetensors"))
         for cls, name in ((HiddenDecoder, "Decoder"), (DVAE, "DVAE"), (Vocos, "Vocos"))

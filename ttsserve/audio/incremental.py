@@ -14,8 +14,9 @@ reaches positions past the row's own, which are never kept (tails are gathered p
 leaves such frames out).
 
 On CUDA (with triton) the conv buffers and the ConvNeXt blocks run as Triton kernels (audio/triton_convnext.py)
-with the same masking, equal to this torch path within fp16 rounding, and the ISTFT head's spectrum and
-overlap-add as two more (audio/triton_istft.py), equal to it within fp32 rounding; the CPU runs the torch path.
+with the same masking, equal to this torch path within fp16 rounding, and with TRITON_ISTFT the ISTFT head's
+spectrum and overlap-add as two more (audio/triton_istft.py), equal to it within fp32 rounding; the CPU runs the
+torch path.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class ConvState:
 # On CUDA the conv buffers, the ConvNeXt blocks and the ISTFT head run as Triton kernels (audio/triton_convnext.py,
 # audio/triton_istft.py); "0" keeps the torch path there too (the CPU always runs it)
 USE_TRITON = os.environ.get("TTSSERVE_VOCODER_TRITON", "1") != "0"
+# the ISTFT head's kernels (audio/triton_istft.py) where USE_TRITON applies. Opt-in until measured on a GPU: its
+# tests and benchmarks/istft_micro.py call them directly
+TRITON_ISTFT = False
 
 
 def triton_kernels(x: Tensor):
@@ -228,7 +232,7 @@ class IncrementalVocos:
 
     def _overlap_add(self, feats: Tensor, rows: Rows) -> Tensor:
         head: ISTFTHead = self.head
-        if (kernels := triton_kernels(feats)) is not None:
+        if TRITON_ISTFT and (kernels := triton_kernels(feats)) is not None:
             return kernels.istft_overlap_add(head, feats, rows, self.tails, self.lag)
         n_fft, hop, width = head.n_fft, head.hop_length, rows.width
         spec, window = head.spectrum(feats)

@@ -8,7 +8,8 @@ LayerNorm, GELU, scale, residual add); on a GPU they cost more than the block's 
 1. `_front_kernel`, per (row, tile of output frames), all channels: the buffer (the slot's cached 2r frames, then
    the new frames) masked by absolute frame as `Rows.frame_mask` does, the dilated depthwise conv and the
    LayerNorm over channels -> h [B * W, C] row-major, the first GEMM's input;
-2. Linear1 + bias + GELU (cuBLASLt, GELU in its epilogue: linear_gelu), Linear2 + bias (cuBLAS);
+2. Linear1 + bias + GELU (`linear_gelu`: cuBLAS then erf GELU in place, or with GELU_EPILOGUE one cuBLASLt GEMM
+   with GELU in its epilogue), Linear2 + bias (cuBLAS);
 3. `_back_kernel`, per (row, frame tile, channel tile): out = buffer at the conv's output frames (the residual)
    + scale * y, and the row's new cache tail (the buffer's positions count .. count + 2r - 1).
 
@@ -46,8 +47,9 @@ _STRIDES = ["stride_xb", "stride_xc", "stride_xw", "stride_cache"]
 # the front kernel's tiles past the cached positions read x through one plain pointer (False: every tile picks the
 # cache or x per position; benchmarks/convnext_micro.py times both)
 INTERIOR_TILES = True
-# Linear1's bias and GELU in the GEMM's epilogue in fp16 / bf16 (linear_gelu; False: erf GELU as its own kernel)
-GELU_EPILOGUE = True
+# Linear1's bias and GELU in the GEMM's epilogue in fp16 / bf16 (linear_gelu; False: erf GELU as its own kernel).
+# Opt-in until measured on a GPU: its tests and benchmarks/convnext_micro.py turn it on
+GELU_EPILOGUE = False
 
 
 @triton.jit
