@@ -256,11 +256,11 @@ def masked_buffer(state, x: Tensor, rows) -> Tensor:
 
 def linear_gelu(h: Tensor, linear: torch.nn.Linear) -> Tensor:
     """GELU(h @ W^T + b): h [M, K] row-major -> [M, N]. In fp16 / bf16 with GELU_EPILOGUE, one cuBLASLt GEMM whose
-    epilogue adds the bias and applies GELU to the fp32 accumulator before its one rounding; that saves GELU's own
-    pass over [M, N] (27.8 of 67.2 us for the Vocos' Linear1 + GELU at 512 rows x 24 frames, H200). cuBLASLt's GELU
+    epilogue adds the bias and applies GELU to the fp32 accumulator before its one rounding, instead of GELU's own
+    pass over [M, N] (27.8 of the 67.2 us of the Vocos' Linear1 + GELU at 512 rows x 24 frames, H200). cuBLASLt's GELU
     is the tanh form, at most 4.7e-4 from erf's (at x = 2.7), and the separate path rounds twice (the GEMM's output,
     then GELU's): against fp32 erf GELU of std-1 inputs the relative error is 2.9e-4 against 3.2e-4 in fp16, 1.7e-3
-    against 2.6e-3 in bf16. fp32 (the CPU reference) keeps erf."""
+    against 2.6e-3 in bf16 (benchmarks/gelu_epilogue_error.py). fp32 (the CPU reference) keeps erf."""
     if GELU_EPILOGUE and h.dtype in (torch.float16, torch.bfloat16):
         return torch._addmm_activation(linear.bias, h, linear.weight.t(), use_gelu=True)
     return torch.ops.aten.gelu_(F.linear(h, linear.weight, linear.bias))  # exact erf GELU, in place
