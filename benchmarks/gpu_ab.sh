@@ -11,7 +11,7 @@
 # from the start, 560): no run starts that could not end before it, so a device call's limit never cuts one off;
 # A_TREE: another checkout of the repo (`git worktree add DIR REV`, or `git archive REV | tar -x -C DIR`) whose
 # package and gpu_targets.sh serve the A runs, to measure a code change rather than a flag (ARGS_A may then equal
-# ARGS_B).
+# ARGS_B); A_ENV / B_ENV: environment assignments for the A / B servers (e.g. B_ENV="TTSSERVE_VOCODER_FUSED=1").
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:?usage: $0 OUT ARGS_A ARGS_B [POINTS] [ROUNDS]}
@@ -21,15 +21,17 @@ POINTS=${4:-pcm:512}
 ROUNDS=${5:-2}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-printf 'a\t%s\nb\t%s\npoints\t%s\na_tree\t%s\n' "$A" "$B" "$POINTS" "${A_TREE:-}" > "$OUT/ab_args.tsv"
+printf 'a\t%s\nb\t%s\npoints\t%s\na_tree\t%s\na_env\t%s\nb_env\t%s\n' "$A" "$B" "$POINTS" "${A_TREE:-}" "${A_ENV:-}" \
+    "${B_ENV:-}" > "$OUT/ab_args.tsv"
 t0=$SECONDS
 run() {  # NAME ARGS
     left=$(( ${DEADLINE:-560} - (SECONDS - t0) ))
     t=${RUN_TIMEOUT:-150}
     if [ "$left" -lt "$t" ]; then echo "$1: skipped ($left s left before the deadline)"; return; fi
-    tree=$REPO
-    case "$1" in a*) tree=${A_TREE:-$REPO} ;; esac
-    (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PARTS=serve SERVE_POINTS="$POINTS" \
+    tree=$REPO run_env=${B_ENV:-}
+    case "$1" in a*) tree=${A_TREE:-$REPO} run_env=${A_ENV:-} ;; esac
+    # shellcheck disable=SC2086 # run_env: VAR=VALUE words
+    (cd "$tree" && env $run_env PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PARTS=serve SERVE_POINTS="$POINTS" \
         DUR="${DUR:-12}" SERVE_ARGS="$2" timeout "$t" bash benchmarks/gpu_targets.sh "$OUT/$1") > "$OUT/$1.log" 2>&1
     echo "$1 ($2): rc=$?"
     # a server a timeout cut off must not hold the port or the GPU for the next run

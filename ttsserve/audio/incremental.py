@@ -110,9 +110,9 @@ class ConvState:
 # On CUDA the conv buffers, the ConvNeXt blocks and the ISTFT head run as Triton kernels (audio/triton_convnext.py,
 # audio/triton_istft.py); "0" keeps the torch path there too (the CPU always runs it)
 USE_TRITON = os.environ.get("TTSSERVE_VOCODER_TRITON", "1") != "0"
-# the ISTFT head's kernels (audio/triton_istft.py) where USE_TRITON applies. Opt-in until measured on a GPU: its
-# tests and benchmarks/istft_micro.py call them directly
-TRITON_ISTFT = False
+# the ISTFT head's kernels (audio/triton_istft.py) where USE_TRITON applies. Opt-in until measured on a GPU
+# (TTSSERVE_VOCODER_FUSED=1, which also turns on triton_convnext.GELU_EPILOGUE); their tests call them directly
+TRITON_ISTFT = os.environ.get("TTSSERVE_VOCODER_FUSED", "0") == "1"
 
 
 def triton_kernels(x: Tensor):

@@ -33,6 +33,8 @@ their cache gather, cat, mask, tail gather and scatter with one launch that writ
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -48,8 +50,8 @@ _STRIDES = ["stride_xb", "stride_xc", "stride_xw", "stride_cache"]
 # cache or x per position; benchmarks/convnext_micro.py times both)
 INTERIOR_TILES = True
 # Linear1's bias and GELU in the GEMM's epilogue in fp16 / bf16 (linear_gelu; False: erf GELU as its own kernel).
-# Opt-in until measured on a GPU: its tests and benchmarks/convnext_micro.py turn it on
-GELU_EPILOGUE = False
+# Opt-in until measured on a GPU (TTSSERVE_VOCODER_FUSED=1, with incremental.TRITON_ISTFT); its tests turn it on
+GELU_EPILOGUE = os.environ.get("TTSSERVE_VOCODER_FUSED", "0") == "1"
 
 
 @triton.jit
