@@ -1,10 +1,11 @@
 """The Vocos ISTFT head of the streaming vocoder (audio/incremental.py `IncrementalVocos._overlap_add`) as two Triton
 kernels around cuFFT's irfft.
 
-The torch path is ~35 small kernels a call, most of them passes over fp32 tensors of [B, W, n_fft] (50 MB at 512
-rows x 24 frames): the spectrum's promotion, exp, clamp, cos, sin and products; a transposed copy for the irfft;
-the window and mask products; two overlap-adds of n_fft / hop strided adds each into zeros; the stack, the tails'
-gather, add and scatter; the division. Here:
+The torch path is about 40 small kernels a call (counted from its ops; benchmarks/istft_micro.py counts them on a
+GPU), most of them passes over fp32 tensors of [B, W, n_fft] (50 MB at 512 rows x 24 frames): the spectrum's
+promotion, exp, clamp, cos, sin and products; a transposed copy for the irfft; the window and mask products; two
+overlap-adds of n_fft / hop strided adds each into zeros; the stack, the tails' gather, add and scatter; the
+division. Here:
 
 1. `_spectrum_kernel`, one program per (row, frame): the head's Linear output [n_fft + 2] (log-magnitude, then
    phase) -> the complex spectrum [n_fft / 2 + 1] as interleaved fp32, frames contiguous, so the irfft reads it
