@@ -41,17 +41,25 @@ def vocos() -> IncrementalVocos:
     return IncrementalVocos(voc.to(DEVICE).eval())
 
 
-# (slot, start, count, limit) at the mel rate; lag is the pipeline's (4 for these nets): rows at the stream start
-# (frames < 0 masked), finished ones (frames >= limit masked), narrower than the width (count 0 included), slots in
-# no order, a row whose count makes its new tail start past the old one
-SPEC = [(3, 0, 6, NOT_FINISHED), (0, 40, 2, 41), (5, 17, 6, NOT_FINISHED), (1, 9, 0, NOT_FINISHED), (2, 3, 1, 30)]
+# (slot, start, count, limit) at the mel rate; a row's first frame is start - lag (lag 6 for these nets): rows at
+# the stream start (all or some frames < 0, masked), a finished one (frames >= limit masked), rows narrower than the
+# width (count 0 included), slots in no order and two left untouched
+SPEC = [
+    (3, 0, 6, NOT_FINISHED),
+    (6, 3, 5, NOT_FINISHED),
+    (0, 40, 2, 41),
+    (5, 17, 6, NOT_FINISHED),
+    (1, 9, 0, NOT_FINISHED),
+    (2, 30, 6, 28),
+]
+SLOTS = 8
 
 
 @pytest.mark.parametrize("width", [6, 9])
 @torch.no_grad()
 def test_fused_overlap_add_equals_torch(vocos: IncrementalVocos, width: int, monkeypatch) -> None:
     g = torch.Generator().manual_seed(width)
-    vocos.resize(6)
+    vocos.resize(SLOTS)
     vocos.tails.copy_(torch.randn(vocos.tails.shape, generator=g))  # unfinished sums and envelopes of each slot
     old_tails = vocos.tails.clone()
     feats = torch.randn(len(SPEC), width, 48, generator=g).to(DEVICE)
@@ -61,10 +69,12 @@ def test_fused_overlap_add_equals_torch(vocos: IncrementalVocos, width: int, mon
     ref_tails, vocos.tails = vocos.tails, old_tails.clone()
     out = istft_overlap_add(vocos.head, feats, rows, vocos.tails, vocos.lag)
     assert out.shape == ref.shape and out.dtype == ref.dtype == torch.float32
-    # every position, junk past a row's count included (both compute it by the same formula)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the sums and envelopes themselves: fp32 rounding (a product and a sum may contract into one fma)
     torch.testing.assert_close(vocos.tails, ref_tails, rtol=1e-5, atol=1e-6)
-    untouched = [s for s in range(6) if s not in [r[0] for r in SPEC]]
+    # every sample, junk past a row's count included (both compute it by the same formula); where the window
+    # envelope is near 0 (a row's first and last frames' edges) the division amplifies that rounding
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    untouched = [s for s in range(SLOTS) if s not in [r[0] for r in SPEC]]
     assert torch.equal(vocos.tails[untouched], old_tails[untouched])
 
 
