@@ -35,10 +35,12 @@ def _rows(spec, width: int, reach: int) -> Rows:
     return Rows(t(slots), t(starts), t(counts), t(limits), width, reach)
 
 
-@pytest.fixture(scope="module")
-def vocos() -> IncrementalVocos:
+@pytest.fixture(scope="module", params=[torch.float32, torch.float16], ids=["fp32", "fp16"])
+def vocos(request) -> IncrementalVocos:
+    """The nets in fp32, and in fp16 as the engine runs them on CUDA (the head's Linear output and its window in
+    fp16, the tails and the samples fp32 either way)."""
     _, _, voc = random_nets(3, hidden=64, dec_dim=32, dec_layers=1, voc_dim=48, voc_layers=1)
-    return IncrementalVocos(voc.to(DEVICE).eval())
+    return IncrementalVocos(voc.to(DEVICE, request.param).eval())
 
 
 # (slot, start, count, limit) at the mel rate; a row's first frame is start - lag (lag 6 for these nets): rows at
@@ -62,7 +64,7 @@ def test_fused_overlap_add_equals_torch(vocos: IncrementalVocos, width: int, mon
     vocos.resize(SLOTS)
     vocos.tails.copy_(torch.randn(vocos.tails.shape, generator=g))  # unfinished sums and envelopes of each slot
     old_tails = vocos.tails.clone()
-    feats = torch.randn(len(SPEC), width, 48, generator=g).to(DEVICE)
+    feats = torch.randn(len(SPEC), width, 48, generator=g).to(DEVICE, vocos.head.out.weight.dtype)
     rows = _rows(SPEC, width, vocos.reach)
     monkeypatch.setattr(incremental, "USE_TRITON", False)
     ref = vocos._overlap_add(feats, rows)
@@ -84,7 +86,7 @@ def test_spectrum_equals_the_heads(vocos: IncrementalVocos) -> None:
     past log(100) are clipped, phases far past pi keep their accuracy."""
     g = torch.Generator().manual_seed(1)
     head = vocos.head
-    x = (torch.randn(3, 5, head.n_fft + 2, generator=g) * 4).to(DEVICE)
+    x = (torch.randn(3, 5, head.n_fft + 2, generator=g) * 4).to(DEVICE, head.out.weight.dtype)
     x[0, 0, :4] = torch.tensor([5.0, 4.6, 4.7, -30.0])
     x[0, 0, -1] = 40.0  # a phase of 40 rad
     mag, phase = x.float().chunk(2, dim=2)
