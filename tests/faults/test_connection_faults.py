@@ -187,6 +187,26 @@ def test_slow_body_gets_408(server):
     assert closed_after is not None and TIMEOUT_S * 0.8 < took < TIMEOUT_S + 2, took
 
 
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_timeout_408_survives_bytes_sent_after_it(server, phase):
+    """The client goes on sending after the server timed it out, before it reads: the 408 must still arrive
+    (a plain close with those bytes unread, or arriving after it, makes the kernel reset the connection, and a
+    reset throws away the 408 the client had not yet read)."""
+    head = b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    if phase == "body":
+        head += b"content-length: 64\r\n\r\n{"
+    s = _connect(server.port)
+    with s:
+        s.send(head)
+        time.sleep(TIMEOUT_S + 0.5)  # timed out by now: the 408 is in this socket, unread
+        for _ in range(3):
+            s.send(b"x" * 100)
+            time.sleep(0.05)
+        got, closed_after = _read_until_closed(s, 3)
+    assert got.startswith(b"HTTP/1.1 408 "), got
+    assert closed_after is not None
+
+
 def test_idle_keep_alive_connection_is_closed(server):
     s = _connect(server.port)
     with s:

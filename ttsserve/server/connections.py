@@ -9,6 +9,9 @@ limit accept() fails and clients are reset). So the HTTP protocol is subclassed 
   of its headers. Silent connections are closed; a partial request gets 408.
 - body timeout: from the end of the headers to the end of the body (a total, so a trickle cannot extend it);
   408 unless the response already started.
+- a 408 or 503 is followed by a lingering close: the write side is shut and what the client still sends is
+  read and dropped until it closes (or LINGER_S), because closing a socket with bytes unread, or with bytes
+  still arriving, makes the kernel answer with a reset that destroys the status before the client reads it.
 - keep-alive: uvicorn's timer, but it leaves a connection whose next request is already in the socket.
 - max connections: a connection over the cap is answered 503 (`Connection: close`, `Retry-After`) at once
   and closed, so a flood of sockets gets a status instead of a reset from the kernel.
@@ -26,8 +29,8 @@ import time
 logger = logging.getLogger("ttsserve.server")
 
 LOG_INTERVAL_S = 10.0  # at most one summary line per interval (the first close of a burst is logged at once)
-SHED_LINGER_S = 1.0  # how long a shed connection waits for the client to read its 503 and close
-SHED_LINGER_MAX = 64  # shed connections lingering at once; more are closed at once (fds are the scarce thing)
+LINGER_S = 1.0  # how long a connection answered 408 / 503 waits for the client to read it and close
+LINGER_MAX = 64  # connections lingering at once; more are closed at once (fds are the scarce thing)
 REASONS = ("shed", "header_timeout", "body_timeout", "keep_alive")
 
 
@@ -121,7 +124,7 @@ class TimeoutsMixin:
 
     def connection_made(self, transport) -> None:
         self._shed = len(self.server_state.connections) >= self.max_connections
-        self._header_timer = self._body_timer = None
+        self._header_timer = self._body_timer = self._linger_timer = None
         self._seen_cycle = None
         self._request_bytes = False
         if self._shed:
@@ -132,24 +135,31 @@ class TimeoutsMixin:
 
     # ---- shedding ---------------------------------------------------------------------------------------
     def _shed_connection(self, transport) -> None:
-        """Answer 503 before reading anything and close. The write side is shut first and the socket kept
-        open briefly, so that a request already sent does not turn the close into a reset that would destroy
-        the 503 before the client reads it."""
+        """Answer 503 before reading anything and close."""
         self.transport = transport
         self.client = transport.get_extra_info("peername")
-        transport.write(SHED_RESPONSE)
-        self.conn_log.closed("shed", self.client)
-        if len(self.lingering) >= SHED_LINGER_MAX or not transport.can_write_eof():
+        self._answer_and_close("shed", SHED_RESPONSE)
+
+    def _answer_and_close(self, reason: str, response: bytes | None) -> None:
+        """Write `response` (None: close without a word), then close lingering: shut the write side and read
+        and drop what still comes until the client closes or LINGER_S passes."""
+        transport = self.transport
+        self.conn_log.closed(reason, self.client)
+        if response is None or len(self.lingering) >= LINGER_MAX or not transport.can_write_eof():
+            if response is not None:
+                transport.write(response)
             transport.close()
             return
+        transport.write(response)
         transport.write_eof()
+        transport.resume_reading()  # a paused transport would leave the client's bytes unread: a reset
         self.lingering.add(self)
-        self._linger_timer = self.loop.call_later(SHED_LINGER_S, transport.close)
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     # ---- reading ----------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        if self._shed:
-            return  # the request is not served; its bytes are read only so the close stays clean
+        if self in self.lingering:
+            return  # answered and closing: the bytes are read only so that the close stays clean
         idle = self.cycle is None or self.cycle.response_complete
         super().data_received(data)
         cycle = self.cycle
@@ -174,20 +184,18 @@ class TimeoutsMixin:
         self._header_timer = None
         if self.transport.is_closing():
             return
-        if self._request_bytes:  # a request began and stalled: say so; a silent connection is just closed
-            self.transport.write(TIMEOUT_RESPONSE)
-        self.conn_log.closed("header_timeout", self.client)
-        self.transport.close()
+        # a request began and stalled: say so; a silent connection is just closed
+        self._answer_and_close("header_timeout", TIMEOUT_RESPONSE if self._request_bytes else None)
 
     def _on_body_timeout(self) -> None:
         self._body_timer = None
         cycle = self.cycle
         if self.transport.is_closing() or cycle is None or not cycle.more_body:
             return
-        if not cycle.response_started:  # the app waits for the body: it sees a disconnect once this closes
-            self.transport.write(TIMEOUT_RESPONSE)
-        self.conn_log.closed("body_timeout", self.client)
-        self.transport.close()
+        started = cycle.response_started
+        cycle.disconnected = True  # the app waiting for the body sees a disconnect now, and writes nothing more
+        cycle.message_event.set()
+        self._answer_and_close("body_timeout", None if started else TIMEOUT_RESPONSE)
 
     def timeout_keep_alive_handler(self) -> None:
         self.timeout_keep_alive_task = None
@@ -195,13 +203,12 @@ class TimeoutsMixin:
             return
         if _socket_has_data(self.transport):  # the next request is here, unread: closing would reset it
             return
-        self.conn_log.closed("keep_alive", self.client)
-        self.transport.close()
+        self._answer_and_close("keep_alive", None)
 
     def connection_lost(self, exc) -> None:
+        self._linger_timer = _cancel(self._linger_timer)
+        self.lingering.discard(self)
         if self._shed:
-            _cancel(getattr(self, "_linger_timer", None))
-            self.lingering.discard(self)
             return
         self._header_timer = _cancel(self._header_timer)
         self._body_timer = _cancel(self._body_timer)
@@ -209,8 +216,8 @@ class TimeoutsMixin:
         super().connection_lost(exc)
 
     def eof_received(self):
-        if self._shed:
-            self.transport.close()  # the client read the 503 and closed its side
+        if self in self.lingering or self._shed:
+            self.transport.close()  # the client read the answer and closed its side
             return None
         return super().eof_received()
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 
-from ttsserve.server.connections import SHED_LINGER_MAX, protocol_class
+from ttsserve.server.connections import LINGER_MAX, protocol_class
 
 logger = logging.getLogger("ttsserve.server")
 
 # File descriptors kept free of connections: the process's own (model files, ZMQ, SQLite, logs, the
-# metrics directory) and shed connections lingering until their 503 is read.
-FD_RESERVE = 64 + SHED_LINGER_MAX
+# metrics directory) and connections lingering until their 503 or 408 is read.
+FD_RESERVE = 64 + LINGER_MAX
 
 
 def raise_fd_limit() -> int:
