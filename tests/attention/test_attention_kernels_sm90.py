@@ -1,6 +1,7 @@
 """The decode and prefill attention kernels compile for sm_90 through the code that launches them, on a machine
 without a GPU (tests/sm90_compile.py): every decode variant `precompile_decode` launches (one split and two, RoPE
-before and in the kernel, each lanes head count), with the bf16 and the fp8 KV cache."""
+before and in the kernel, each lanes head count), and the prefill kernel at each query tile it picks (16, 32 and
+64 rows, and fp32's own tiles) with the KV write before it on an fp8 cache, with the bf16 and the fp8 KV cache."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sm90_compile import compile_only_for_sm90  # noqa: E402
 
-from ttsserve.attention.backend import kv_cache_shape  # noqa: E402
+from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape  # noqa: E402
 from ttsserve.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from ttsserve.layers.quant.kv_fp8 import FP8KVCache  # noqa: E402
 
@@ -30,3 +31,48 @@ def test_decode_kernels_compile_for_sm90(fp8: bool) -> None:
     assert names and all("decode" in n or "reduce" in n for n in names), names
     if fp8:
         assert any("lanes" in n for n in names), names
+
+
+def _prefill_metadata(new: list[int], cached: list[int], block_size: int, num_blocks: int) -> AttentionMetadata:
+    """Sequences with `new` tokens after `cached` ones, each given blocks 0.. of the cache (only compiled)."""
+    seq_lens = [n + c for n, c in zip(new, cached)]
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    width = max(-(-s // block_size) for s in seq_lens)
+    assert width <= num_blocks
+    return AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.arange(width, dtype=torch.int32).repeat(len(new), 1),
+        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
+        max_query_len=max(new),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_kernels_compile_for_sm90(fp8: bool) -> None:
+    block_size, num_blocks = 16, 8
+    shape = kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    runs = [(torch.bfloat16, [3, 8]), (torch.bfloat16, [24, 1]), (torch.bfloat16, [60, 2])]
+    if not fp8:  # fp32 has a dense cache of its own dtype only
+        runs.append((torch.float32, [60, 2]))
+    attn = TritonPagedAttention()
+    with compile_only_for_sm90() as compiled:
+        for dtype, new in runs:
+            cache = FP8KVCache.zeros(shape, "cpu") if fp8 else torch.zeros(shape, dtype=dtype)
+            md = _prefill_metadata(new, [5, 0], block_size, num_blocks)
+            t = sum(new)
+            q = torch.zeros(t, NUM_HEADS, HEAD_DIM, dtype=dtype)
+            k = torch.zeros(t, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+            attn.forward(q, k, k.clone(), cache, md, HEAD_DIM**-0.5)
+    prefills = [kw for name, kw in compiled if name == "paged_prefill_kernel"]
+    assert [kw["BLOCK_M"] for kw in prefills] == [16, 32, 64] + ([] if fp8 else [64]), compiled
+    assert all(kw["FP8"] == fp8 for kw in prefills)
+    assert [kw["IEEE"] for kw in prefills][-1] == (not fp8)
+    writes = [name for name, _ in compiled if name == "reshape_and_cache_kernel"]
+    assert len(writes) == (3 if fp8 else 0), compiled  # an fp8 cache is written once, before the kernel reads it
