@@ -145,12 +145,11 @@ class TimeoutsMixin:
         and drop what still comes until the client closes or LINGER_S passes."""
         transport = self.transport
         self.conn_log.closed(reason, self.client)
+        if response is not None:
+            transport.write(response)
         if response is None or len(self.lingering) >= LINGER_MAX or not transport.can_write_eof():
-            if response is not None:
-                transport.write(response)
             transport.close()
             return
-        transport.write(response)
         transport.write_eof()
         transport.resume_reading()  # a paused transport would leave the client's bytes unread: a reset
         self.lingering.add(self)
