@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The vocoder's opt-in fusions (TTSSERVE_VOCODER_FUSED=1: the ConvNeXt blocks' GELU in the GEMM epilogue, the ISTFT
-# head as Triton kernels; docs/DEPLOY.md) checked and measured in one device call, each part writing as it goes:
+# The vocoder's fusions (on unless TTSSERVE_VOCODER_FUSED=0: the ConvNeXt blocks' GELU in the GEMM epilogue, the
+# ISTFT head as Triton kernels; docs/DEPLOY.md) checked and measured in one device call, each part writing as it goes:
 #   bash benchmarks/gpu_vocoder_fused.sh OUT
 # 1. GPU tests with the fusions on (the kernels against the torch path, the device stage against the CPU stage);
 # 2. micro-benchmarks: benchmarks/istft_micro.py, benchmarks/convnext_micro.py --shapes 512x24;
-# 3. served, interleaved: gpu_ab.sh with A = the default, B = TTSSERVE_VOCODER_FUSED=1, SERVE_ARGS (default
-#    --kv-cache-dtype fp8) at POINTS (default pcm:512), ROUNDS (default 1: A B A), DUR (12) seconds a point, no run
-#    starting past DEADLINE (default 560) seconds from this script's start;
+# 3. served, interleaved: gpu_ab.sh with A = TTSSERVE_VOCODER_FUSED=0 (the torch ISTFT, a separate GELU), B = the
+#    default, SERVE_ARGS (default --kv-cache-dtype fp8) at POINTS (default pcm:512), ROUNDS (default 1: A B A), DUR
+#    (12) seconds a point, no run starting past DEADLINE (default 560) seconds from this script's start;
 # 4. with PARTS containing "offline": bench offline 512 x 10 s and 1 x 10 s with and without the fusions.
 # Env: PARTS (default "tests micro serve").
 set -u
@@ -31,7 +31,7 @@ if [[ $parts == *" micro "* ]]; then
     echo "convnext_micro rc=$?"
 fi
 if [[ $parts == *" serve "* ]]; then
-    B_ENV="TTSSERVE_VOCODER_FUSED=1" DEADLINE=$(( ${DEADLINE:-560} - SECONDS )) bash benchmarks/gpu_ab.sh "$OUT/ab" \
+    A_ENV="TTSSERVE_VOCODER_FUSED=0" DEADLINE=$(( ${DEADLINE:-560} - SECONDS )) bash benchmarks/gpu_ab.sh "$OUT/ab" \
         "$ARGS" "$ARGS" "${POINTS:-pcm:512}" "${ROUNDS:-1}"
 fi
 if [[ $parts == *" offline "* ]]; then

@@ -1,5 +1,5 @@
-"""The vocoder's opt-in fusions are off unless TTSSERVE_VOCODER_FUSED=1, which turns both on (read at import, in
-the engine core's process as in any other)."""
+"""The vocoder's fusions are on unless TTSSERVE_VOCODER_FUSED=0, which turns both off (read at import, in the
+engine core's process as in any other)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _flags(value: str | None) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, "False"), ("0", "False"), ("1", "True")])
+@pytest.mark.parametrize(("value", "expected"), [(None, "True"), ("0", "False"), ("1", "True")])
 def test_fused_switch(value: str | None, expected: str) -> None:
     flags = _flags(value)
     assert flags and set(flags) == {expected}, flags

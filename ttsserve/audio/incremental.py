@@ -107,12 +107,12 @@ class ConvState:
         return F.conv1d(buf, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups), buf
 
 
-# On CUDA the conv buffers and the ConvNeXt blocks (and with TRITON_ISTFT the ISTFT head) run as Triton kernels
-# (audio/triton_convnext.py, audio/triton_istft.py); "0" keeps the torch path there too (the CPU always runs it)
+# On CUDA the conv buffers, the ConvNeXt blocks and the ISTFT head run as Triton kernels (audio/triton_convnext.py,
+# audio/triton_istft.py); "0" keeps the torch path there too (the CPU always runs it)
 USE_TRITON = os.environ.get("TTSSERVE_VOCODER_TRITON", "1") != "0"
-# the ISTFT head's kernels (audio/triton_istft.py) where USE_TRITON applies. Opt-in until measured on a GPU
-# (TTSSERVE_VOCODER_FUSED=1, which also turns on triton_convnext.GELU_EPILOGUE); their tests call them directly
-TRITON_ISTFT = os.environ.get("TTSSERVE_VOCODER_FUSED", "0") == "1"
+# the ISTFT head's kernels where USE_TRITON applies: 790 -> 263 us a call at 512 rows x 24 mel frames on an H100
+# (benchmarks/istft_micro.py). TTSSERVE_VOCODER_FUSED=0 turns this and triton_convnext.GELU_EPILOGUE off
+TRITON_ISTFT = os.environ.get("TTSSERVE_VOCODER_FUSED", "1") != "0"
 
 
 def triton_kernels(x: Tensor):

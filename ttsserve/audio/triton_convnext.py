@@ -50,8 +50,8 @@ _STRIDES = ["stride_xb", "stride_xc", "stride_xw", "stride_cache"]
 # cache or x per position; benchmarks/convnext_micro.py times both)
 INTERIOR_TILES = True
 # Linear1's bias and GELU in the GEMM's epilogue in fp16 / bf16 (linear_gelu; False: erf GELU as its own kernel).
-# Opt-in until measured on a GPU (TTSSERVE_VOCODER_FUSED=1, with incremental.TRITON_ISTFT); its tests turn it on
-GELU_EPILOGUE = os.environ.get("TTSSERVE_VOCODER_FUSED", "0") == "1"
+# TTSSERVE_VOCODER_FUSED=0 turns it off, with incremental.TRITON_ISTFT
+GELU_EPILOGUE = os.environ.get("TTSSERVE_VOCODER_FUSED", "1") != "0"
 
 
 @triton.jit
