@@ -5,6 +5,7 @@ before and in the kernel, each lanes head count), and the prefill kernel at each
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -36,9 +37,7 @@ def test_decode_kernels_compile_for_sm90(fp8: bool) -> None:
 def _prefill_metadata(new: list[int], cached: list[int], block_size: int, num_blocks: int) -> AttentionMetadata:
     """Sequences with `new` tokens after `cached` ones, each given blocks 0.. of the cache (only compiled)."""
     seq_lens = [n + c for n, c in zip(new, cached)]
-    cu = [0]
-    for n in new:
-        cu.append(cu[-1] + n)
+    cu = [0, *itertools.accumulate(new)]
     width = max(-(-s // block_size) for s in seq_lens)
     assert width <= num_blocks
     return AttentionMetadata(
