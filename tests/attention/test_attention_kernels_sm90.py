@@ -1,7 +1,8 @@
 """The decode and prefill attention kernels compile for sm_90 through the code that launches them, on a machine
 without a GPU (tests/sm90_compile.py): every decode variant `precompile_decode` launches (one split and two, RoPE
 before and in the kernel, each lanes head count), and the prefill kernel at each query tile it picks (16, 32 and
-64 rows, and fp32's own tiles) with the KV write before it on an fp8 cache, with the bf16 and the fp8 KV cache."""
+64 rows, and fp32's own tiles) with the KV write before it on an fp8 cache, with the bf16 and the fp8 KV cache;
+and its tile-table launch (the full prefill graphs') at each of those tiles."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sm90_compile import compile_only_for_sm90  # noqa: E402
 
 from ttsserve.attention.backend import AttentionMetadata, kv_cache_shape  # noqa: E402
+from ttsserve.attention.prefill_tiles import max_prefill_tiles, prefill_tiles  # noqa: E402
 from ttsserve.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from ttsserve.layers.quant.kv_fp8 import FP8KVCache  # noqa: E402
 
@@ -75,3 +78,24 @@ def test_prefill_kernels_compile_for_sm90(fp8: bool) -> None:
     assert [kw["IEEE"] for kw in prefills][-1] == (not fp8)
     writes = [name for name, _ in compiled if name == "reshape_and_cache_kernel"]
     assert len(writes) == (3 if fp8 else 0), compiled  # an fp8 cache is written once, before the kernel reads it
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tiled_prefill_compiles_for_sm90(fp8: bool) -> None:
+    """The tile-table launch the full prefill graphs capture, at each bucket's BLOCK_M, with padding rows."""
+    block_size, num_blocks = 16, 8
+    shape = kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    cache = FP8KVCache.zeros(shape, "cpu") if fp8 else torch.zeros(shape, dtype=torch.bfloat16)
+    md = _prefill_metadata([24, 1], [5, 0], block_size, num_blocks)
+    t = 32  # the bucket: 25 tokens and 7 padding rows
+    md.slot_mapping = torch.full((t,), -1, dtype=torch.int64)
+    q = torch.zeros(t, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.zeros(t, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    attn = TritonPagedAttention()
+    with compile_only_for_sm90() as compiled:
+        for block_m in (16, 32, 64):
+            tiles = torch.from_numpy(prefill_tiles(np.array([24, 1]), block_m, max_prefill_tiles(t, 2, block_m)))
+            attn.prefill_tiled(torch.empty_like(q), q, k, k.clone(), cache, md, HEAD_DIM**-0.5, tiles, block_m)
+    prefills = [kw for name, kw in compiled if name == "paged_prefill_kernel"]
+    assert [kw["BLOCK_M"] for kw in prefills] == [16, 32, 64], compiled
+    assert all(kw["TILED"] and kw["FP8"] == fp8 for kw in prefills)

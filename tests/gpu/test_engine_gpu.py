@@ -40,6 +40,7 @@ def test_engine_cuda_graphs_equal_cpu_reference(real_fp32, real_fp32_cpu):
     reqs = _requests(4, 24, greedy=True)
     e = _engine(real_fp32, kv_cache_memory=1 << 30)
     assert e.runner.graphs is not None and e.audio.deferred and e.runner.graphs.max_steps == 8  # decode bursts
+    assert e.runner.prefill_graphs.full  # the prefill attention inside the graphs
     rec_gpu, audio_gpu = _run(e, reqs)
     assert e.runner.timings.graph_steps >= 2 and e.runner.timings.piecewise_steps > 0  # 23 frames in bursts of 8
     assert e.runner.timings.sampler_graph_steps > 0  # the first frames
@@ -50,6 +51,27 @@ def test_engine_cuda_graphs_equal_cpu_reference(real_fp32, real_fp32_cpu):
         np.testing.assert_allclose(rec_gpu.hidden(seq), rec_cpu.hidden(seq), atol=1e-3, rtol=0)
         ref = audio_cpu[r.request_id][0]
         np.testing.assert_allclose(audio_gpu[r.request_id][0], ref, atol=1e-3 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_full_prefill_graphs_equal_piecewise(real_fp32, monkeypatch, kv_cache_dtype):
+    """Prompts chunked over several steps (64 tokens a step, mixed with decode rows) and bursts: the prefill graphs
+    with the attention captured (static metadata, the tile table) give the piecewise graphs' greedy codes."""
+    print(f"seed {SEED}")
+    reqs = _requests(6, 16, greedy=True)
+    cfg = {"kv_cache_memory": 1 << 30, "max_num_batched_tokens": 64, "kv_cache_dtype": kv_cache_dtype}
+    runs = {}
+    for mode in ("piecewise", "full"):
+        monkeypatch.setenv("TTSSERVE_PREFILL_GRAPHS", mode)
+        e = _engine(real_fp32, **cfg)
+        assert e.runner.prefill_graphs.full == (mode == "full")
+        runs[mode], _ = _run(e, reqs)
+        assert e.runner.timings.piecewise_steps >= 6  # at least one step a prompt
+        del e
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert runs["full"].frames[seq] == runs["piecewise"].frames[seq], seq
+        np.testing.assert_allclose(runs["full"].hidden(seq), runs["piecewise"].hidden(seq), atol=1e-4, rtol=0)
 
 
 def test_golden_greedy_codes_on_cuda(tiny_cuda, tiny_speaker_np):

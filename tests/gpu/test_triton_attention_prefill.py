@@ -8,6 +8,9 @@ same tests run small shapes through Triton's CPU interpreter (slow; a developmen
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +26,7 @@ from triton_attention_util import (  # noqa: E402
     MAX_CTX,
     ON_GPU,
     REL_TOL,
+    bits,
     cache_bits,
     check,
     clone_cache,
@@ -33,7 +37,9 @@ from triton_attention_util import (  # noqa: E402
 )
 
 from ttsserve.attention.dense import causal_sdpa  # noqa: E402
-from ttsserve.attention.triton_paged import TritonPagedAttention, write_kv_cache  # noqa: E402
+from ttsserve.attention.prefill_tiles import max_prefill_tiles, prefill_tiles  # noqa: E402
+from ttsserve.attention.triton_paged import TritonPagedAttention, paged_prefill, write_kv_cache  # noqa: E402
+from ttsserve.attention.triton_tuning import TritonTuning  # noqa: E402
 from ttsserve.layers.quant.kv_fp8 import write_kv_fp8  # noqa: E402
 
 
@@ -100,3 +106,35 @@ def test_fp8_cache_prefill_matches_dequantized_reference(dtype: torch.dtype) -> 
     assert torch.isfinite(out).all()
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < REL_TOL[dtype], f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tiled_launch_matches_the_sequence_grid(fp8: bool, block_m: int) -> None:
+    """The launch a CUDA graph captures (a tile table with unused tiles, padding token rows with slot -1 after the
+    step's tokens) writes the same cache bytes and the same output rows as the launch over the sequences, at
+    the same BLOCK_M: the same programs' arithmetic, listed instead of gridded."""
+    dtype = torch.float32 if INTERPRET and not ON_GPU else torch.bfloat16
+    gen = torch.Generator().manual_seed(31 + block_m)
+    big = 200 if ON_GPU else 20
+    case = make_case([0, 17, big, 3], [big, 1, 40, 5], 16, dtype, gen)
+    md, t = case.md, case.q.shape[0]
+    pad = 7  # the bucket's rows past the step's tokens
+    q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], generator=gen).to(x)]) for x in (case.q, case.k, case.v))
+    slots = torch.cat([md.slot_mapping, torch.full((pad,), -1, dtype=md.slot_mapping.dtype, device=DEVICE)])
+    padded = dataclasses.replace(md, slot_mapping=slots)
+    cache = to_fp8_cache(case.kv_cache) if fp8 else case.kv_cache
+    want_cache = clone_cache(cache) if fp8 else cache.clone()
+    tuning = TritonTuning(prefill_block_m=block_m)
+    want = torch.empty_like(case.q)
+    paged_prefill(want, case.q, case.k, case.v, want_cache, md, case.scale, tuning)
+    num_new = np.diff(np.array(md.cu_seqlens_q_cpu))
+    capacity = max_prefill_tiles(t + pad, len(num_new) + 2, block_m)
+    tiles = torch.from_numpy(prefill_tiles(num_new, block_m, capacity)).to(DEVICE)
+    got = torch.empty_like(q)
+    paged_prefill(got, q, k, v, cache, padded, case.scale, TritonTuning(), tiles=tiles, block_m=block_m)
+    assert torch.equal(got[:t], want)
+    if fp8:
+        assert all(torch.equal(a, b) for a, b in zip(cache_bits(cache), cache_bits(want_cache)))
+    else:
+        assert torch.equal(bits(cache), bits(want_cache))  # bitwise: the unused slots hold NaN

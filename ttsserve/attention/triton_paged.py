@@ -31,6 +31,7 @@ import torch
 import triton
 
 from ttsserve.attention.backend import AttentionMetadata, Rope, rope_qk
+from ttsserve.attention.prefill_tiles import prefill_block_m
 from ttsserve.attention.triton_decode_kernels import paged_decode_kernel, paged_decode_reduce_kernel
 from ttsserve.attention.triton_decode_lanes import paged_decode_lanes_kernel
 from ttsserve.attention.triton_prefill_kernels import paged_prefill_kernel, reshape_and_cache_kernel
@@ -94,6 +95,24 @@ class TritonPagedAttention:
             q, k = rope_qk(q, k, rope)
             paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning)
         return out
+
+    def prefill_tiled(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | FP8KVCache,
+        md: AttentionMetadata,
+        scale: float,
+        tiles: torch.Tensor,
+        block_m: int,
+    ) -> None:
+        """forward() of a prefill batch (q / k rotated) into out, over the tile table `tiles` (int32
+        [num_tiles, 2], attention/prefill_tiles.py) at block_m: a launch a CUDA graph may capture with static
+        metadata; padding rows past the step's tokens take slot -1 and are in no tile."""
+        _check_inputs(q, k, v, kv_cache, md)
+        paged_prefill(out, q, k, v, kv_cache, md, scale, self.tuning, tiles, block_m)
 
     def precompile_decode(self, kv_cache: torch.Tensor | FP8KVCache, num_heads: int, dtype: torch.dtype) -> None:
         """Compile the decode kernels now: one sequence with one split and with two (the split variant with its
@@ -365,19 +384,25 @@ def paged_prefill(
     md: AttentionMetadata,
     scale: float,
     tuning: TritonTuning,
+    tiles: torch.Tensor | None = None,
+    block_m: int | None = None,
 ) -> None:
     """Causal attention of each sequence's new queries (the last q_len of its context) over its context;
-    also stores k / v at md.slot_mapping."""
+    also stores k / v at md.slot_mapping. tiles: the launch over a tile table instead of the sequences (int32
+    [num_tiles, 2] built by attention/prefill_tiles.py with block_m, which must be given with it): its grid
+    depends on no step's lengths, so a CUDA graph may capture it."""
+    assert (tiles is None) == (block_m is None), "a tile table comes with the block_m it was built for"
     if isinstance(kv_cache, FP8KVCache):  # quantized once, here; the kernel reads every key from the cache
         write_kv_cache(k, v, kv_cache, md.slot_mapping)
     kv_cache, scales = _split_cache(kv_cache)
     scale_ptr, *scale_strides = _scale_args(kv_cache, scales)
     num_seqs, num_heads, head_dim = md.seq_lens.shape[0], q.shape[1], q.shape[2]
     group = num_heads // k.shape[1]
-    block_m = tuning.prefill_block_m
-    if block_m is None:  # a small BLOCK_M wastes less on decode rows and short chunks in mixed batches
-        block_m = 16 if md.max_query_len <= 16 else (32 if md.max_query_len <= 32 else 64)
-    grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
+    if tiles is not None:
+        grid = (tiles.shape[0], num_heads, 1)
+    else:
+        block_m = tuning.prefill_block_m or prefill_block_m(md.max_query_len)
+        grid = (num_seqs, num_heads, triton.cdiv(md.max_query_len, block_m))
     ieee = q.dtype == torch.float32
     block_n, warps, stages = tuning.prefill_block_n, tuning.prefill_num_warps, tuning.prefill_num_stages
     if ieee:
@@ -395,6 +420,7 @@ def paged_prefill(
         md.seq_lens,
         md.cu_seqlens_q,
         md.slot_mapping,
+        md.slot_mapping if tiles is None else tiles,  # unread without TILED
         scale_ptr,
         scale * LOG2E,
         q.stride(0),
@@ -417,6 +443,7 @@ def paged_prefill(
         BLOCK_N=block_n,
         IEEE=ieee,
         FP8=scales is not None,
+        TILED=tiles is not None,
         num_warps=warps,
         num_stages=stages,
     )

@@ -69,6 +69,7 @@ def paged_prefill_kernel(
     seq_lens_ptr,
     cu_seqlens_q_ptr,
     slot_mapping_ptr,
+    tiles_ptr,
     scale_ptr,
     qk_scale,
     stride_qt,
@@ -93,8 +94,11 @@ def paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): BLOCK_M new queries of one sequence/head.
+    TILED: grid (num_tiles, num_heads, 1) over the int32 [num_tiles, 2] table at tiles_ptr of (sequence, query
+    block) pairs (attention/prefill_tiles.py), a (-1, -1) tile exiting at once: the launch a CUDA graph freezes.
 
     The q_len new queries of sequence b are the LAST q_len positions of its context of L = seq_lens[b]
     tokens, so query row r sits at position ctx_start + r (ctx_start = L - q_len) and attends to context
@@ -106,9 +110,15 @@ def paged_prefill_kernel(
     5x the bf16 kernel's time per call served at 512 streams on an H100). Handles any q_len >= 1, so one
     launch serves mixed decode / chunked-prefill batches; programs past a sequence's q_len exit at once.
     """
-    b = tl.program_id(0)
+    if TILED:
+        b = tl.load(tiles_ptr + 2 * tl.program_id(0))
+        mt = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+        if b < 0:
+            return
+    else:
+        b = tl.program_id(0)
+        mt = tl.program_id(2)
     h = tl.program_id(1)
-    mt = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + b)
     q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     if mt * BLOCK_M >= q_len:

@@ -299,7 +299,7 @@ class ModelRunner:
         """The general path's forward: piecewise graphs where they are captured (the compiled fused ops run
         eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, docs/benchmarks-history.md)."""
         pg = self.prefill_graphs
-        if pg is None or not pg.can_run(x.shape[0]):
+        if pg is None or not pg.can_run(x.shape[0], md.num_seqs):
             return self._forward(x, md, positions)
         self.timings.piecewise_steps += 1
         return pg.run(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))

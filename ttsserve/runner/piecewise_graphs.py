@@ -14,15 +14,28 @@ residual between pieces, the attention output back in, the hidden states out. Pa
 finite values; they are never attended to (the attention only sees the step's real tokens) and their rows
 are dropped. Off CUDA nothing is captured: run() calls the same pieces eagerly on the same buffers, which is
 what the CPU tests check against GPT.forward.
+
+Full graphs (on CUDA with the Triton backend, unless TTSSERVE_PREFILL_GRAPHS=piecewise): the attention is
+captured too, one graph per bucket for the whole forward. The eager attention between the pieces cost the host
+~40 Triton launches a prefill step (the KV write and the kernel per layer; ~9 % of the engine core's samples
+served at 512 streams on an H100 whose host was the wall). In the graph the attention reads static metadata
+(cu_seqlens_q, seq_lens, block tables, slots; padding rows' slots -1, so nothing is written for them) and
+runs over a table of query tiles (attention/prefill_tiles.py) sized for the bucket, which run() fills each
+step; its BLOCK_M is the bucket's (prefill_block_m of the bucket size).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+import numpy as np
 import torch
 
+from ttsserve.attention.backend import AttentionMetadata
+from ttsserve.attention.prefill_tiles import max_prefill_tiles, prefill_block_m, prefill_tiles
+from ttsserve.h2d import async_h2d
 from ttsserve.runner.cuda_graphs import capture_graph, or_uncompiled
 from ttsserve.runner.decode_ops import DecodeOps
 from ttsserve.runner.graph_buckets import BucketedGraphs
@@ -45,7 +58,7 @@ class PrefillGraphs(BucketedGraphs):
     `capture_next()` captures the other buckets later, largest first: a step's tokens replay the smallest
     captured bucket that holds them)."""
 
-    def __init__(self, runner, sizes: list[int], ops: DecodeOps) -> None:
+    def __init__(self, runner, sizes: list[int], ops: DecodeOps, max_seqs: int | None = None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"prefill graph sizes must be positive, got {sizes}")
         self.runner, self.ops = runner, ops
@@ -65,9 +78,29 @@ class PrefillGraphs(BucketedGraphs):
         self.sin = torch.zeros_like(self.cos)
         self.out = torch.zeros_like(self.x)
         self.capture_s = 0.0
+        backend = runner.backend
+        self.full = (
+            dev.type == "cuda"
+            and backend.name == "triton"
+            and os.environ.get("TTSSERVE_PREFILL_GRAPHS", "full") != "piecewise"
+        )
+        if self.full:
+            self._init_metadata(n, min(n, max_seqs or n), runner.input_batch.block_table.shape[1])
 
-    def can_run(self, num_tokens: int) -> bool:
-        return num_tokens <= self.sizes[-1]
+    def _init_metadata(self, n: int, max_seqs: int, max_blocks: int) -> None:
+        """The full graphs' static attention metadata, for at most n tokens of at most max_seqs sequences."""
+        dev, tuning = self.runner.device, self.runner.backend.tuning
+        self.max_seqs = max_seqs
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.cu = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=dev)
+        self.block_m = {b: tuning.prefill_block_m or prefill_block_m(b) for b in self.sizes}
+        self.num_tiles = {b: max_prefill_tiles(b, max_seqs, self.block_m[b]) for b in self.sizes}
+        self.tiles = torch.full((max(self.num_tiles.values()), 2), -1, dtype=torch.int32, device=dev)
+
+    def can_run(self, num_tokens: int, num_seqs: int = 1) -> bool:
+        return num_tokens <= self.sizes[-1] and (not self.full or num_seqs <= self.max_seqs)
 
     # ---- the pieces --------------------------------------------------------------------------------------
     def _qkv(self, layer, normed: torch.Tensor, t: int) -> None:
@@ -125,13 +158,16 @@ class PrefillGraphs(BucketedGraphs):
 
     def _capture_sizes(self, sizes: list[int]) -> None:
         t0 = time.perf_counter()
+        if self.full and self.pending:  # the deferred buckets' attention variants, compiled before any step
+            self._precompile_attention()
         for t in sizes:
             self._capture_bucket(t)
         self.capture_s = time.perf_counter() - t0
         if self.runner.device.type == "cuda":
             logger.info(
-                "captured %d piecewise prefill CUDA graphs (%d token buckets, %d..%d) in %.1f s%s",
-                len(sizes) * (self.num_layers + 1),
+                "captured %d %s prefill CUDA graphs (%d token buckets, %d..%d) in %.1f s%s",
+                len(sizes) * (1 if self.full else self.num_layers + 1),
+                "full" if self.full else "piecewise",
                 len(sizes),
                 sizes[-1],
                 sizes[0],
@@ -147,6 +183,9 @@ class PrefillGraphs(BucketedGraphs):
             self._add_graph(t, [None] * (self.num_layers + 1))
             return
         torch.cuda.synchronize()  # a step in flight may still read the static buffers the pieces write
+        if self.full:
+            self._capture_full(t)
+            return
         for i in range(self.num_layers + 1):
             self._piece(i, t)
         graphs = []
@@ -158,14 +197,67 @@ class PrefillGraphs(BucketedGraphs):
         torch.cuda.synchronize()
         self._add_graph(t, graphs)
 
+    # ---- full graphs: the attention captured with the pieces ------------------------------------------------
+    def _attend_tiled(self, layer_idx: int, t: int, num_tiles: int, block_m: int) -> None:
+        """Layer layer_idx's attention of the first t rows into self.attn, over the first num_tiles tiles."""
+        r = self.runner
+        md = AttentionMetadata(self.cu, self.seq_lens, self.tables, self.slots[:t], t, 0, r.block_size, [], [])
+        r.backend.prefill_tiled(
+            self.attn[:t], self.q[:t], self.k[:t], self.v[:t], r.kv.layers[layer_idx], md, r.scale,
+            self.tiles[:num_tiles], block_m,
+        )  # fmt: skip
+
+    def _forward_full(self, t: int) -> None:
+        """The whole forward over the bucket's t rows, the attention through the static metadata and tiles."""
+        for i in range(self.num_layers + 1):
+            if i:
+                self._attend_tiled(i - 1, t, self.num_tiles[t], self.block_m[t])
+            self._piece(i, t)
+
+    def _capture_full(self, t: int) -> None:
+        """Warm at t tokens with every tile and slot unused (the attention writes and reads nothing: a queued step
+        was waited for, and the metadata is refilled before each replay), capture, upload."""
+        self.tiles.fill_(-1)
+        self.slots.fill_(-1)
+        self._forward_full(t)
+        graph, self.pool = capture_graph(lambda: self._forward_full(t), self.pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        self._add_graph(t, graph)
+
+    @torch.inference_mode()
+    def _precompile_attention(self) -> None:
+        """Launch the tiled attention once at each bucket's BLOCK_M with every tile unused: a bucket captured
+        between served steps would otherwise compile its variant there (0.4-1.9 s on an empty Triton cache)."""
+        torch.cuda.synchronize()  # a step in flight may still read the tiles and slots
+        self.tiles.fill_(-1)
+        self.slots.fill_(-1)
+        for block_m in sorted(set(self.block_m.values())):
+            self._attend_tiled(0, min(b for b in self.sizes if self.block_m[b] == block_m), 1, block_m)
+
+    def _load_metadata(self, md: AttentionMetadata, t: int, b: int) -> None:
+        """The step's attention metadata into the static buffers the bucket b's graph reads (t real tokens)."""
+        n = md.num_seqs
+        self.cu[: n + 1].copy_(md.cu_seqlens_q)
+        self.seq_lens[:n].copy_(md.seq_lens)
+        self.tables[:n].copy_(md.block_tables)
+        self.slots[:t].copy_(md.slot_mapping)
+        self.slots[t:b].fill_(-1)
+        tiles = prefill_tiles(np.diff(md.cu_seqlens_q_cpu), self.block_m[b], self.num_tiles[b])
+        self.tiles[: len(tiles)].copy_(async_h2d(torch.from_numpy(tiles), self.runner.device))
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """GPT forward of x [T, H] at positions [T] with attention context ctx -> hidden [T, H] in the GPT
-        dtype: a view of the static output, valid until the next run()."""
+        """GPT forward of x [T, H] at positions [T] with attention context ctx (a PagedAttention) -> hidden
+        [T, H] in the GPT dtype: a view of the static output, valid until the next run()."""
         t = x.shape[0]
         b = self.bucket(t)
         self.x[:t].copy_(x)
         self.positions[:t].copy_(positions)
         graphs = self.graphs[b]
+        if self.full:
+            self._load_metadata(ctx.md, t, b)
+            graphs.replay()
+            return self.out[:t]
         for i in range(self.num_layers + 1):
             if i:
                 self.attn[:t].copy_(ctx.attend(i - 1, self.q[:t], self.k[:t], self.v[:t]))

@@ -32,7 +32,7 @@ def build_cuda_graphs(runner, kv, sizes, max_num_seqs: int, max_tokens: int, max
     )
     runner.graphs.capture(defer=defer)
     # after the decode capture: its ops are uncompiled if the compiled ones failed there
-    runner.prefill_graphs = PrefillGraphs(runner, default_prefill_sizes(max_tokens), runner.graphs.ops)
+    runner.prefill_graphs = PrefillGraphs(runner, default_prefill_sizes(max_tokens), runner.graphs.ops, max_num_seqs)
     runner.prefill_graphs.capture(defer=defer)
     runner.sampler_graphs = SamplerGraphs(runner, default_sampler_sizes(max_num_seqs), runner.graphs.ops)
     runner.sampler_graphs.capture(defer=defer)
