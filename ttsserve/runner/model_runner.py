@@ -203,7 +203,8 @@ class ModelRunner:
             tm.mixed_graph_steps += self.graphs is not None and bool(len(rest))
         else:
             groups = self._execute_general(scheduled, cols, None, requests)
-        flat = [g.tokens.reshape(-1) for g in groups]
+        # no group where every row is a prompt chunk before its last (nothing samples): an empty read-back
+        flat = [g.tokens.reshape(-1) for g in groups] or [torch.zeros(0, dtype=torch.int64, device=self.device)]
         flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         event = None
         if flat.device.type == "cuda":
