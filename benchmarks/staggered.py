@@ -41,6 +41,7 @@ VARIANTS = {  # name -> (EngineConfig overrides, vocoder graphs on, piecewise pr
     "graphs-cadence8-admit8": ({"vocoder_cadence": 8, "admission_interval": 8}, True, True),
     "sync": ({"async_scheduling": False}, True, True),  # the CUDA defaults (cadence 8, admission 8), not pipelined
     "pipelined": ({"async_scheduling": True}, True, True),
+    "pipelined-fp8": ({"async_scheduling": True, "kv_cache_dtype": "fp8"}, True, True),  # the served targets' cache
     "pipelined-k2": ({"async_scheduling": True, "num_scheduler_steps": 2}, True, True),  # decode bursts
     "pipelined-k3": ({"async_scheduling": True, "num_scheduler_steps": 3}, True, True),
     "pipelined-k4": ({"async_scheduling": True, "num_scheduler_steps": 4}, True, True),
