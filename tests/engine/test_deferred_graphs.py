@@ -24,7 +24,7 @@ from ttsserve.engine.deferred_capture import DeferredCapture
 from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.cuda_graphs import DecodeGraphs
 from ttsserve.runner.decode_ops import DecodeOps
-from ttsserve.runner.piecewise_graphs import PrefillGraphs
+from ttsserve.runner.prefill_graphs import PrefillGraphs
 from ttsserve.runner.sampler_graphs import SamplerGraphs
 
 

@@ -12,7 +12,7 @@ from ttsserve.params import SamplingParams, SynthesisRequest
 from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 from ttsserve.runner.decode_ops import DecodeOps
 from ttsserve.runner.input_batch import InputBatch
-from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
+from ttsserve.runner.prefill_graphs import PrefillGraphs, default_prefill_sizes
 from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
 from ttsserve.sample.sampler import make_sampling_batch, sample
 from ttsserve.sample.state import SamplingState

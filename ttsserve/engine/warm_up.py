@@ -22,8 +22,9 @@ def warm_up(engine: Engine) -> None:
     blocks; on an H200 a cold engine's first pass ran 2.5x slower than its second)."""
     t0 = time.perf_counter()
     frames = engine.first_audio_frames + 2 * engine.cfg.max_chunk_frames
-    # prompts of ~10, ~30 and ~130 positions: every query tile of the eagerly run prefill attention kernel
-    # (runner/piecewise_graphs.py; triton_paged.py picks 16, 32 or 64 rows) compiles here, not in a request
+    # prompts of ~10, ~30 and ~130 positions: every query tile of the prefill attention kernel run eagerly
+    # (piecewise prefill graphs: runner/prefill_graphs.py; triton_paged.py picks 16, 32 or 64 rows) compiles
+    # here, not in a request; the full graphs compile theirs at capture
     long = "and a fourth, long enough that its prefill runs the attention kernel's largest query tile, " * 2
     texts = ["warm up", "warm up the engine with a longer prompt than the first one", "and a third", long]
     for i, text in enumerate(texts):

@@ -1,5 +1,5 @@
 """DecodeOps and fused_gpt_forward: the GPT step restructured for fusion, shared by the decode, piecewise prefill and
-sampler graphs (runner/cuda_graphs.py, piecewise_graphs.py, sampler_graphs.py)."""
+sampler graphs (runner/cuda_graphs.py, prefill_graphs.py, sampler_graphs.py)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ Two paths, one result:
   (runner/cuda_graphs.py) and one device-to-host copy of the sampled codes; a decode burst (multi-step
   scheduling) replays the graph num_steps times in a row, each replay reading the frame the last one sampled;
 - any other step (prefill, chunked prefill, recompute, refine-text): vectorised inputs, and on CUDA the GPT
-  through piecewise graphs by token bucket with only the attention eager (runner/piecewise_graphs.py); a
-  mixed step replays the decode graph for its decode rows and runs the rest that way.
+  through one graph per token bucket, the attention in it (runner/prefill_graphs.py); a mixed step replays
+  the decode graph for its decode rows and runs the rest that way.
 The runner never touches a queue; the scheduler never touches a tensor (docs/ARCHITECTURE.md, "Who owns what").
 """
 
@@ -99,7 +99,7 @@ class ModelRunner:
         # step's outputs must survive the next step being queued before they are read.
         self.pipelined = False
         self.graphs = None
-        self.prefill_graphs = None  # runner/piecewise_graphs.py: the general path's forward, by token bucket
+        self.prefill_graphs = None  # runner/prefill_graphs.py: the general path's forward, by token bucket
         self.sampler_graphs = None  # runner/sampler_graphs.py: the general path's code sampling, by row bucket
         if self.device.type == "cuda" and not enforce_eager and graphable:
             build_cuda_graphs(self, kv, capture_sizes, max_num_seqs, max_num_batched_tokens, num_scheduler_steps, defer)

@@ -15,7 +15,7 @@ def build_cuda_graphs(runner, kv, sizes, max_num_seqs: int, max_tokens: int, max
     the KV cache, is allocated on its thread), then capture them (with `defer` only the largest and smallest
     buckets)."""
     from ttsserve.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
-    from ttsserve.runner.piecewise_graphs import PrefillGraphs, default_prefill_sizes
+    from ttsserve.runner.prefill_graphs import PrefillGraphs, default_prefill_sizes
     from ttsserve.runner.sampler_graphs import SamplerGraphs, default_sampler_sizes
 
     t0 = time.perf_counter()

@@ -1,27 +1,25 @@
-"""Piecewise CUDA graphs of the GPT forward for prefill steps (vLLM V1's piecewise graphs, by token bucket).
+"""CUDA graphs of the GPT forward for prefill steps, by token bucket (vLLM V1's full and piecewise modes).
 
 A prefill (or chunked prefill, recompute, refine-text) step has a different shape every time, so the decode
 graphs cannot serve it, and run op by op it costs the host ~30 launches per layer: on an H200 an engine
-step that also prefilled took several decode steps of host time. Here the forward is cut at attention:
+step that also prefilled took several decode steps of host time. The forward is cut at attention into pieces:
 piece 0 is the first layer's norm, q/k/v projection and RoPE; piece i (1..L-1) is layer i-1's output
 projection and MLP plus layer i's norm, q/k/v and RoPE; piece L is the last layer's output half and the
-final norm. Each piece is captured once per token bucket (sizes padded up), and only the paged attention,
-whose work depends on the sequences' lengths, runs eagerly between the replays: L attention calls and L + 1
-replays instead of the whole layer stack.
+final norm. Sizes are padded up to the bucket. The pieces read and write static buffers (the bucket's first
+rows): x and positions in, q / k / v and the residual between pieces, the attention output back in, the hidden
+states out. Padding rows hold stale finite values; they are never attended to (the attention only sees the
+step's real tokens) and their rows are dropped.
 
-The pieces read and write static buffers (the bucket's first rows): x and positions in, q / k / v and the
-residual between pieces, the attention output back in, the hidden states out. Padding rows hold stale
-finite values; they are never attended to (the attention only sees the step's real tokens) and their rows
-are dropped. Off CUDA nothing is captured: run() calls the same pieces eagerly on the same buffers, which is
+Full graphs (the default on CUDA with the Triton backend): one graph per bucket holds the pieces and the paged
+attention between them. The attention reads static metadata (cu_seqlens_q, seq_lens, block tables, slots;
+padding rows' slots -1, so nothing is written for them) and runs over a table of query tiles
+(attention/prefill_tiles.py) sized for the bucket, all of which run() fills before each replay; its BLOCK_M is
+the bucket's (prefill_block_m of the bucket size). Piecewise graphs (TTSSERVE_PREFILL_GRAPHS=piecewise, or
+another attention backend): each piece is a graph of its own and the attention runs eagerly between the
+replays, L attention calls and L + 1 replays, which cost the host ~40 Triton launches a step (the KV write
+and the kernel per layer; ~9 % of the engine core's samples served at 512 streams on an H100 whose host was
+the wall). Off CUDA nothing is captured: run() calls the same pieces eagerly on the same buffers, which is
 what the CPU tests check against GPT.forward.
-
-Full graphs (on CUDA with the Triton backend, unless TTSSERVE_PREFILL_GRAPHS=piecewise): the attention is
-captured too, one graph per bucket for the whole forward. The eager attention between the pieces cost the host
-~40 Triton launches a prefill step (the KV write and the kernel per layer; ~9 % of the engine core's samples
-served at 512 streams on an H100 whose host was the wall). In the graph the attention reads static metadata
-(cu_seqlens_q, seq_lens, block tables, slots; padding rows' slots -1, so nothing is written for them) and
-runs over a table of query tiles (attention/prefill_tiles.py) sized for the bucket, which run() fills each
-step; its BLOCK_M is the bucket's (prefill_block_m of the bucket size).
 """
 
 from __future__ import annotations
