@@ -94,7 +94,7 @@ def test_padded_buckets_and_captures_between_steps_give_the_eager_codes(tiny_mod
     e, rec = _staggered(tiny_model, reqs, graphs=True, defer=True, capture_every=capture_every)
     _assert_same(rec, ref, reqs)
     t = e.runner.timings
-    assert t.graph_steps > 10 and t.piecewise_steps >= len(reqs) and t.sampler_graph_steps >= len(reqs)
+    assert t.graph_steps > 10 and t.prefill_graph_steps >= len(reqs) and t.sampler_graph_steps >= len(reqs)
     assert e.graphs_pending == (3 if capture_every == 0 else 0)
 
 

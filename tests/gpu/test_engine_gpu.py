@@ -42,7 +42,7 @@ def test_engine_cuda_graphs_equal_cpu_reference(real_fp32, real_fp32_cpu):
     assert e.runner.graphs is not None and e.audio.deferred and e.runner.graphs.max_steps == 8  # decode bursts
     assert e.runner.prefill_graphs.full  # the prefill attention inside the graphs
     rec_gpu, audio_gpu = _run(e, reqs)
-    assert e.runner.timings.graph_steps >= 2 and e.runner.timings.piecewise_steps > 0  # 23 frames in bursts of 8
+    assert e.runner.timings.graph_steps >= 2 and e.runner.timings.prefill_graph_steps > 0  # 23 frames in bursts of 8
     assert e.runner.timings.sampler_graph_steps > 0  # the first frames
     rec_cpu, audio_cpu = _run(_engine(real_fp32_cpu, kv_cache_memory=1 << 30), reqs)
     for r in reqs:
@@ -75,7 +75,7 @@ def test_full_prefill_graphs_equal_piecewise(real_fp32, monkeypatch, kv_cache_dt
         e = _engine(real_fp32, kv_cache_dtype=kv_cache_dtype, **cfg)
         assert e.runner.prefill_graphs.full == (mode == "full") and e.runner.backend.tuning is tuning
         runs[mode], _ = _run(e, reqs)
-        general_steps[mode] = e.runner.timings.piecewise_steps
+        general_steps[mode] = e.runner.timings.prefill_graph_steps
         del e
     assert general_steps["full"] == general_steps["piecewise"] >= 4, general_steps
     for r in reqs:

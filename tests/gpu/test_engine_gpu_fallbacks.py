@@ -43,7 +43,7 @@ def test_piecewise_capture_falls_back_to_uncompiled_ops(real_fp32, real_fp32_cpu
     assert calls == [True, False] and not pg.ops.compiled and pg.graphs and pg.capture_s > 0
     reqs = _requests(4, 16, greedy=True)
     rec_gpu, _ = _run(e, reqs)
-    assert e.runner.timings.piecewise_steps > 0
+    assert e.runner.timings.prefill_graph_steps > 0
     rec_cpu, _ = _run(_engine(real_fp32_cpu, kv_cache_memory=1 << 30), reqs)
     for r in reqs:
         seq = f"{r.request_id}/0/code"

@@ -203,7 +203,7 @@ def engine_stats(engine) -> dict:
         "cuda_graphs": engine.runner.graphs is not None,
         "graph_steps_total": rt.graph_steps,
         "mixed_graph_steps_total": rt.mixed_graph_steps,
-        "piecewise_prefill_steps_total": rt.piecewise_steps,
+        "prefill_graph_steps_total": rt.prefill_graph_steps,
         "sampler_graph_steps_total": rt.sampler_graph_steps,
         "step_breakdown_ms": engine.timings.as_dict(c.steps),
         "runner_breakdown_ms": rt.per_step(),

@@ -297,12 +297,12 @@ class ModelRunner:
         return self.model.gpt(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
 
     def _forward_general(self, x: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor) -> torch.Tensor:
-        """The general path's forward: piecewise graphs where they are captured (the compiled fused ops run
+        """The general path's forward: the prefill graphs where they are captured (the compiled fused ops run
         eagerly cost more host time than GPT.forward: 3.8 -> 6.2 ms per step on an H200, docs/benchmarks-history.md)."""
         pg = self.prefill_graphs
         if pg is None or not pg.can_run(x.shape[0], md.num_seqs):
             return self._forward(x, md, positions)
-        self.timings.piecewise_steps += 1
+        self.timings.prefill_graph_steps += 1
         return pg.run(x, positions, PagedAttention(self.backend, self.kv.layers, md, self.scale))
 
     def _decode_eager(self, rows: np.ndarray, starts: np.ndarray, steps: np.ndarray):

@@ -141,12 +141,12 @@ class PrefillGraphs(BucketedGraphs):
     # ---- capture / replay --------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, defer: bool = False) -> None:
-        """Warm and capture every piece of every bucket, largest first, into one memory pool (defer: the
+        """Warm and capture every bucket, largest first, into one memory pool (defer: the
         largest and smallest buckets only; capture_next() takes the rest). If the torch.compile'd ops fail at
         these shapes, capture again with the same ops uncompiled (slower pieces, never wrong), as the decode
         graphs do."""
         fn = self._capture_first if defer else self._capture_all
-        or_uncompiled(self, fn, "capturing the piecewise prefill graphs with compiled ops")
+        or_uncompiled(self, fn, "capturing the prefill graphs with compiled ops")
 
     def _capture_all(self) -> None:
         self._capture_sizes(self._reset_buckets(defer=False))
@@ -175,8 +175,8 @@ class PrefillGraphs(BucketedGraphs):
 
     @torch.inference_mode()
     def _capture_bucket(self, t: int) -> None:
-        """Warm every piece at t tokens (compiles the ops, lets cuBLAS pick its kernels), capture each, then
-        replay each once: a graph's first launch uploads it, which belongs here, not in a live step."""
+        """Warm at t tokens (compiles the ops, lets cuBLAS pick its kernels), capture the forward (full) or each
+        piece, then replay once: a graph's first launch uploads it, which belongs here, not in a live step."""
         if self.runner.device.type != "cuda":
             self._add_graph(t, [None] * (self.num_layers + 1))
             return

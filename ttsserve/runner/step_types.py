@@ -99,7 +99,7 @@ class RunnerTimings:
     steps: int = 0
     graph_steps: int = 0  # steps whose decode rows replayed a graph
     mixed_graph_steps: int = 0  # of those, steps that also ran prefill / text rows eagerly
-    piecewise_steps: int = 0  # general-path forwards through the piecewise prefill graphs
+    prefill_graph_steps: int = 0  # general-path forwards through the prefill graphs (full or piecewise)
     sampler_graph_steps: int = 0  # general-path code sampling through the sampler graphs
     prepare_ms: float = 0.0
     forward_ms: float = 0.0
