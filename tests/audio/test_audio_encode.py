@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import struct
+import warnings
 
 import av
 import numpy as np
 import pytest
 import soundfile as sf
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ttsserve.audio import encode
 from ttsserve.audio.encode import (
@@ -144,8 +147,27 @@ def test_bad_samples_rejected():
 
 
 def test_float_to_int16_clips_and_rounds():
-    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.7, -3.0, np.nan, 1e-5], np.float32)
-    assert float_to_int16(x).tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 0]
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.7, -3.0, np.nan, 1e-5, np.inf, -np.inf], np.float32)
+    assert float_to_int16(x).tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 0, 32767, -32767]
+
+
+@given(
+    st.lists(
+        st.floats(width=32) | st.floats(-1.5, 1.5, width=32) | st.sampled_from([np.nan, np.inf, -np.inf]), max_size=64
+    ),
+    st.sampled_from([np.float32, np.float64]),
+)
+def test_float_to_int16_is_the_clipped_rounded_rule(values: list[float], dtype) -> None:
+    """Any floats (NaN, infinities, subnormals, values either side of a rounding tie): NaN -> 0, then
+    round(clip(x, -1, 1) * 32767) in float32, one array op at a time; and never a NaN cast to int16 (undefined
+    in C, numpy warns), even where the platform's cast happens to give 0."""
+    x = np.array(values, dtype=dtype)
+    want = np.nan_to_num(x.astype(np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
+    want = np.rint(np.clip(want, -1.0, 1.0) * np.float32(32767.0)).astype(np.int16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = float_to_int16(x)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_fixed_scale_across_chunks():

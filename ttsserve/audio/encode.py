@@ -109,9 +109,15 @@ def encoded_sample_rate(fmt: str, sample_rate: int) -> int:
 
 
 def float_to_int16(x: np.ndarray) -> np.ndarray:
-    """[n] float -> [n] int16: NaN -> 0, clip to [-1, 1], round(x * 32767)."""
-    x = np.nan_to_num(np.asarray(x, dtype=np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
-    return np.rint(np.clip(x, -1.0, 1.0) * 32767.0).astype(np.int16)
+    """[n] float -> [n] int16: NaN -> 0, clip to [-1, 1], round(x * 32767). Scaled into one new float32 array
+    and clipped and rounded in it (every API server converts each chunk: 13.5 against 27.5 us for a 6.5-frame
+    chunk made a new array per operation); clipping after the scaling is the same, since x * 32767 rounds alike
+    on both sides of the clip."""
+    y = np.multiply(np.asarray(x, dtype=np.float32), np.float32(32767.0), dtype=np.float32)
+    np.clip(y, -32767.0, 32767.0, out=y)  # +-inf too
+    if not np.isfinite(y).all():  # NaN: left by the clip
+        np.nan_to_num(y, copy=False, nan=0.0)
+    return np.rint(y, out=y).astype(np.int16)
 
 
 def wav_header(sample_rate: int, num_samples: int | None = None) -> bytes:
