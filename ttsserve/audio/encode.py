@@ -111,8 +111,8 @@ def encoded_sample_rate(fmt: str, sample_rate: int) -> int:
 def float_to_int16(x: np.ndarray) -> np.ndarray:
     """[n] float -> [n] int16: NaN -> 0, clip to [-1, 1], round(x * 32767). Scaled into one new float32 array
     and clipped and rounded in it (every API server converts each chunk: 13.5 against 27.5 us for a 6.5-frame
-    chunk made a new array per operation); clipping after the scaling is the same, since x * 32767 rounds alike
-    on both sides of the clip."""
+    chunk made a new array per operation). Clipping after the scaling gives the same values: within [-1, 1]
+    the products are the same, and beyond it both ways give +-32767."""
     y = np.multiply(np.asarray(x, dtype=np.float32), np.float32(32767.0), dtype=np.float32)
     np.clip(y, -32767.0, 32767.0, out=y)  # +-inf too
     if not np.isfinite(y).all():  # NaN: left by the clip
