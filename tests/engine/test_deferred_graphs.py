@@ -201,3 +201,14 @@ def test_the_precompile_body_reads_no_kv_cache(tiny_model):
     finally:
         e.runner.kv = kv
     assert torch.isfinite(g.hidden[:4]).all() and g.tokens[:4].shape == (4, tiny_model.gpt_config.num_vq)
+
+
+@pytest.mark.parametrize("mode", ["Full", "eager", ""])
+def test_an_unknown_prefill_graph_mode_is_an_error(tiny_model, monkeypatch, mode):
+    """A typo in $TTSSERVE_PREFILL_GRAPHS stops the engine's set-up with the variable's name, not a silent default."""
+    monkeypatch.setenv("TTSSERVE_PREFILL_GRAPHS", mode)
+    e = make_engine(tiny_model)
+    with pytest.raises(ValueError, match=f"TTSSERVE_PREFILL_GRAPHS must be full or piecewise, got '{mode}'"):
+        PrefillGraphs(e.runner, [16], DecodeOps(compile=False))
+    monkeypatch.setenv("TTSSERVE_PREFILL_GRAPHS", "piecewise")
+    assert not PrefillGraphs(e.runner, [16], DecodeOps(compile=False)).full  # valid; off CUDA nothing is full

@@ -51,6 +51,14 @@ def default_prefill_sizes(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
+def prefill_graph_mode() -> str:
+    """$TTSSERVE_PREFILL_GRAPHS: full (the default) or piecewise; anything else is an error naming the variable."""
+    mode = os.environ.get("TTSSERVE_PREFILL_GRAPHS", "full")
+    if mode not in ("full", "piecewise"):
+        raise ValueError(f"TTSSERVE_PREFILL_GRAPHS must be full or piecewise, got {mode!r}")
+    return mode
+
+
 class PrefillGraphs(BucketedGraphs):
     """Bucketed piecewise graphs of one ModelRunner's GPT (`capture()` before `run()`; with defer=True,
     `capture_next()` captures the other buckets later, largest first: a step's tokens replay the smallest
@@ -76,12 +84,8 @@ class PrefillGraphs(BucketedGraphs):
         self.sin = torch.zeros_like(self.cos)
         self.out = torch.zeros_like(self.x)
         self.capture_s = 0.0
-        backend = runner.backend
-        self.full = (
-            dev.type == "cuda"
-            and backend.name == "triton"
-            and os.environ.get("TTSSERVE_PREFILL_GRAPHS", "full") != "piecewise"
-        )
+        mode = prefill_graph_mode()  # checked on every device: a typo is an error, not a silent default
+        self.full = dev.type == "cuda" and runner.backend.name == "triton" and mode == "full"
         if self.full:
             self._init_metadata(n, min(n, max_seqs or n), runner.input_batch.block_table.shape[1])
 
