@@ -2,6 +2,7 @@
 graphs' static-buffer body (run eagerly off CUDA), row reuse, and the engine's deferred audio."""
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -212,15 +213,20 @@ def _run_staggered(
     graphs: list[int] | None,
     prefill_sizes: list[int] | None = None,
     sampler_sizes: list[int] | None = None,
+    prefill_full: bool | None = None,
+    block_m: int | None = None,
 ):
     """Request i arrives at step 4 * i, with a small token budget: its prefill chunks share steps with the
-    decode rows of the earlier requests."""
+    decode rows of the earlier requests. prefill_full / block_m: the prefill graphs' full path (run eagerly on
+    the CPU) and its query tile."""
     e = make_engine(model, max_model_len=512, max_num_batched_tokens=24)
     if graphs is not None:
         e.runner.graphs = DecodeGraphs(e.runner, graphs)
         e.runner.graphs.capture()
+    if block_m is not None:
+        e.runner.backend.tuning = SimpleNamespace(prefill_block_m=block_m)  # as TritonTuning pins it
     if prefill_sizes is not None:
-        e.runner.prefill_graphs = PrefillGraphs(e.runner, prefill_sizes, DecodeOps(compile=False))
+        e.runner.prefill_graphs = PrefillGraphs(e.runner, prefill_sizes, DecodeOps(compile=False), full=prefill_full)
         e.runner.prefill_graphs.capture()
     if sampler_sizes is not None:
         e.runner.sampler_graphs = SamplerGraphs(e.runner, sampler_sizes, DecodeOps(compile=False))
@@ -246,6 +252,26 @@ def test_mixed_prefill_and_decode_steps_replay_the_decode_graph(tiny_model):
         seq = f"{r.request_id}/0/code"
         assert rec_graph.frames[seq] == rec_eager.frames[seq]
         np.testing.assert_allclose(rec_graph.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("block_m", [None, 4])
+def test_full_prefill_path_equals_the_eager_forward(tiny_model, block_m):
+    """The full prefill graphs' path run eagerly: the static metadata (cu_seqlens_q, seq_lens, block tables,
+    slots padded with -1 to the bucket) and the tile table, read by the reference tiled attention, attend as
+    GPT.forward does: the same codes, hiddens within 1e-5, with each bucket's BLOCK_M (16, 16, 32) and with 4
+    (several tiles a chunk, a last tile partly filled)."""
+    reqs = _requests(5, frames=30)
+    _, rec_eager = _run_staggered(tiny_model, reqs, None)
+    e, rec_full = _run_staggered(
+        tiny_model, reqs, [1, 2, 4, 8], prefill_sizes=[5, 16, 24], prefill_full=True, block_m=block_m
+    )
+    pg = e.runner.prefill_graphs
+    assert pg.full and e.runner.timings.prefill_graph_steps >= 5
+    assert pg.block_m == ({5: 16, 16: 16, 24: 32} if block_m is None else {5: 4, 16: 4, 24: 4})
+    for r in reqs:
+        seq = f"{r.request_id}/0/code"
+        assert rec_full.frames[seq] == rec_eager.frames[seq]
+        np.testing.assert_allclose(rec_full.hidden(seq), rec_eager.hidden(seq), atol=1e-5, rtol=0)
 
 
 def test_piecewise_prefill_pieces_equal_the_eager_forward(tiny_model):

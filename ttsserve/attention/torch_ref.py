@@ -175,6 +175,31 @@ class TorchPagedAttention:
             out[s:e] = causal_sdpa(q[s:e].float(), kb.float(), vb.float(), scale).to(q.dtype)
         return out
 
+    def prefill_tiled(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        tiles: torch.Tensor,
+        block_m: int,
+    ) -> None:
+        """The reference of TritonPagedAttention.prefill_tiled (q / k rotated): the step read from md's tensors
+        alone (as a CUDA graph's static buffers hold it) and each listed tile, (sequence, query block) of
+        tiles [num_tiles, 2] with -1 unused, attended on its own into out; rows in no tile are left as they are."""
+        store_kv(kv_cache, k, v, *stored_slots(md.slot_mapping))
+        cu, lens = md.cu_seqlens_q.tolist(), md.seq_lens.tolist()
+        for b, block in tiles.tolist():
+            if b < 0:
+                continue
+            lo, hi = cu[b] + block * block_m, min(cu[b] + (block + 1) * block_m, cu[b + 1])
+            ctx_len = lens[b] - (cu[b + 1] - hi)  # the context up to the tile's last query
+            kb, vb = gather_kv(kv_cache, md.block_tables[b], ctx_len)
+            out[lo:hi] = causal_sdpa(q[lo:hi].float(), kb.float(), vb.float(), scale).to(out.dtype)
+
     def _stored_slots(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """stored_slots(md.slot_mapping), built once per step: every layer shares `md`."""
         if self._slots is None or self._slots[0] is not md:

@@ -19,7 +19,8 @@ another attention backend): each piece is a graph of its own and the attention r
 replays, L attention calls and L + 1 replays, which cost the host ~40 Triton launches a step (the KV write
 and the kernel per layer; ~9 % of the engine core's samples served at 512 streams on an H100 whose host was
 the wall). Off CUDA nothing is captured: run() calls the same pieces eagerly on the same buffers, which is
-what the CPU tests check against GPT.forward.
+what the CPU tests check against GPT.forward; given full=True it runs the full path so, the static metadata and
+the tile table read by the reference backend's prefill_tiled (attention/torch_ref.py).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class PrefillGraphs(BucketedGraphs):
     `capture_next()` captures the other buckets later, largest first: a step's tokens replay the smallest
     captured bucket that holds them)."""
 
-    def __init__(self, runner, sizes: list[int], ops: DecodeOps, max_seqs: int | None = None) -> None:
+    def __init__(
+        self, runner, sizes: list[int], ops: DecodeOps, max_seqs: int | None = None, full: bool | None = None
+    ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"prefill graph sizes must be positive, got {sizes}")
         self.runner, self.ops = runner, ops
@@ -85,19 +88,22 @@ class PrefillGraphs(BucketedGraphs):
         self.out = torch.zeros_like(self.x)
         self.capture_s = 0.0
         mode = prefill_graph_mode()  # checked on every device: a typo is an error, not a silent default
-        self.full = dev.type == "cuda" and runner.backend.name == "triton" and mode == "full"
+        if full is None:
+            full = dev.type == "cuda" and runner.backend.name == "triton" and mode == "full"
+        self.full = full  # given True off CUDA: the same path run eagerly (the CPU tests of its metadata)
         if self.full:
             self._init_metadata(n, min(n, max_seqs or n), runner.input_batch.block_table.shape[1])
 
     def _init_metadata(self, n: int, max_seqs: int, max_blocks: int) -> None:
         """The full graphs' static attention metadata, for at most n tokens of at most max_seqs sequences."""
-        dev, tuning = self.runner.device, self.runner.backend.tuning
+        dev = self.runner.device
+        pinned = getattr(getattr(self.runner.backend, "tuning", None), "prefill_block_m", None)  # Triton's tuning
         self.max_seqs = max_seqs
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.cu = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=dev)
-        self.block_m = {b: tuning.prefill_block_m or prefill_block_m(b) for b in self.sizes}
+        self.block_m = {b: pinned or prefill_block_m(b) for b in self.sizes}
         self.num_tiles = {b: max_prefill_tiles(b, max_seqs, self.block_m[b]) for b in self.sizes}
         self.tiles = torch.full((max(self.num_tiles.values()), 2), -1, dtype=torch.int32, device=dev)
 
@@ -160,7 +166,7 @@ class PrefillGraphs(BucketedGraphs):
 
     def _capture_sizes(self, sizes: list[int]) -> None:
         t0 = time.perf_counter()
-        if self.full and self.pending:  # the deferred buckets' attention variants, compiled before any step
+        if self.full and self.pending and self.runner.device.type == "cuda":  # the deferred buckets' variants
             self._precompile_attention()
         for t in sizes:
             self._capture_bucket(t)
@@ -182,7 +188,7 @@ class PrefillGraphs(BucketedGraphs):
         """Warm at t tokens (compiles the ops, lets cuBLAS pick its kernels), capture the forward (full) or each
         piece, then replay once: a graph's first launch uploads it, which belongs here, not in a live step."""
         if self.runner.device.type != "cuda":
-            self._add_graph(t, [None] * (self.num_layers + 1))
+            self._add_graph(t, None if self.full else [None] * (self.num_layers + 1))
             return
         torch.cuda.synchronize()  # a step in flight may still read the static buffers the pieces write
         if self.full:
@@ -258,7 +264,10 @@ class PrefillGraphs(BucketedGraphs):
         graphs = self.graphs[b]
         if self.full:
             self._load_metadata(ctx.md, t, b)
-            graphs.replay()
+            if graphs is None:
+                self._forward_full(b)
+            else:
+                graphs.replay()
             return self.out[:t]
         for i in range(self.num_layers + 1):
             if i:
