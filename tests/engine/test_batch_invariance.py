@@ -62,12 +62,22 @@ def test_batch_equals_solo(tiny_model, solo_codes, batch_size):
         assert got[r.request_id] == solo_codes[r.request_id], r.request_id
 
 
-def test_steps_where_nothing_samples(tiny_model, solo_codes):
-    """A 16-token budget: the first steps hold only a prompt's first chunks, so no row samples; the engine goes on
-    and each request's codes are its solo run's."""
+def test_steps_where_nothing_samples(tiny_model, solo_codes, monkeypatch):
+    """A 16-token budget: some steps hold only prompt chunks before their last, so no row samples; the engine goes
+    on and each request's codes are its solo run's."""
+    from ttsserve.runner.model_runner import ModelRunner
+
+    launch, empty = ModelRunner.launch, []
+
+    def counting(self, *args, **kwargs):
+        step = launch(self, *args, **kwargs)
+        empty.append(step is not None and not step.groups)
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", counting)
     reqs = _requests(64)[:7]
-    got, e = _codes(tiny_model, reqs, max_num_batched_tokens=16, max_num_seqs=8)
-    assert e.runner.timings.steps > sum(len(v) for v in got.values()) // 8  # many more steps than a 96 budget's
+    got, _ = _codes(tiny_model, reqs, max_num_batched_tokens=16, max_num_seqs=8)
+    assert any(empty)
     for r in reqs:
         assert got[r.request_id] == solo_codes[r.request_id], r.request_id
 
