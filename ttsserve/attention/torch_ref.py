@@ -105,6 +105,22 @@ def paged_decode_attention(
     return (probs[..., None] * v).sum(1).reshape(b, hq, d)
 
 
+def _attend_rows(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_len: int,
+    lo: int,
+    hi: int,
+    scale: float,
+) -> None:
+    """out[lo:hi] = causal attention of q[lo:hi], the last hi - lo positions of a sequence's first ctx_len,
+    over those ctx_len cached tokens, in fp32."""
+    kb, vb = gather_kv(kv_cache, block_table, ctx_len)
+    out[lo:hi] = causal_sdpa(q[lo:hi].float(), kb.float(), vb.float(), scale).to(out.dtype)
+
+
 _compiled_decode = None  # torch.compile(paged_decode_attention): one compilation per process
 
 
@@ -168,11 +184,8 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         cu = md.cu_seqlens_q_cpu
         for b, ctx_len in enumerate(md.seq_lens_cpu):
-            s, e = cu[b], cu[b + 1]
-            if e == s:
-                continue
-            kb, vb = gather_kv(kv_cache, md.block_tables[b], ctx_len)
-            out[s:e] = causal_sdpa(q[s:e].float(), kb.float(), vb.float(), scale).to(q.dtype)
+            if cu[b + 1] > cu[b]:
+                _attend_rows(out, q, kv_cache, md.block_tables[b], ctx_len, cu[b], cu[b + 1], scale)
         return out
 
     def prefill_tiled(
@@ -190,15 +203,14 @@ class TorchPagedAttention:
         """The reference of TritonPagedAttention.prefill_tiled (q / k rotated): the step read from md's tensors
         alone (as a CUDA graph's static buffers hold it) and each listed tile, (sequence, query block) of
         tiles [num_tiles, 2] with -1 unused, attended on its own into out; rows in no tile are left as they are."""
-        store_kv(kv_cache, k, v, *stored_slots(md.slot_mapping))
+        write_kv(kv_cache, k, v, md.slot_mapping)
         cu, lens = md.cu_seqlens_q.tolist(), md.seq_lens.tolist()
         for b, block in tiles.tolist():
             if b < 0:
                 continue
             lo, hi = cu[b] + block * block_m, min(cu[b] + (block + 1) * block_m, cu[b + 1])
             ctx_len = lens[b] - (cu[b + 1] - hi)  # the context up to the tile's last query
-            kb, vb = gather_kv(kv_cache, md.block_tables[b], ctx_len)
-            out[lo:hi] = causal_sdpa(q[lo:hi].float(), kb.float(), vb.float(), scale).to(out.dtype)
+            _attend_rows(out, q, kv_cache, md.block_tables[b], ctx_len, lo, hi, scale)
 
     def _stored_slots(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """stored_slots(md.slot_mapping), built once per step: every layer shares `md`."""
