@@ -115,6 +115,7 @@ class CpuDecodeGraph:
                 for c in caches:
                     torch._dynamo.mark_dynamic(c, 1)
                 compiled(*inputs, caches)
+                self._compile_single_thread(compiled, inputs, caches)
             self._compiled = compiled
             self.compile_s = time.perf_counter() - t0
             logger.info("CPU decode step compiled in %.1f s (one graph)", self.compile_s)
@@ -126,6 +127,20 @@ class CpuDecodeGraph:
             )
         finally:
             self._ready.set()
+
+    @staticmethod
+    def _compile_single_thread(compiled, inputs: tuple, caches: list) -> None:
+        """The graph again for one OpenMP thread: the engine drops its team to 1 while other work holds its cores
+        (runner/cpu_contention.py), and dynamo guards the thread count, so the first contended step would
+        otherwise compile (seconds on 2 cores) in a served step."""
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return
+        torch.set_num_threads(1)
+        try:
+            compiled(*inputs, caches)
+        finally:
+            torch.set_num_threads(threads)
 
     def _warmup_inputs(self, num_blocks: int) -> tuple:
         """3 sequences over 5-block tables of `num_blocks` (11) scratch blocks: sizes that equal no other
