@@ -109,8 +109,9 @@ def test_an_engine_step_holding_a_compile_reports_it(tiny_model, monkeypatch, ca
         e.step()
     msgs = [r.getMessage() for r in caplog.records]
     assert any("while serving" in m and "toy_kernel" in m for m in msgs)
-    slow = [m for m in msgs if m.startswith("slow engine step")]
-    assert slow and "Triton compiles 1" in slow[0]  # 150 ms and up
+    # the step that held it (150 ms and up) says so; on a busy machine other steps may be slow lines too
+    slow = [m for m in msgs if m.startswith("slow engine step") and "Triton compiles" in m]
+    assert len(slow) == 1 and "Triton compiles 1" in slow[0]
     assert e.stats()["kernel_compiles_while_serving_total"] == 1  # /metrics' counter
 
 
