@@ -9,7 +9,8 @@ The packed linears (oneDNN bf16/fp32, fbgemm W8A8, int4) are opaque to the trace
 `ttsserve::cpu_linear`, which calls the module by handle. One graph serves every batch of >= 2 sequences
 (dynamic shapes); a batch of 1 runs as 2 identical rows (the copy writes the same KV slot with the same values
 and its output is dropped): the GEMMs are memory-bound, so M = 2 costs what M = 1 does, and size 1 would be a
-second compilation. Compiling takes about a minute on 2 cores, on scratch KV caches, before the engine is ready
+second compilation. A second graph serves a team of one OpenMP thread (the engine's under contention:
+runner/cpu_contention.py). Compiling takes about a minute on 2 cores, on scratch KV caches, before the engine is ready
 (runner/model_runner.py); any failure (no C++ compiler, say) leaves the eager path, never a wrong one.
 """
 
@@ -118,7 +119,7 @@ class CpuDecodeGraph:
                 self._compile_single_thread(compiled, inputs, caches)
             self._compiled = compiled
             self.compile_s = time.perf_counter() - t0
-            logger.info("CPU decode step compiled in %.1f s (one graph)", self.compile_s)
+            logger.info("CPU decode step compiled in %.1f s (one graph, and one for a single thread)", self.compile_s)
         except Exception as e:  # noqa: BLE001 - any inductor / compiler failure: the eager path stays
             logger.warning(
                 "torch.compile of the CPU decode step failed (%s: %s); staying eager",
