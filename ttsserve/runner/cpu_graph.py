@@ -10,8 +10,8 @@ The packed linears (oneDNN bf16/fp32, fbgemm W8A8, int4) are opaque to the trace
 (dynamic shapes); a batch of 1 runs as 2 identical rows (the copy writes the same KV slot with the same values
 and its output is dropped): the GEMMs are memory-bound, so M = 2 costs what M = 1 does, and size 1 would be a
 second compilation. A second graph serves a team of one OpenMP thread (the engine's under contention:
-runner/cpu_contention.py). Compiling the first takes about a minute on 2 cores, on scratch KV caches, before the engine is ready
-(runner/model_runner.py); any failure (no C++ compiler, say) leaves the eager path, never a wrong one.
+runner/cpu_contention.py). Compiling the first takes about a minute on 2 cores, on scratch KV caches, before the
+engine is ready (runner/model_runner.py); any failure (no C++ compiler, say) leaves the eager path, never a wrong one.
 """
 
 from __future__ import annotations
