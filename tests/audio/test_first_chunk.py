@@ -10,6 +10,8 @@ import pytest
 import torch
 from audio_stage_testutil import joined, one_shot
 from audio_stage_testutil import tiny as tiny  # a fixture, used by name
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ttsserve.audio.first_chunk import EarlyChunkDecoder, early_chunk_ends
 from ttsserve.audio.incremental_stage import IncrementalAudioStage
@@ -37,10 +39,43 @@ def _chunks_at(stage, req_id: str, frames: torch.Tensor) -> tuple[list[int], lis
     return at, chunks + stage.flush()
 
 
-def test_early_chunk_ends_double_while_their_window_is_shorter_than_the_exact_first_call() -> None:
-    assert early_chunk_ends(8, 16, 60) == [8, 16, 32]  # real size: windows 24, 32, 48 frames
-    assert early_chunk_ends(16, 16, 60) == [16, 32]
+def test_early_chunk_ends_are_the_fewest_that_keep_ahead_of_the_speed_floor() -> None:
+    assert early_chunk_ends(8, 16, 60) == [8, 24]  # real size: windows 24 and 40 frames
+    assert early_chunk_ends(8, 16, 60, min_speed=2.125) == [8, 25, 32]
+    assert early_chunk_ends(8, 16, 60, min_speed=6) == [8]  # one chunk covers the exact stage's 44 frames
     assert early_chunk_ends(8, 52, 60) == [] == early_chunk_ends(8, 60, 60)
+
+
+def _underruns(ends: list[int], lookahead: int, exact_first_call: int, speed: float) -> bool:
+    """A stream generating `speed` frames per frame played: does any chunk (each early one at its window, the
+    exact stage's first past the last end) leave after the audio out has played?"""
+    start, out = ends[0] + lookahead, ends[0]
+    for at, end in [(e + lookahead, e) for e in ends[1:]] + [(ends[-1] + exact_first_call, None)]:
+        if (at - start) / speed > out + 1e-9:
+            return True
+        out = end
+    return False
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    first=st.integers(1, 16),
+    lookahead=st.integers(1, 40),
+    context=st.integers(1, 80),
+    speed=st.floats(1.2, 6.0),
+)
+def test_early_chunks_keep_ahead_at_the_floor_unless_no_window_can(first, lookahead, context, speed) -> None:
+    call = first + context
+    ends = early_chunk_ends(first, lookahead, call, min_speed=speed)
+    if first + lookahead >= call:
+        assert ends == []
+        return
+    assert ends[0] == first and ends == sorted(set(ends)) and ends[-1] + lookahead < call
+    assert all(b - first <= speed * a + 1e-9 for a, b in zip(ends, ends[1:]))  # each leaves before the last plays
+    if _underruns(ends, lookahead, call, speed):  # only where the next chunk's window would be as late as the exact
+        assert min(call, int(first + speed * ends[-1])) + lookahead >= call
+    else:
+        assert len(ends) == 1 or _underruns(ends[:-1], lookahead, call, speed)  # no chunk more than needed
 
 
 @pytest.mark.parametrize("first", [F, 2])
@@ -71,9 +106,11 @@ def test_early_chunks_leave_after_their_lookahead_and_the_rest_is_exact(tiny, fi
 
 
 def test_streams_at_different_early_chunks_share_a_step(tiny) -> None:
-    """Streams started 2 frames apart are due for different early chunks in the same steps (one call for all):
-    each stream's audio is what it gets alone."""
+    """Streams started as far apart as the early windows are due for different early chunks in the same steps (one
+    call for all): each stream's audio is what it gets alone."""
     dec, _, vocos = tiny
+    widths = _early_stage(dec, vocos).early.decoder.widths
+    gap = widths[1] - widths[0]  # a stream's second window comes in with the next stream's first
     frames = {k: _frames(40, 20 + i) for i, k in enumerate("abc")}
     alone = {k: joined(_chunks_at(_early_stage(dec, vocos), k, f)[1]) for k, f in frames.items()}
     stage, got = _early_stage(dec, vocos), {k: [] for k in frames}
@@ -85,12 +122,12 @@ def test_streams_at_different_early_chunks_share_a_step(tiny) -> None:
         return rows
 
     stage.early.due = counted
-    for t in range(44):
-        live = [k for i, k in enumerate(frames) if 0 <= t - 2 * i < 40]
-        for k in [k for i, k in enumerate(frames) if t == 2 * i]:
+    for t in range(40 + 2 * gap):
+        live = [k for i, k in enumerate(frames) if 0 <= t - gap * i < 40]
+        for k in [k for i, k in enumerate(frames) if t == gap * i]:
             stage.add_request(k)
-        stage.append_batch(live, torch.stack([frames[k][t - 2 * "abc".index(k)] for k in live]))
-        for k in [k for i, k in enumerate(frames) if t - 2 * i == 39]:
+        stage.append_batch(live, torch.stack([frames[k][t - gap * "abc".index(k)] for k in live]))
+        for k in [k for i, k in enumerate(frames) if t - gap * i == 39]:
             stage.finish(k)
         for ch in stage.step():
             got[ch.req_id].append(ch)

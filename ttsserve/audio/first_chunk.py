@@ -7,12 +7,15 @@ e frames' samples with exact left edges (the utterance starts there too) and a r
 instead of 52: with L = 16 they differ from the exact samples by 6.9e-6 at most, under a quarter of one 16-bit step
 (docs/MODEL.md).
 
-One early chunk is not enough under load: after it the exact stage's first new samples wait until frame F + 52, so
-the F frames out must cover 52 - L frames of generation (4.5x real time per stream at F = 8, L = 16; 512 H100
-streams run at about 4x). So early chunks end at e = F, 2F, 4F, ... while the window e + L is shorter than the exact
-first call's F + 52 frames: 8, 16, 32 at F = 8, L = 16, the last at frame 48 with 32 frames of audio out. Each
-emits [previous end, e); the exact stage goes on from the last end (its first call waits until it has new samples to
-emit: last end + F + 52 frames), so a stream's early samples are approximate and the rest exact.
+One early chunk is not enough under load: after it the exact stage's first new samples wait until frame 2F + 52 (its
+first call emits F frames), so the F frames out must cover F + 52 - L frames of generation (5.5x real time per stream at
+F = 8, L = 16). So the early chunks are planned for a floor of MIN_SPEED frames generated per frame played (512 H100
+streams run at about 4.4): chunk k + 1 (window e' + L) must leave before the e_k frames out have played, e' - F <=
+MIN_SPEED * e_k, and the exact stage, whose first call waits until it has new samples past the last end (last end + F +
+52 frames), must emit before the last end has played. The fewest, narrowest chunks that do so end at 8 and 24 at F = 8,
+L = 16 (windows 24 and 40): each call is as wide as the widest window (below), so doubling chunks (8, 16, 32: windows to
+48, three calls a stream) decoded 144 frames a stream where these decode 80. Each emits [previous end, e); the exact
+stage goes on from the last end, so a stream's early samples are approximate and the rest exact.
 
 The step's due streams, whichever chunk they are at, share one call, each row masked to its own window (the
 networks mask every conv's input past a row's length, so a row decodes as its window alone). On CUDA every call has
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 
 import torch
@@ -41,13 +45,28 @@ from ttsserve.h2d import to_device
 logger = logging.getLogger(__name__)
 
 
-def early_chunk_ends(first_frames: int, lookahead: int, exact_first_call: int) -> list[int]:
-    """Frames each early chunk ends at: first_frames doubling while the window (end + lookahead) is shorter than
-    the exact stage's first call (first chunk + right context). Empty: the exact first chunk is as early."""
-    ends, e = [], first_frames
-    while e + lookahead < exact_first_call:
-        ends.append(e)
-        e *= 2
+MIN_SPEED = 2.5  # frames generated per frame played that the early chunks keep ahead of (the docstring above)
+
+
+def early_chunk_ends(
+    first_frames: int, lookahead: int, exact_first_call: int, min_speed: float = MIN_SPEED
+) -> list[int]:
+    """Frames each early chunk ends at: the first at first_frames, each next one as late as the audio out covers at
+    min_speed and no later than the exact stage needs (its first call, first_frames + right context, past the last
+    end, in time at min_speed); windows (end + lookahead) shorter than the exact first call. Empty: the exact first
+    chunk is as early."""
+    assert min_speed > 1, min_speed
+    f = first_frames
+    if f + lookahead >= exact_first_call:
+        return []
+    exact_wait = exact_first_call - f - lookahead  # frames generated after the first chunk until the exact one
+    need = max(f, math.ceil(exact_wait / (min_speed - 1)))  # the smallest last end the exact stage is in time for
+    ends = [f]
+    while ends[-1] < need:
+        nxt = min(need, int(f + min_speed * ends[-1]))
+        if nxt + lookahead >= exact_first_call:  # no window early enough covers the floor: the exact stage next
+            break
+        ends.append(nxt)
     return ends
 
 
