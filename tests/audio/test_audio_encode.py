@@ -147,8 +147,11 @@ def test_bad_samples_rejected():
 
 
 def test_float_to_int16_clips_and_rounds():
-    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.7, -3.0, np.nan, 1e-5, np.inf, -np.inf], np.float32)
-    assert float_to_int16(x).tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 0, 32767, -32767]
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.7, -3.0, np.nan, 1e-5, np.inf, -np.inf, 1e34, -3e38], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 1e34 * 32767 overflows float32 if scaled before the clip
+        got = float_to_int16(x).tolist()
+    assert got == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 0, 32767, -32767, 32767, -32767]
 
 
 @given(
