@@ -6,7 +6,8 @@ boundaries spread over steps as in a served run. The stage is built as the engin
 (engine/audio_setup.py: deferred on CUDA, fp16 networks with a 16-bit GPT, the exact stage's CUDA graphs), with
 --lookahead-frames picking the windowed stage. Prints step wall-time percentiles, audio-s/s the stage emitted,
 and torch.profiler's top operators over --profile-steps steps; --shape-sweep first times the windowed stage's
-first and second call at shapes it has not seen.
+first and second call at shapes it has not seen; --bucket-costs times a replay of each graph bucket of the exact
+stage afterwards (CUDA).
 
   python3 benchmarks/vocoder_stage_profile.py --device cuda --streams 128 [--lookahead-frames 16]
   python3 benchmarks/vocoder_stage_profile.py --device cpu --dummy-size tiny --streams 4 --steps 40
@@ -90,8 +91,11 @@ def run(args) -> None:
         f"{args.first_chunk_lookahead_frames}, {args.streams} streams, "
         f"{args.frames_per_step} frames a step: step ms p50 {q[49]:.2f} p90 {q[89]:.2f} p99 {q[98]:.2f} "
         f"max {max(times):.2f}; {samples / 24000 / wall:.0f} audio-s/s emitted; "
-        f"{stage.calls_total} calls, {stage.frames_decoded_total} frames decoded"
+        f"{stage.calls_total} calls, {stage.frames_decoded_total} frames decoded, "
+        f"{stage.frames_padded_total} padded to the calls' widest rows"
     )
+    if args.bucket_costs and getattr(stage, "graphs", None):
+        _bucket_costs(stage.graphs[False])
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -103,6 +107,29 @@ def run(args) -> None:
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.top))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+def _bucket_costs(graphs) -> None:
+    """Device ms a replay of each captured (rows, frames) bucket, its static buffers as the last call left them;
+    and the least-squares line ms = a + b * cells: a / b is the fixed cost of a replay in cells (REPLAY_CELLS in
+    audio/incremental_stage.py)."""
+    rows = []
+    for key, graph in sorted(graphs.graphs.items()):
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        rows.append((key[0] * key[1], start.elapsed_time(end) / 20, key))
+    for cells, ms, key in rows:
+        print(f"bucket {key}: {cells} cells, {ms:.3f} ms a replay")
+    n = len(rows)
+    mx, my = sum(c for c, _, _ in rows) / n, sum(m for _, m, _ in rows) / n
+    b = sum((c - mx) * (m - my) for c, m, _ in rows) / sum((c - mx) ** 2 for c, _, _ in rows)
+    a = my - b * mx
+    print(f"fit: ms = {a:.4f} + {b * 1e3:.4f} us * cells; a replay's fixed cost = {a / b:.0f} cells")
 
 
 def _shape_sweep(stage, dev: torch.device) -> None:
@@ -134,6 +161,7 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--shape-sweep", action="store_true", help="time the windowed stage's first call of new shapes")
+    p.add_argument("--bucket-costs", action="store_true", help="time a replay of each vocoder graph bucket (CUDA)")
     run(p.parse_args())
 
 

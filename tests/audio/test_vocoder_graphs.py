@@ -41,6 +41,27 @@ def test_graphed_calls_equal_the_one_shot_decode(specs, first_chunk) -> None:
     assert stage.graphs[False].generation == stage.slot_generation  # never a replay over stale state
 
 
+def test_calls_cut_by_width_equal_the_one_shot_decode(monkeypatch) -> None:
+    """With a replay costing nothing every frame bucket of a step's rows is its own call: more calls than steps
+    that decode, fewer padded cells, and each stream still its one-shot decode."""
+    dec, vocos = _NETS
+    specs = [(40, 0, 3), (25, 2, 1), (33, 5, 2), (18, 9, 3), (30, 11, 1)]  # first calls beside steady rows
+    padded = {}
+    for replay in (10**6, 0):
+        monkeypatch.setattr("ttsserve.audio.incremental_stage.REPLAY_CELLS", replay)
+        stage = IncrementalAudioStage(dec, None, vocos, first_chunk_frames=2, max_chunk_frames=8)
+        stage.enable_cuda_graphs(max_streams=5, row_buckets=[1, 2, 4, 8], frame_buckets=[4, 8, stage.max_call_frames])
+        steps = []
+        stage_launch = stage._launch
+        stage._launch = lambda: steps.append(stage.calls_total) or stage_launch()
+        for i, (wav, frames) in run_schedule(stage, specs, 5).items():
+            assert np.abs(wav - one_shot(dec, vocos, frames)).max() < 1e-5, f"stream {i}"
+        padded[replay] = stage.frames_padded_total
+        calls_per_step = np.diff(steps + [stage.calls_total])
+        assert calls_per_step.max() == (1 if replay else 2), calls_per_step
+    assert padded[0] < padded[10**6]
+
+
 def test_growing_the_slots_recaptures_only_the_buckets_used() -> None:
     stage = _graphed_stage(first_chunk_frames=2, max_chunk_frames=8, max_windows_per_call=4)
     graphs = stage.graphs[False]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ttsserve.audio.call_plan import plan_calls
 from ttsserve.audio.decoder_net import DVAE, HiddenDecoder, halves_to_frames
 from ttsserve.audio.first_chunk import EarlyChunkDecoder, EarlyChunks, early_chunk_ends
 from ttsserve.audio.incremental import (
@@ -36,6 +37,10 @@ from ttsserve.audio.stream_base import (
 )
 from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
+
+# A graphed call's fixed device cost in (row, frame) cells of its bucket (audio/call_plan.py): calls are cut
+# where the cut saves more cells than this
+REPLAY_CELLS = 1024
 
 # rows of one early-chunk call: a step starts a few streams (about 2 at 512 H100 streams), a burst takes several
 # calls, and each power-of-two row bucket is a CUDA graph
@@ -261,9 +266,8 @@ class IncrementalAudioStage(StreamingStage):
         pieces, specs, sizes = self.early.launch(self._streams, self._pools[False]) if self.early else ([], [], [])
         feeds, empty = self._plan()
         while feeds:  # a burst of frames can need several calls of at most max_call_frames
-            feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind
-            for i in range(0, len(feeds), self.max_windows_per_call):
-                flat, part_specs, part_sizes = self._decode(feeds[i : i + self.max_windows_per_call])
+            for call in self._calls(feeds):
+                flat, part_specs, part_sizes = self._decode(call)
                 pieces.append(flat)
                 specs += part_specs
                 sizes += part_sizes
@@ -275,6 +279,30 @@ class IncrementalAudioStage(StreamingStage):
             return None
         flat, event = self._to_host(pieces)
         return Pending(specs, sizes, flat, event, empty)
+
+    def _calls(self, feeds: list[_Feed]) -> list[list[_Feed]]:
+        """The due rows -> their calls. Graphed: one decoder kind a call, rows sorted by frames and cut where a
+        narrower call saves more padded cells than a replay costs (audio/call_plan.py). Eager: rows share calls
+        of max_windows_per_call, hidden-state rows first (an eager call costs its launches, milliseconds)."""
+        w = self.max_windows_per_call
+        if not self.graphs:
+            feeds.sort(key=lambda f: f.stream.use_codes)  # one decoder pass per kind
+            return [feeds[i : i + w] for i in range(0, len(feeds), w)]
+        calls = []
+        for kind in sorted({f.stream.use_codes for f in feeds}):
+            rows = sorted((f for f in feeds if f.stream.use_codes == kind), key=lambda f: -f.count)
+            graphs = self.graphs[kind]
+            frames = graphs.frame_buckets
+
+            def cost(b: int, n: int, graphs=graphs) -> int:
+                rb, fb = graphs.bucket(b, n) if graphs.fits(b, n) else (b, n)  # else eager
+                return rb * fb + REPLAY_CELLS
+
+            def bucket(n: int, frames=frames) -> int:
+                return next((b for b in frames if b >= n), n)
+
+            calls += [rows[a:b] for a, b in plan_calls([f.count for f in rows], w, bucket, cost)]
+        return calls
 
     # ---- decoding ------------------------------------------------------------------------------------
     @torch.no_grad()
