@@ -102,7 +102,7 @@ class EngineConfig:
     lookahead_frames: right context of each streamed window; None = exact (the stitched stream equals the
         one-shot decode); smaller values start audio sooner at the cost of small seams (see docs/benchmarks-history.md).
     first_chunk_lookahead_frames: with the exact vocoder, a stream's first audio leaves once it has this many
-        frames of right context, in early chunks of 8, 16, 32 frames decoded from its first frames alone
+        frames of right context, in early chunks (to frames 8 and 24) decoded from its first frames alone
         (audio/first_chunk.py: within 7e-6 of exact at 16), every later sample exact; None: all exact.
     vocoder_cadence: the exact (incremental) vocoder runs on every k-th engine step only, for every stream
         that is due by then: streams that arrived at different times share calls (at most k - 1 steps later).

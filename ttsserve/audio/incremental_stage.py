@@ -39,8 +39,9 @@ from ttsserve.audio.vocos import Vocos
 from ttsserve.h2d import to_device
 
 # A graphed call's fixed device cost in (row, frame) cells of its bucket (audio/call_plan.py): calls are cut
-# where the cut saves more cells than this
-REPLAY_CELLS = 1024
+# where the cut saves more cells than this. Real size, fp16 networks, H100: a replay took 0.515 ms + 0.604 us a
+# cell, 0.57 ms for (1, 8) to 9.58 ms for (128, 116) (vocoder_stage_profile.py --bucket-costs)
+REPLAY_CELLS = 853
 
 # rows of one early-chunk call: a step starts a few streams (about 2 at 512 H100 streams), a burst takes several
 # calls, and each power-of-two row bucket is a CUDA graph
