@@ -20,9 +20,16 @@ def plan_calls(
     that wide computes; cost(rows, frames): a call's cost -> [(start, stop)]: consecutive row ranges, one call
     each, covering every row in order, with the least total cost among cuts where the bucket changes (a range
     longer than max_rows is cut every max_rows rows, widest rows first)."""
-    assert all(a >= b for a, b in zip(counts, counts[1:])), "counts must be descending"
     n = len(counts)
-    cuts = [0] + [i for i in range(1, n) if bucket(counts[i]) != bucket(counts[i - 1])] + [n]
+    cuts, last, width = [0], None, None  # rows where the bucket changes (counts repeat: one bucket() a value)
+    for i, c in enumerate(counts):
+        if c != last:
+            assert last is None or c < last, "counts must be descending"
+            w, last = bucket(c), c
+            if i and w != width:
+                cuts.append(i)
+            width = w
+    cuts.append(n)
 
     def pieces(start: int, stop: int) -> list[tuple[int, int]]:
         return [(a, min(a + max_rows, stop)) for a in range(start, stop, max_rows)]
