@@ -13,9 +13,10 @@ F = 8, L = 16). So the early chunks are planned for a floor of MIN_SPEED frames 
 streams run at about 4.4): chunk k + 1 (window e' + L) must leave before the e_k frames out have played, e' - F <=
 MIN_SPEED * e_k, and the exact stage, whose first call waits until it has new samples past the last end (last end + F +
 52 frames), must emit before the last end has played. The fewest, narrowest chunks that do so end at 8 and 24 at F = 8,
-L = 16 (windows 24 and 40): each call is as wide as the widest window (below), so doubling chunks (8, 16, 32: windows to
-48, three calls a stream) decoded 144 frames a stream where these decode 80. Each emits [previous end, e); the exact
-stage goes on from the last end, so a stream's early samples are approximate and the rest exact.
+L = 16 (windows 24 and 40): each call is as wide as the widest window (below), so the two decode 80 frames a stream
+where ends doubling from 8 while their windows are shorter than the exact first call (8, 16, 32: windows to 48, three
+calls) would decode 144, and keep ahead down to 2.1x. Each emits [previous end, e); the exact stage goes on from the
+last end, so a stream's early samples are approximate and the rest exact.
 
 The step's due streams, whichever chunk they are at, share one call, each row masked to its own window (the
 networks mask every conv's input past a row's length, so a row decodes as its window alone). On CUDA every call has

@@ -292,17 +292,9 @@ class IncrementalAudioStage(StreamingStage):
         calls = []
         for kind in sorted({f.stream.use_codes for f in feeds}):
             rows = sorted((f for f in feeds if f.stream.use_codes == kind), key=lambda f: -f.count)
-            graphs = self.graphs[kind]
-            frames = graphs.frame_buckets
-
-            def cost(b: int, n: int, graphs=graphs) -> int:
-                rb, fb = graphs.bucket(b, n) if graphs.fits(b, n) else (b, n)  # else eager
-                return rb * fb + REPLAY_CELLS
-
-            def bucket(n: int, frames=frames) -> int:
-                return next((b for b in frames if b >= n), n)
-
-            calls += [rows[a:b] for a, b in plan_calls([f.count for f in rows], w, bucket, cost)]
+            g = self.graphs[kind]
+            cuts = plan_calls([f.count for f in rows], w, g.frame_bucket, lambda b, n: g.cells(b, n) + REPLAY_CELLS)
+            calls += [rows[a:b] for a, b in cuts]
         return calls
 
     # ---- decoding ------------------------------------------------------------------------------------

@@ -91,6 +91,15 @@ class VocoderGraphs:
         fits = [k for k in self.graphs if k[0] >= rows and k[1] >= frames]
         return min(fits, key=lambda k: (k[0] * k[1], k)) if fits else key
 
+    def frame_bucket(self, frames: int) -> int:
+        """The frames a call this wide computes (its own past the largest bucket: eager)."""
+        return next((n for n in self.frame_buckets if n >= frames), frames)
+
+    def cells(self, rows: int, frames: int) -> int:
+        """(row, frame) cells a call computes: its bucket's (bucket()), or its own where none holds it (eager)."""
+        b, n = self.bucket(rows, frames) if self.fits(rows, frames) else (rows, frames)
+        return b * n
+
     @property
     def num_pending(self) -> int:
         return len(self.pending)
