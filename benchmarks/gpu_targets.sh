@@ -13,7 +13,8 @@
 #      --first-chunk-lookahead-frames 16, at VARIANT_POINTS, default "pcm:128 pcm:512", under OUT/variant, and
 #      with "offline" also bench offline 1 x 10 s with those flags; VARIANT_POINTS= (empty): that offline run
 #      only) picks the parts;
-#      SERVE_ARGS, SERVE_POINTS, DUR, COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
+#      SERVE_ARGS, SERVE_POINTS, DUR, WARMUP (2: each point also reports the TTFA of the requests sent after
+#      that many seconds), COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
 #      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them); PROFILE=1: a torch profiler trace of the
 #      engine core over PROFILE_S (4) seconds of each server's first point from PROFILE_AT (0.5) seconds into it
 #      (the default: its fresh first wave; later: the steady state)
@@ -91,7 +92,8 @@ serve_points() {  # DIR "SERVE FLAGS" "POINTS": one warm server, then bench serv
         if [ "${PROFILE:-0}" = 1 ] && [ $first = 1 ]; then profile "$1" & profiler=$!; fi
         first=0
         timeout 200 $CLI bench serve --url http://127.0.0.1:8000 $load_args ${n:+--client-procs $n} \
-            --duration "${DUR:-20}" --num-requests 100000 --no-plots --no-progress --response-format "$fmt" \
+            --duration "${DUR:-20}" --warmup-s "${WARMUP:-2}" --num-requests 100000 --no-plots --no-progress \
+            --response-format "$fmt" \
             --out "$1/serve_${fmt}_${load}${procs:+_p$procs}" > "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" 2>&1
         echo "bench serve $point rc=$?"; grep -A2 "^| load | ok" "$1/serve_${fmt}_${load}${procs:+_p$procs}.txt" | tail -1
     done

@@ -37,6 +37,7 @@ def _served(out: Path, name: str) -> dict | None:
         "ttfa_p99_s": round(s["ttfa_s"]["p99"], 3),
         "latency_p99_s": round(s["latency_s"]["p99"], 3),
         "underrun_streams": s["underrun_streams"],
+        **({"ttfa_p99_after_warmup_s": round(s["ttfa_s_after_warmup"]["p99"], 3)} if s.get("warmup_s") else {}),
         "engine_ttfa_p99_s": round(s.get("server_ttfa_s", {}).get("engine", {}).get("p99", float("nan")), 3),
         "api_ttfa_p99_s": round(s.get("server_ttfa_s", {}).get("api", {}).get("p99", float("nan")), 3),
         "server_steps_per_s": round(s.get("server_steps_per_s") or 0.0, 1),

@@ -245,3 +245,38 @@ def test_a_stalled_client_loop_is_measured_and_reported(monkeypatch, tmp_path) -
     assert 0.3 < stall < 2
     out = write_report(build_report("serve", results, {"spec": {}}, {"command": "t"}), results, tmp_path, plots=False)
     assert "stalled 0." in (out / "report.md").read_text()
+
+
+def test_ttfa_after_the_warmup_leaves_out_the_requests_sent_before_it(tmp_path) -> None:
+    """--warmup-s: the summary and the report add the TTFA of the requests sent after the warm-up; every other
+    figure still counts every request."""
+    from ttsserve.bench.results import RequestRecord, RunResult
+
+    # a first wave (sent at 0-0.5 s) slow to start, a steady second one
+    recs = [
+        RequestRecord(f"serve-{i}", num_samples=24000, latency_s=1.0, ttfa_s=0.9, sent_at=100 + i / 10)
+        for i in range(5)
+    ]
+    recs += [
+        RequestRecord(f"serve-{i}", num_samples=24000, latency_s=1.0, ttfa_s=0.2, sent_at=102 + i / 10)
+        for i in range(5, 25)
+    ]
+    res = RunResult("server", "serve", "concurrency", 5.0, 5.0, recs, extra={"warmup_s": 1.0})
+    s = res.summary()
+    assert s["num_after_warmup"] == 20 and s["ttfa_s_after_warmup"]["p99"] == pytest.approx(0.2)
+    assert s["ttfa_s"]["p99"] == pytest.approx(0.9) and s["num_ok"] == 25
+    md = write_report(build_report("serve", [res], {"spec": {}}, {"command": "t"}), [res], tmp_path) / "report.md"
+    assert "0.20 / 0.20 s over the 20 requests sent after the first 1 s" in md.read_text()
+    assert "ttfa_s_after_warmup" not in RunResult("server", "serve", "concurrency", 5.0, 5.0, recs).summary()
+
+
+def test_a_live_point_with_a_warmup_reports_the_requests_after_it() -> None:
+    with LiveServer(standin_app()) as srv:
+        spec = ServeSpec(url=srv.url, qps=[20.0], num_requests=1000, duration=1.5, max_new_tokens=None, warmup_s=0.5)
+        (res,) = run_serving(spec, progress=False)
+    s = res.summary()
+    t0 = min(r.sent_at for r in res.requests)
+    after = [r for r in res.requests if r.status == "ok" and r.sent_at - t0 >= 0.5]
+    assert 0 < s["num_after_warmup"] == len(after) < s["num_ok"]
+    with pytest.raises(ValueError, match="warmup_s"):
+        ServeSpec(url=srv.url, concurrency=[1], duration=2.0, warmup_s=2.0)

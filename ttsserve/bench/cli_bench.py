@@ -115,6 +115,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--qps", type=_floats, default=[], help="Poisson arrival rates per point, e.g. 0.5,2")
     p.add_argument("--num-requests", type=int, default=32, help="requests per point (at most)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds per point (at most; no new sends after)")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="also report the TTFA of the requests sent after this many seconds (every figure still counts "
+        "every request): a closed loop starts every stream at once, and their ends start the next wave together",
+    )
     p.add_argument("--no-stream", action="store_true", help="time whole responses, not chunks")
     p.add_argument(
         "--response-format",
@@ -276,6 +283,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             allow_remote=a.allow_remote,
             response_format=a.response_format,
             client_procs=a.client_procs,
+            warmup_s=a.warmup_s,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -209,6 +209,7 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
                 f"{_f(q['ttfa_p50_speedup'])} | {_f(q['peak_memory_ratio'])} |"
             )
     if report["kind"] == "serve":
+        lines += _after_warmup(results)
         lines += _server_side(results)
         lines += [
             "",
@@ -225,6 +226,22 @@ def markdown(report: dict, results: Sequence[RunResult]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _after_warmup(results: Sequence[RunResult]) -> list[str]:
+    """One line per point run with --warmup-s: the TTFA of the requests sent after the warm-up."""
+    rows = []
+    for r in results:
+        s = r.summary()
+        if "ttfa_s_after_warmup" in s:
+            rows.append(
+                f"- {s['load_kind']} {s['load']:g}: TTFA p50/p99 {_pcts(s['ttfa_s_after_warmup'], ('p50', 'p99'))} s "
+                f"over the {s['num_after_warmup']} requests sent after the first {s['warmup_s']:g} s"
+            )
+    if not rows:
+        return []
+    head = "after the warm-up (a closed loop starts every stream at once, and their ends the next wave):"
+    return ["", head, "", *rows]
 
 
 def write_plots(results: Sequence[RunResult], out: Path) -> list[Path]:

@@ -103,6 +103,12 @@ class RunResult:
             out["underrun_streams"] = sum(1 for r in streamed if r.underruns)
             out["underruns_total"] = sum(r.underruns for r in streamed)
             out["stall_s_total"] = sum(r.stall_s for r in streamed)
+            warmup = self.extra.get("warmup_s")
+            if warmup and streamed:  # a closed loop starts every stream at once, and their ends the next wave
+                t0 = min(r.sent_at for r in self.requests)
+                after = [r.ttfa_s for r in streamed if r.sent_at - t0 >= warmup]
+                out["ttfa_s_after_warmup"] = percentiles(after)
+                out["num_after_warmup"] = len(after)
         out.update(self.extra)
         return out
 

@@ -52,6 +52,7 @@ class ServeSpec:
     response_format: str = "pcm"
     extra_body: dict = field(default_factory=dict)
     client_procs: int | None = None  # load-generator processes (bench/client_procs.py); None: auto_client_procs
+    warmup_s: float = 0.0  # > 0: TTFA of the requests sent after this many seconds reported apart too
 
     def __post_init__(self) -> None:
         if self.response_format not in ("pcm", "mp3"):
@@ -67,6 +68,8 @@ class ServeSpec:
             raise ValueError("concurrency values must be >= 1 and qps values > 0")
         if self.num_requests < 1 or not (self.duration > 0):
             raise ValueError("num_requests must be >= 1 and duration > 0")
+        if not (0 <= self.warmup_s < self.duration):
+            raise ValueError(f"warmup_s must be >= 0 and below duration ({self.duration:g}), got {self.warmup_s:g}")
         if self.client_procs is not None and self.client_procs < 1:
             raise ValueError(f"client_procs must be >= 1, got {self.client_procs}")
         check_loopback(self.url, self.allow_remote)
@@ -351,6 +354,7 @@ async def run_point(spec: ServeSpec, load_kind: str, load: float, progress: bool
             "endpoint": spec.path,
             "client_cpu": client_cpu,
             "client_stall_s": client_stall,
+            **({"warmup_s": spec.warmup_s} if spec.warmup_s else {}),
             **{k: v for k, v in figures.items() if k != "preemptions"},
         },
     )
