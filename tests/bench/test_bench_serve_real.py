@@ -96,3 +96,30 @@ def test_cli_serve_non_streaming_synthesize(server, tmp_path) -> None:
     assert all(q["ttfa_s"] == q["latency_s"] for q in res["requests"])  # whole files: nothing plays early
     assert (tmp_path / "throughput.png").exists()
     assert "server side" in (tmp_path / "report.md").read_text()
+
+
+def test_client_records_join_the_access_log_on_their_request_id(server, tmp_path, caplog) -> None:
+    """The bench sends each record's id as X-Request-ID, so benchmarks/ttfa_split.py can set the client's TTFA
+    beside the app's (access ms) and the admission's (ttfa_ms): each later in the chain, each no longer."""
+    import importlib.util
+    import logging
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ttfa_split.py"
+    spec_ = importlib.util.spec_from_file_location("ttfa_split", path)
+    ttfa_split = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(ttfa_split)
+    spec = ServeSpec(
+        url=server.url, concurrency=[2], num_requests=4, duration=60, max_new_tokens=24, text_lengths=("short",)
+    )
+    with caplog.at_level(logging.INFO, logger="ttsserve.access"):
+        (res,) = run_serving(spec, progress=False)
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(f"INFO [api0] ttsserve.access: {r.getMessage()}" for r in caplog.records))
+    times = ttfa_split.server_times(log)
+    assert {r.request_id for r in res.requests} <= set(times)
+    rows = ttfa_split.split({"results": [res.to_json()]}, times, bin_s=60.0)
+    assert sum(r["n"] for r in rows) == 4
+    for r in rows:
+        assert 0 < r["admitted"][0] <= r["app"][0] <= r["client"][0]
+        assert r["outside_app"][0] >= 0 and r["before_admission"][0] >= 0

@@ -35,11 +35,12 @@ class RequestContextMiddleware:
     """Pure ASGI (keeps streaming and disconnects intact): X-Request-ID in/out, one JSON access-log line per
     request, and the requests-by-status metric.
 
-    The access line is written when the response starts (`ms`: time to the status line; for a stream the
-    synthesis is still running). Syntheses add a `synthesis_done` line when they end (finish_reason,
-    audio_s, frames, ttfa_ms, total_ms). A client that leaves before any response is logged as status 499,
-    an unhandled error as 500. Every request that ends without its audio says why: an error status has
-    `error` (the code) and `reason`, and a stream cut short has `reason` on its synthesis_done line.
+    The access line is written when the response starts (`ms`: time to the status line; for a stream the synthesis is
+    still running). Syntheses add a `synthesis_done` line when they end (finish_reason, audio_s, frames, ttfa_ms,
+    total_ms); a synthesis's access line has `admit_ms`, its time in the app before admission (validation, the text
+    path, the event loop's queue), from which its ttfa_ms counts. A client that leaves before any response is logged
+    as status 499, an unhandled error as 500. Every request that ends without its audio says why: an error status
+    has `error` (the code) and `reason`, and a stream cut short has `reason` on its synthesis_done line.
     """
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
@@ -52,8 +53,8 @@ class RequestContextMiddleware:
         given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
         rid = given if _REQUEST_ID_RE.match(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
-        state.update(request_id=rid, log={}, logged=False)
         started = time.perf_counter()
+        state.update(request_id=rid, log={}, logged=False, arrived=started)
         status = 500
 
         async def send_with_id(msg) -> None:

@@ -192,6 +192,9 @@ class ServerState:
             timeout_s=self.cfg.request_timeout_s,
             timestamps=getattr(opts, "timestamps", None) == "segment",
         )
+        arrived = getattr(request.state, "arrived", None)  # RequestContextMiddleware's clock
+        if arrived is not None:
+            request.state.log["admit_ms"] = round((job.started - arrived) * 1000, 1)
         if self.cfg.max_audio_seconds is not None:
             job.max_samples = math.ceil(self.cfg.max_audio_seconds * stretch * self.engine.sample_rate)
         request.state.log.update(chars=len(text), voice=voice.name, format=fmt, mode=mode)
