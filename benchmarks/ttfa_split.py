@@ -5,10 +5,10 @@ joined on the X-Request-ID the bench sends.
 
     python3 benchmarks/ttfa_split.py REPORT_DIR SERVER_LOG [--bin 1.0]
 
-One row per bin of send times: requests joined, then p50 / p99 of the client's TTFA, the app's (admit_ms +
-ttfa_ms), the admitted request's (ttfa_ms), the time in the app before admission (admit_ms: middleware, validation,
-the text path, the queue of the API server's event loop) and outside the app (client - app: the accept, the parse,
-the response's way back, the load generator).
+One row per bin of send times: requests joined, then p50 / p99 of the client's TTFA, the app's (admit_ms + ttfa_ms),
+the admitted request's (ttfa_ms), the time in the app before admission (admit_ms: the API server's event loop's
+queue, middleware, the body's validation, the voice) and outside the app (client - app: the accept, the parse, the
+response's way back, the load generator).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ async def one_request(client, spec: ServeSpec, sentence: Sentence, index: int) -
     play, count = _Playback(spec.sample_rate), _sample_counter(spec.response_format)
     t0 = time.perf_counter()
     try:
-        # the id joins this record with the server's access log (its `ms` and `ttfa_ms`: benchmarks/ttfa_split.py)
+        # the id joins this record with the server's access log (admit_ms, ttfa_ms: benchmarks/ttfa_split.py)
         headers = {"x-request-id": rec.request_id}
         async with client.stream("POST", spec.path, json=spec.body(sentence.text, index), headers=headers) as resp:
             if resp.status_code != 200:

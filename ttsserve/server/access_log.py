@@ -35,12 +35,13 @@ class RequestContextMiddleware:
     """Pure ASGI (keeps streaming and disconnects intact): X-Request-ID in/out, one JSON access-log line per
     request, and the requests-by-status metric.
 
-    The access line is written when the response starts (`ms`: time to the status line; for a stream the synthesis is
-    still running). Syntheses add a `synthesis_done` line when they end (finish_reason, audio_s, frames, ttfa_ms,
-    total_ms); a synthesis's access line has `admit_ms`, its time in the app before admission (validation, the text
-    path, the event loop's queue), from which its ttfa_ms counts. A client that leaves before any response is logged
-    as status 499, an unhandled error as 500. Every request that ends without its audio says why: an error status
-    has `error` (the code) and `reason`, and a stream cut short has `reason` on its synthesis_done line.
+    The access line is written when the response starts (`ms`: time to the status line; for a stream the synthesis
+    is still running). Syntheses add a `synthesis_done` line when they end (finish_reason, audio_s, frames, ttfa_ms,
+    total_ms); a synthesis's access line has `admit_ms`, its time in the app before admission (the event loop's
+    queue, the body's validation, the voice), from which its ttfa_ms counts. A client that leaves before any
+    response is logged as status 499, an unhandled error as 500. Every request that ends without its audio says why:
+    an error status has `error` (the code) and `reason`, and a stream cut short has `reason` on its synthesis_done
+    line.
     """
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
