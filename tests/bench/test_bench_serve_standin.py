@@ -122,7 +122,7 @@ def test_the_open_loop_sends_every_scheduled_arrival_however_slow_a_send_is(monk
     monkeypatch.setattr(serving, "one_request", slow_send)
     spec = ServeSpec(url="http://127.0.0.1:1", qps=[qps], duration=duration)
     items = [(i, None) for i in range(1000)]
-    got = asyncio.run(serving._open_loop(None, spec, items, qps, seed, lambda: None))
+    got = asyncio.run(serving._open_loop(serving._Clients(object), spec, items, qps, seed, lambda: None))
     rng, at, want = random.Random(seed), 0.0, 0
     while at < duration:
         want, at = want + 1, at + rng.expovariate(qps)
@@ -280,3 +280,20 @@ def test_a_live_point_with_a_warmup_reports_the_requests_after_it() -> None:
     assert 0 < s["num_after_warmup"] == len(after) < s["num_ok"]
     with pytest.raises(ValueError, match="warmup_s"):
         ServeSpec(url=srv.url, concurrency=[1], duration=2.0, warmup_s=2.0)
+
+
+def test_each_stream_in_flight_has_a_client_of_its_own_reused_by_the_next_request(monkeypatch) -> None:
+    """One client (one connection) per request in flight, handed to the next request, all closed at the end: a
+    shared client's pool scanned every connection for every queued request (benchmarks/client_cost.py)."""
+    from ttsserve.bench import serving
+    from ttsserve.bench.corpus import select_texts
+
+    made = []
+    new = serving._Clients._new
+    monkeypatch.setattr(serving._Clients, "_new", lambda self: made.append(new(self)) or made[-1])
+    with LiveServer(standin_app()) as srv:
+        spec = ServeSpec(url=srv.url, concurrency=[3], num_requests=9, duration=30, max_new_tokens=None)
+        items = list(enumerate(select_texts(9, seed=0)))
+        records, _, _ = asyncio.run(serving.drive_load(spec, "concurrency", 3.0, items, 0))
+    assert len(records) == 9 and sum(r.status == "ok" for r in records) == 8  # seed 3 answers 429
+    assert len(made) == 3 and all(c.is_closed for c in made)
