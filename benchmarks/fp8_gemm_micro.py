@@ -13,6 +13,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from bench_engine import gpu_time_ms
 
 HIDDEN, INTER, LAYERS = 768, 3072, 20
 SHAPES = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
@@ -35,15 +36,7 @@ def timed(fn, reps: int = 50) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    return gpu_time_ms(g.replay, reps)
 
 
 def main() -> None:

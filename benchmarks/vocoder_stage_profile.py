@@ -113,16 +113,9 @@ def _bucket_costs(graphs) -> None:
     """Device ms a replay of each captured (rows, frames) bucket, its static buffers as the last call left them;
     and the least-squares line ms = a + b * cells: a / b is the fixed cost of a replay in cells (REPLAY_CELLS in
     audio/incremental_stage.py)."""
-    rows = []
-    for key, graph in sorted(graphs.graphs.items()):
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        rows.append((key[0] * key[1], start.elapsed_time(end) / 20, key))
+    from bench_engine import gpu_time_ms
+
+    rows = [(key[0] * key[1], gpu_time_ms(graph.replay, 20), key) for key, graph in sorted(graphs.graphs.items())]
     for cells, ms, key in rows:
         print(f"bucket {key}: {cells} cells, {ms:.3f} ms a replay")
     n = len(rows)
