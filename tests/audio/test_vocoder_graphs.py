@@ -90,9 +90,11 @@ def test_padding_rows_write_only_the_scratch_slot() -> None:
 
 
 def test_buckets() -> None:
-    assert default_row_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert default_row_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
-    assert default_frame_buckets(116) == [8, 16, 32, 64, 116]
+    assert default_row_buckets(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert default_row_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    assert default_row_buckets(3) == [1, 2, 3]
+    assert default_frame_buckets(116) == [8, 16, 32, 64, 96, 116]
+    assert default_frame_buckets(64) == [8, 16, 32, 64]
     assert default_frame_buckets(8) == [8]
     stage = _graphed_stage()
     graphs = stage.graphs[False]

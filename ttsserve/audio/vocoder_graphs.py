@@ -48,13 +48,19 @@ def _doubling(first: int, last: int) -> list[int]:
 
 
 def default_frame_buckets(max_call_frames: int) -> list[int]:
-    """Powers of two from 8 below max_call_frames, and max_call_frames itself."""
-    return _doubling(8, max_call_frames)
+    """Powers of two from 8 and, from 64, their midpoints (96, ...) below max_call_frames, and max_call_frames:
+    a stream's first exact call with early chunks feeds 84 frames, which the 116-frame bucket computed 38 %
+    padding for."""
+    sizes = _doubling(8, max_call_frames)
+    mids = [3 * n // 2 for n in sizes if n >= 64 and 3 * n // 2 < max_call_frames]
+    return sorted(set(sizes + mids))
 
 
 def default_row_buckets(max_rows: int) -> list[int]:
-    """Powers of two below max_rows, and max_rows itself."""
-    return _doubling(1, max_rows)
+    """1, 2, 4, 8, then every multiple of 16 below max_rows, and max_rows: at 512 served streams about 64 rows
+    are due a step, and one row past 64 made a power-of-two bucket compute 128 (up to 4,000 padded cells, 2.4 ms
+    of an H100's time at 0.6 us a cell)."""
+    return sorted({n for n in [1, 2, 4, 8, *range(16, max_rows, 16)] if n < max_rows} | {max_rows})
 
 
 class VocoderGraphs:
