@@ -14,7 +14,8 @@
 #      with "offline" also bench offline 1 x 10 s with those flags; VARIANT_POINTS= (empty): that offline run
 #      only) picks the parts;
 #      SERVE_ARGS, SERVE_POINTS, DUR, WARMUP (2: each point also reports the TTFA of the requests sent after
-#      that many seconds), COLD_RUNS, OFFLINE_BATCH; SPY=1: a py-spy profile of the engine core
+#      that many seconds), COLD_RUNS, OFFLINE_BATCH, OFFLINE_ARGS (engine flags of the offline part alone, e.g.
+#      "--num-scheduler-steps 16"); SPY=1: a py-spy profile of the engine core
 #      mid-point (spy_*.raw, benchmarks/spy_summary.py reads them); PROFILE=1: a torch profiler trace of the
 #      engine core over PROFILE_S (4) seconds of each server's first point from PROFILE_AT (0.5) seconds into it
 #      (the default: its fresh first wave; later: the steady state)
@@ -118,7 +119,8 @@ offline() {  # DIR "ENGINE FLAGS" BATCH: bench offline at 469 frames (10 s) a re
     echo "bench offline batch $3 ($2) rc=$?"; tail -4 "$1/offline_b$3.txt"
 }
 if [[ $parts == *" offline "* ]]; then
-    for b in 1 "${OFFLINE_BATCH:-512}"; do offline "$OUT" "" "$b"; done
+    echo "${OFFLINE_ARGS:-}" > "$OUT/offline_args.txt"
+    for b in 1 "${OFFLINE_BATCH:-512}"; do offline "$OUT" "${OFFLINE_ARGS:-}" "$b"; done
     # the variant's flags on one 10-s utterance too (its first audio), when the variant part runs
     if [[ $parts == *" variant "* ]]; then
         offline "$OUT/variant" "$variant_args" 1
