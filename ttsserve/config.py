@@ -37,6 +37,19 @@ def decode_ops_mode() -> str:
     return mode
 
 
+DECODE_GEMV_ENV = "TTSSERVE_DECODE_GEMV"
+
+
+def decode_gemv() -> bool:
+    """$TTSSERVE_DECODE_GEMV: "1" runs the one-row decode graph's GPT through layers/triton_gemv.py (5 kernels a
+    layer instead of 9; dense weights only), "0" or unset does not (ValueError for anything else). Opt-in until a
+    GPU's one-stream timing says it pays (BENCHMARKS.md)."""
+    value = os.environ.get(DECODE_GEMV_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"${DECODE_GEMV_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """The Llama body plus ChatTTS's vocabularies (MODEL.md §1.3). head_dim = hidden_size / num_heads."""

@@ -163,3 +163,21 @@ def test_graph_step_equals_eager_step_real_size_bf16(real_bf16):
         rel = (h_g - h_e).norm() / h_e.norm()
         assert rel < 3e-2, float(rel)
         assert (t_e == t_g).float().mean() > 0.9  # bf16: near-ties may flip
+
+
+@pytest.mark.parametrize("weights", ["real_fp32", "real_bf16"])
+def test_one_row_gemv_graph_step_equals_eager_step(request, weights, monkeypatch):
+    """$TTSSERVE_DECODE_GEMV=1: one stream's graph steps run the GPT as fused GEMVs (layers/triton_gemv.py) and
+    equal the eager step as the GEMM graphs do (fp32: 1e-3 absolute; bf16: the same 3e-2 relative bound)."""
+    monkeypatch.setenv("TTSSERVE_DECODE_GEMV", "1")
+    e = _engine(request.getfixturevalue(weights), kv_cache_memory=1 << 30, num_scheduler_steps=1)
+    assert e.runner.graphs.gemv
+    pairs = _graph_vs_eager(e, _requests(1, 40, greedy=True), steps=30)
+    assert len(pairs) > 10 and all(t_g.shape[0] == 1 for _, _, t_g, _ in pairs)
+    for _, h_e, _, h_g in pairs:
+        if weights == "real_fp32":
+            torch.testing.assert_close(h_g, h_e, atol=1e-3, rtol=0)
+        else:
+            assert float((h_g - h_e).norm() / h_e.norm()) < 3e-2
+    same = torch.cat([(t_e == t_g).flatten() for t_e, _, t_g, _ in pairs]).float().mean()
+    assert same > (0.97 if weights == "real_fp32" else 0.9)  # greedy: only near-ties may flip

@@ -30,3 +30,19 @@ def test_fused_kernels_compile_for_sm90() -> None:
     names = [name for name, _ in compiled]
     assert names == ["_rmsnorm_kernel", "_rmsnorm_kernel", "_silu_mul_kernel", "_rope_kernel"], names
     assert [kw.get("HAS_RES") for _, kw in compiled[:2]] == [False, True]
+
+
+def test_one_row_gemv_kernels_compile_for_sm90() -> None:
+    """layers/triton_gemv.py's kernels at the GPT's one-row shapes: norm + qkv (first layer: no residual), norm +
+    gate_up + SiLU (with the residual), and the plain GEMVs of o and down."""
+    from ttsserve.layers import triton_gemv
+
+    bf16 = torch.bfloat16
+    x, nw = torch.zeros(1, HIDDEN, dtype=bf16), torch.ones(HIDDEN, dtype=bf16)
+    with compile_only_for_sm90() as compiled:
+        triton_gemv.norm_linear(x, None, nw, 1e-6, torch.zeros(3 * HEADS * HEAD_DIM, HIDDEN, dtype=bf16))
+        triton_gemv.norm_linear(x, x.clone(), nw, 1e-6, torch.zeros(2 * INTERMEDIATE, HIDDEN, dtype=bf16), gated=True)
+        triton_gemv.linear(x, torch.zeros(HIDDEN, HIDDEN, dtype=bf16))
+        triton_gemv.linear(torch.zeros(1, INTERMEDIATE, dtype=bf16), torch.zeros(HIDDEN, INTERMEDIATE, dtype=bf16))
+    assert [name for name, _ in compiled] == ["_norm_gemv_kernel"] * 2 + ["_gemv_kernel"] * 2
+    assert [(kw["HAS_RES"], kw["GATED"]) for _, kw in compiled[:2]] == [(False, False), (True, True)]

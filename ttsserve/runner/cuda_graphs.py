@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, Rope
+from ttsserve.config import decode_gemv
 from ttsserve.graph_capture import capture
-from ttsserve.runner.decode_ops import DecodeOps, fused_gpt_forward
+from ttsserve.runner.decode_ops import DecodeOps, fused_gpt_forward, gemv_gpt_forward
 from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,14 @@ def or_uncompiled(owner, fn, what: str) -> None:
         fn()
 
 
+def _dense(runner) -> bool:
+    """Every GPT linear is a plain nn.Linear (not quantized): what layers/triton_gemv.py reads."""
+    from ttsserve.layers.quant.linear import GPT_LINEARS
+
+    layers = runner.model.gpt.layers
+    return all(type(getattr(layer, name)) is torch.nn.Linear for layer in layers for name in GPT_LINEARS)
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to 64 and of 16 up to max_num_seqs (and max_num_seqs itself)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
@@ -88,6 +97,8 @@ class DecodeGraphs(BucketedGraphs):
             self.ops = DecodeOps.for_device(runner.device)
         else:
             self.ops = DecodeOps(compile)
+        # $TTSSERVE_DECODE_GEMV: the one-row bucket's GPT as fused GEMVs (dense linears on CUDA only)
+        self.gemv = self.ops is not None and runner.device.type == "cuda" and decode_gemv() and _dense(runner)
         self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
         self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
@@ -157,7 +168,8 @@ class DecodeGraphs(BucketedGraphs):
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
         else:
             ctx = _ZeroAttention() if zero_attention else PagedAttention(r.backend, r.kv.layers, md, r.scale)
-            hidden = fused_gpt_forward(r.model.gpt, self.ops, x, positions, ctx).float()
+            forward = gemv_gpt_forward if self.gemv and bs == 1 else fused_gpt_forward
+            hidden = forward(r.model.gpt, self.ops, x, positions, ctx).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", sample_fn=self.ops.sample)
         self.hidden[:bs] = hidden
 
