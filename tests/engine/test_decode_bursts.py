@@ -67,12 +67,12 @@ def _run(model, reqs, k: int, graphs: bool = False, **kw):
     return rec, {r: np.concatenate(a) for r, a in audio.items()}, finals, bursts[0]
 
 
-@pytest.mark.parametrize("k, graphs, pipelined", [(2, False, False), (3, True, False), (3, True, True)])
+@pytest.mark.parametrize("k, graphs, pipelined", [(2, False, False), (3, True, False), (3, True, True), (16, True, True)])
 def test_decode_bursts_equal_single_steps(tiny_model, tiny_speaker, k, graphs, pipelined):
     reqs = _requests(tiny_speaker)
     rec1, audio1, finals1, _ = _run(tiny_model, reqs, 1, graphs=graphs, async_scheduling=pipelined)
     reck, audiok, finalsk, num_bursts = _run(tiny_model, reqs, k, graphs=graphs, async_scheduling=pipelined)
-    assert num_bursts > 50
+    assert num_bursts > min(50, 400 // k)
     cut_by_eos = 0
     for r in reqs:
         seq = f"{r.request_id}/0/code"
