@@ -67,7 +67,9 @@ def _run(model, reqs, k: int, graphs: bool = False, **kw):
     return rec, {r: np.concatenate(a) for r, a in audio.items()}, finals, bursts[0]
 
 
-@pytest.mark.parametrize("k, graphs, pipelined", [(2, False, False), (3, True, False), (3, True, True), (16, True, True)])
+@pytest.mark.parametrize(
+    "k, graphs, pipelined", [(2, False, False), (3, True, False), (3, True, True), (16, True, True)]
+)
 def test_decode_bursts_equal_single_steps(tiny_model, tiny_speaker, k, graphs, pipelined):
     reqs = _requests(tiny_speaker)
     rec1, audio1, finals1, _ = _run(tiny_model, reqs, 1, graphs=graphs, async_scheduling=pipelined)
