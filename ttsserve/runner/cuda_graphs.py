@@ -97,7 +97,8 @@ class DecodeGraphs(BucketedGraphs):
             self.ops = DecodeOps.for_device(runner.device)
         else:
             self.ops = DecodeOps(compile)
-        # $TTSSERVE_DECODE_GEMV: the one-row bucket's GPT as fused GEMVs (dense linears on CUDA only)
+        # $TTSSERVE_DECODE_GEMV: the one-row bucket's GPT as fused GEMVs (dense linears on CUDA only; the
+        # uncompiled fallback of or_uncompiled() drops them with the other kernels)
         self.gemv = self.ops is not None and runner.device.type == "cuda" and decode_gemv() and _dense(runner)
         self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
@@ -168,7 +169,7 @@ class DecodeGraphs(BucketedGraphs):
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
         else:
             ctx = _ZeroAttention() if zero_attention else PagedAttention(r.backend, r.kv.layers, md, r.scale)
-            forward = gemv_gpt_forward if self.gemv and bs == 1 else fused_gpt_forward
+            forward = gemv_gpt_forward if self.gemv and self.ops.compiled and bs == 1 else fused_gpt_forward
             hidden = forward(r.model.gpt, self.ops, x, positions, ctx).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", sample_fn=self.ops.sample)
         self.hidden[:bs] = hidden
