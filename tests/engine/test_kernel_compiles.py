@@ -84,6 +84,21 @@ def test_the_slow_step_line_names_the_compile_time_inside_it(caplog):
     assert "Triton compiles 506.0 ms" in rec.getMessage()
 
 
+def test_a_step_holding_a_compile_is_logged_within_the_slow_step_interval(caplog):
+    """Slow steps are logged once per interval, but one that waited for a compile always is: a slower step just
+    before it must not hide the stall's cause."""
+    caplog.set_level(logging.INFO, logger="ttsserve.engine.engine")
+    c = EngineCounters()
+    for _ in range(30):
+        c.observe_step(10.0, {"runner_ms": 0.01}, rows=8, tokens=8, gc_ms=0.0)
+    c.observe_step(90.0, {"runner_ms": 0.09}, rows=8, tokens=8, gc_ms=0.0)  # logged: the interval starts
+    c.observe_step(160.0, {"runner_ms": 0.16}, rows=8, tokens=8, gc_ms=0.0, compile_ms=150.0)
+    c.observe_step(200.0, {"runner_ms": 0.2}, rows=8, tokens=8, gc_ms=0.0)  # within the interval: counted only
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and "Triton compiles" not in msgs[0] and "Triton compiles 150.0 ms" in msgs[1]
+    assert c.slow_steps == 3
+
+
 def test_an_engine_step_holding_a_compile_reports_it(tiny_model, monkeypatch, caplog):
     """Wired end to end: a compile inside a served step (simulated: the hooks' calls around a 150-ms pause in
     the audio phase) is a warning and shows in that step's slow-step line."""

@@ -120,7 +120,9 @@ class EngineCounters:
         if self.steps > 20 and ms > max(SLOW_STEP_MIN_MS, SLOW_STEP_FACTOR * ema):
             self.slow_steps += 1
             now = time.monotonic()
-            if now - self.slow_step_logged_at >= SLOW_STEP_LOG_INTERVAL_S:
+            # a step that waited for a Triton compile is always named (compiles while serving are rare and each
+            # is actionable); other slow steps once per interval at most
+            if compile_ms > 0 or now - self.slow_step_logged_at >= SLOW_STEP_LOG_INTERVAL_S:
                 self.slow_step_logged_at = now
                 where = ", ".join(f"{k.removesuffix('_ms')} {v * 1e3:.1f}" for k, v in phases_s.items())
                 # what a full pass walks (O(objects), once per interval at most): long-lived tracked objects
