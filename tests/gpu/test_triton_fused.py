@@ -12,7 +12,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from triton_env import require_cuda_or_interpreter  # noqa: E402
+from triton_env import DEVICE, assert_rel_close, require_cuda_or_interpreter, seeded_randn  # noqa: E402
 
 require_cuda_or_interpreter()
 
@@ -20,7 +20,6 @@ from ttsserve.layers import triton_fused  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
 from ttsserve.sample import sampler, triton_sampler  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 # Largest difference allowed, relative to the largest value: fp32 differs by summation order only; bf16 (8 bits of
 # mantissa) may round a value the other way where torch rounds an intermediate the kernel keeps in fp32
@@ -28,24 +27,16 @@ REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype
-    scale = want.float().abs().amax().clamp(min=1e-6)
-    err = float(((got.float() - want.float()).abs() / scale).amax())
-    assert err <= REL_TOL[want.dtype], err
-
-
-def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+    assert_rel_close(got, want, REL_TOL[want.dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 130])
 def test_norms_match_torch(dtype: torch.dtype, rows: int) -> None:
     hidden = 768 if DEVICE.type == "cuda" else 96  # not a power of two: the masked tail of the row
-    x = _randn(rows, hidden, dtype=dtype, seed=1) * 3
-    res = _randn(rows, hidden, dtype=dtype, seed=2)
-    w = _randn(hidden, dtype=dtype, seed=3)
+    x = seeded_randn(rows, hidden, dtype=dtype, seed=1) * 3
+    res = seeded_randn(rows, hidden, dtype=dtype, seed=2)
+    w = seeded_randn(hidden, dtype=dtype, seed=3)
     _close(triton_fused.rmsnorm(x, w, 1e-6), decode_ops._rmsnorm(x, w, 1e-6))
     got, got_sum = triton_fused.add_rmsnorm(x, res, w, 1e-6)
     want, want_sum = decode_ops._add_rmsnorm(x, res, w, 1e-6)
@@ -58,7 +49,7 @@ def test_norms_match_torch(dtype: torch.dtype, rows: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
     n = 3072 if DEVICE.type == "cuda" else 200  # several column tiles, a masked last one on the CPU
-    gate_up = _randn(9, 2 * n, dtype=dtype, seed=4) * 4
+    gate_up = seeded_randn(9, 2 * n, dtype=dtype, seed=4) * 4
     _close(triton_fused.silu_mul(gate_up), decode_ops._silu_mul(gate_up))
     assert triton_fused.silu_mul(gate_up[:0]).shape == (0, n)
 
@@ -66,7 +57,7 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qkv_rotary_matches_torch(dtype: torch.dtype) -> None:
     hq, hkv, d, t = 4, 2, 64, 11
-    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=5)
+    qkv = seeded_randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=5)
     pos = torch.randint(0, 4000, (t,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
     ang = pos.float()[:, None] * inv[None, :]

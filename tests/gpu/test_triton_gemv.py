@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
-from triton_env import require_cuda_or_interpreter  # noqa: E402
+from triton_env import DEVICE, assert_rel_close, require_cuda_or_interpreter, seeded_randn  # noqa: E402
 
 require_cuda_or_interpreter()
 
@@ -23,22 +23,13 @@ from ttsserve.layers import triton_gemv  # noqa: E402
 from ttsserve.model.gpt import GPT  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 # fp32: summation order only; bf16: a value may round the other way where the kernel keeps an fp32 intermediate
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float | None = None) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype
-    scale = want.float().abs().amax().clamp(min=1e-6)
-    err = float(((got.float() - want.float()).abs() / scale).amax())
-    assert err <= (tol or REL_TOL[want.dtype]), err
-
-
-def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+    assert_rel_close(got, want, tol or REL_TOL[want.dtype])
 
 
 SHAPES = [(768, 2304), (768, 6144), (3072, 768)] if DEVICE.type == "cuda" else [(96, 46), (48, 200), (200, 30)]
@@ -47,7 +38,7 @@ SHAPES = [(768, 2304), (768, 6144), (3072, 768)] if DEVICE.type == "cuda" else [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_linear_matches_f_linear(dtype: torch.dtype, k: int, n: int) -> None:
-    x, w = _randn(1, k, dtype=dtype, seed=1), _randn(n, k, dtype=dtype, seed=2) / k**0.5
+    x, w = seeded_randn(1, k, dtype=dtype, seed=1), seeded_randn(n, k, dtype=dtype, seed=2) / k**0.5
     _close(triton_gemv.linear(x, w), F.linear(x, w))
 
 
@@ -56,8 +47,8 @@ def test_linear_matches_f_linear(dtype: torch.dtype, k: int, n: int) -> None:
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_linear_matches_the_norm_then_the_linear(dtype: torch.dtype, with_residual: bool, gated: bool) -> None:
     k, n = (768, 2 * 3072 if gated else 2304) if DEVICE.type == "cuda" else (96, 2 * 37 if gated else 46)
-    x, res = _randn(1, k, dtype=dtype, seed=3) * 3, _randn(1, k, dtype=dtype, seed=4)
-    nw, w = _randn(k, dtype=dtype, seed=5), _randn(n, k, dtype=dtype, seed=6) / k**0.5
+    x, res = seeded_randn(1, k, dtype=dtype, seed=3) * 3, seeded_randn(1, k, dtype=dtype, seed=4)
+    nw, w = seeded_randn(k, dtype=dtype, seed=5), seeded_randn(n, k, dtype=dtype, seed=6) / k**0.5
     residual = res if with_residual else None
     got, got_sum = triton_gemv.norm_linear(x, residual, nw, 1e-6, w, gated=gated)
     if with_residual:
@@ -93,7 +84,7 @@ def test_one_row_gpt_forward_matches_fused_gpt_forward(dtype: torch.dtype) -> No
     for p in gpt.parameters():
         p.data.normal_(0.0, 0.2)
     ops = decode_ops.DecodeOps(compile=False)
-    x, positions = _randn(1, 96, dtype=torch.float32, seed=7), torch.tensor([5], device=DEVICE)
+    x, positions = seeded_randn(1, 96, dtype=torch.float32, seed=7), torch.tensor([5], device=DEVICE)
     with torch.no_grad():
         want = decode_ops.fused_gpt_forward(gpt, ops, x, positions, _EchoAttention())
         got = decode_ops.gemv_gpt_forward(gpt, ops, x, positions, _EchoAttention())
