@@ -28,6 +28,7 @@ import torch
 from ttsserve.attention.backend import AttentionMetadata, PagedAttention, Rope
 from ttsserve.config import decode_gemv
 from ttsserve.graph_capture import capture
+from ttsserve.layers.quant.linear import GPT_LINEARS
 from ttsserve.runner.decode_ops import DecodeOps, fused_gpt_forward, gemv_gpt_forward
 from ttsserve.runner.graph_buckets import BucketedGraphs
 
@@ -67,8 +68,6 @@ def or_uncompiled(owner, fn, what: str) -> None:
 
 def _dense(runner) -> bool:
     """Every GPT linear is a plain nn.Linear (not quantized): what layers/triton_gemv.py reads."""
-    from ttsserve.layers.quant.linear import GPT_LINEARS
-
     layers = runner.model.gpt.layers
     return all(type(getattr(layer, name)) is torch.nn.Linear for layer in layers for name in GPT_LINEARS)
 
