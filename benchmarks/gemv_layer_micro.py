@@ -99,13 +99,16 @@ def main() -> int:
     gemm, gemv = out["gemm_ms"], out["gemv_ms"]
     print(f"{torch.cuda.get_device_name()}: a frame's linears {gemm:.3f} ms (GEMM path), {gemv:.3f} ms (GEMV)")
     if a.sweep:
-        default = (triton_gemv.BLOCK_N, triton_gemv.NORM_BLOCK_N, triton_gemv.NUM_WARPS)
+        names = ("BLOCK_N", "NORM_BLOCK_N", "BLOCK_K", "NUM_WARPS")
+        default = tuple(getattr(triton_gemv, n) for n in names)
         out["sweep"] = []
-        for tile in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (1, 2, 4)):
-            triton_gemv.BLOCK_N, triton_gemv.NORM_BLOCK_N, triton_gemv.NUM_WARPS = tile
-            out["sweep"].append({"tile": tile, "gemv_ms": frame_ms(lambda: gemv_frame(h, ws))})
-            print(f"  BLOCK_N {tile[0]}, NORM_BLOCK_N {tile[1]}, {tile[2]} warps: {out['sweep'][-1]['gemv_ms']:.3f} ms")
-        triton_gemv.BLOCK_N, triton_gemv.NORM_BLOCK_N, triton_gemv.NUM_WARPS = default
+        for tile in itertools.product((1, 2, 4), (1, 2, 4), (256, 512, 1024), (1, 2, 4)):
+            for n, v in zip(names, tile):
+                setattr(triton_gemv, n, v)
+            out["sweep"].append({"tile": dict(zip(names, tile)), "gemv_ms": frame_ms(lambda: gemv_frame(h, ws))})
+            print(f"  {out['sweep'][-1]['tile']}: {out['sweep'][-1]['gemv_ms']:.3f} ms")
+        for n, v in zip(names, default):
+            setattr(triton_gemv, n, v)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -41,10 +41,10 @@ DECODE_GEMV_ENV = "TTSSERVE_DECODE_GEMV"
 
 
 def decode_gemv() -> bool:
-    """$TTSSERVE_DECODE_GEMV: "1" runs the one-row decode graph's GPT through layers/triton_gemv.py (5 kernels a
-    layer instead of 9; dense weights only), "0" or unset does not (ValueError for anything else). Opt-in until a
-    GPU's one-stream timing says it pays (BENCHMARKS.md)."""
-    value = os.environ.get(DECODE_GEMV_ENV, "0")
+    """$TTSSERVE_DECODE_GEMV: "1" or unset runs the one-row decode graph's GPT through layers/triton_gemv.py (5
+    kernels a layer instead of 9; dense weights only: one 10-s utterance 0.30 s instead of 0.39 on an H100,
+    BENCHMARKS.md), "0" keeps the GEMM path (ValueError for anything else)."""
+    value = os.environ.get(DECODE_GEMV_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"${DECODE_GEMV_ENV} must be 0 or 1, got {value!r}")
     return value == "1"

@@ -14,9 +14,9 @@ from ttsserve.model.gpt import GPT
 from ttsserve.runner.cuda_graphs import _dense
 
 
-def test_the_switch_is_off_unless_set_and_rejects_other_values(monkeypatch) -> None:
+def test_the_switch_is_on_unless_set_to_0_and_rejects_other_values(monkeypatch) -> None:
     monkeypatch.delenv(DECODE_GEMV_ENV, raising=False)
-    assert decode_gemv() is False
+    assert decode_gemv() is True
     monkeypatch.setenv(DECODE_GEMV_ENV, "1")
     assert decode_gemv() is True
     monkeypatch.setenv(DECODE_GEMV_ENV, "0")

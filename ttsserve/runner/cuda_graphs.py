@@ -96,8 +96,8 @@ class DecodeGraphs(BucketedGraphs):
             self.ops = DecodeOps.for_device(runner.device)
         else:
             self.ops = DecodeOps(compile)
-        # $TTSSERVE_DECODE_GEMV: the one-row bucket's GPT as fused GEMVs (dense linears on CUDA only; the
-        # uncompiled fallback of or_uncompiled() drops them with the other kernels)
+        # $TTSSERVE_DECODE_GEMV (default on): the one-row bucket's GPT as fused GEMVs (dense linears on CUDA only;
+        # the uncompiled fallback of or_uncompiled() drops them with the other kernels)
         self.gemv = self.ops is not None and runner.device.type == "cuda" and decode_gemv() and _dense(runner)
         self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
