@@ -2,10 +2,11 @@
 
 A frame of 20 layers, each with its own weights (378 MB in bf16: they stream from HBM as in a real step, not from
 L2), the attention left out (its output stands in as qkv's first 768 values). The GEMM path is what the decode
-graph runs today: add_rmsnorm, F.linear (cuBLAS) for qkv / o / gate_up / down, silu_mul (layers/triton_fused.py).
-The GEMV path: norm_linear, linear, norm_linear(gated), linear ($TTSSERVE_DECODE_GEMV=1). Each path's frame is
+graphs run for several rows (and for one with $TTSSERVE_DECODE_GEMV=0): add_rmsnorm, F.linear (cuBLAS) for qkv / o /
+gate_up / down, silu_mul (layers/triton_fused.py). The GEMV path, the one-row graph's default: norm_linear, linear,
+norm_linear(gated), linear. Each path's frame is
 captured 10 times in one CUDA graph, as the engine replays its steps; ms a frame is the replay's device time / 10.
---sweep then times the GEMV path at each tile (triton_gemv's BLOCK_N, NORM_BLOCK_N, NUM_WARPS).
+--sweep then times the GEMV path at each tile (triton_gemv's BLOCK_N, NORM_BLOCK_N, BLOCK_K, NUM_WARPS).
 
     python3 benchmarks/gemv_layer_micro.py [--sweep] [--json OUT]
     TRITON_INTERPRET=1 python3 benchmarks/gemv_layer_micro.py --device cpu --dtype float32 --check-only
