@@ -32,7 +32,8 @@ import triton.language as tl
 MAX_NORM_K = 4096  # a fused norm loads its whole row per program
 # One-row tiles, the best of `benchmarks/gemv_layer_micro.py --sweep` on an H100 (a frame's linears 0.32 ms; the
 # same kernels at BLOCK_N 2, NORM_BLOCK_N 8 took 0.72): one output column a program (two with a fused norm: the
-# row's statistics recomputed by half as many programs), the whole K of a 768-wide row in one 1-warp load.
+# row's statistics recomputed by half as many programs), one warp, BLOCK_K 1024 (a 768-wide row in one pass, down's
+# 3,072 in three).
 BLOCK_N, NORM_BLOCK_N, BLOCK_K, NUM_WARPS = 1, 2, 1024, 1
 
 
