@@ -48,10 +48,16 @@ def _offline(out: Path, batch: int) -> dict | None:
     s = _summary(out / f"offline_b{batch}")
     if s is None:
         return None
+    run = json.loads((out / f"offline_b{batch}" / "report.json").read_text())["results"][0].get("run", {})
+    extra = run.get("extra", {})
     return {
         "audio_s_per_s": round(s["audio_seconds_per_s"], 1),
         "latency_p50_s": round(s["latency_s"]["p50"], 3),
         "ttfa_p50_s": round(s["ttfa_s"]["p50"], 3),
+        # where the rounds went: the requests' admission and the engine's host ms a step by phase (reports since
+        # bench offline kept them)
+        **({"admit_s": extra["admit_s"], "steps": run["steps"]} if "admit_s" in extra else {}),
+        **({"host_ms_a_step": {k: round(v, 2) for k, v in extra["host_ms"].items()}} if "host_ms" in extra else {}),
     }
 
 

@@ -53,6 +53,19 @@ def test_targets_are_judged_on_their_figures_and_missing_runs_never_pass(tmp_pat
     assert variant["points"]["offline_b1"] == {"audio_s_per_s": 30, "latency_p50_s": 0.15, "ttfa_p50_s": 0.03}
 
 
+def test_an_offline_point_carries_its_admission_and_host_phases(tmp_path: Path) -> None:
+    _report(tmp_path / "offline_b512", 2500, ttfa_p99=0.4, latency_p99=2.0)
+    report = tmp_path / "offline_b512" / "report.json"
+    data = json.loads(report.read_text())
+    host = {"schedule_ms": 1.234, "runner_ms": 20.0, "runner_wait_ms": 6.5}
+    data["results"][0]["run"] = {"steps": 126, "extra": {"rounds": 2, "admit_s": [0.2, 0.21], "host_ms": host}}
+    report.write_text(json.dumps(data))
+    got = {t["target"].split(":")[0]: t for t in targets_summary.summarize(tmp_path)["targets"]}
+    point = got["bench offline 512 x 10 s"]
+    assert point["admit_s"] == [0.2, 0.21] and point["steps"] == 126
+    assert point["host_ms_a_step"] == {"schedule_ms": 1.23, "runner_ms": 20.0, "runner_wait_ms": 6.5}
+
+
 def test_a_point_run_with_its_own_client_processes_counts(tmp_path: Path) -> None:
     _report(tmp_path / "serve_pcm_512_p8", 2600, ttfa_p99=0.30)
     got = {t["target"].split(":")[0]: t for t in targets_summary.summarize(tmp_path)["targets"]}

@@ -113,6 +113,7 @@ class TTSServeBackend:
                 SynthesisRequest(s.text, code_params=p, split=split, request_id=f"bench-{next(self._ids)}")
             )
             records[rid] = RequestRecord(rid, s.id, num_segments=len(eng.syntheses[rid].segments))
+        admit_s, phases0 = time.perf_counter() - t0, _host_phases(eng)
         pending, usage_peak, frames_seen = set(records), 0.0, c0[2]
         while pending:
             if not eng.has_unfinished():
@@ -137,6 +138,7 @@ class TTSServeBackend:
                 frames_seen = eng.counters.frames
         wall = time.perf_counter() - t0
         spec = eng.kv_spec
+        phases = {k: v - phases0[k] for k, v in _host_phases(eng).items()}
         return BatchRun(
             wall,
             list(records.values()),
@@ -146,6 +148,7 @@ class TTSServeBackend:
             int(usage_peak * spec.num_blocks * spec.block_size * spec.bytes_per_token),
             eng.counters.preemptions - c0[0],
             eng.counters.steps - c0[1],
+            extra={"admit_s": admit_s, "host_ms": phases},
         )
 
     def describe(self) -> dict:
@@ -156,6 +159,25 @@ class TTSServeBackend:
             "kv_cache": self.engine.memory_report(),
             "model_source": self.engine.model.source,
         }
+
+
+def _host_phases(eng) -> dict[str, float]:
+    """The engine's cumulative host ms by phase (Engine.timings), the runner's wait for the device split out of
+    its runner_ms (RunnerTimings.forward_ms): what a round spent where, without a profiler."""
+    phases = dict(eng.timings.__dict__)
+    phases["runner_wait_ms"] = eng.runner.timings.forward_ms  # part of runner_ms
+    return phases
+
+
+def _merge_extra(runs: list[BatchRun]) -> dict:
+    """Rounds' extras -> one: admit_s per round, host_ms summed and then per step (a backend's other keys from
+    its first round)."""
+    extra = {"rounds": len(runs), **runs[0].extra}
+    if "admit_s" in extra:
+        steps = max(sum(r.steps for r in runs), 1)
+        extra["admit_s"] = [r.extra["admit_s"] for r in runs]
+        extra["host_ms"] = {k: sum(r.extra["host_ms"][k] for r in runs) / steps for k in runs[0].extra["host_ms"]}
+    return extra
 
 
 def merge_runs(backend: str, batch_size: int, runs: list[BatchRun]) -> RunResult:
@@ -178,8 +200,16 @@ def merge_runs(backend: str, batch_size: int, runs: list[BatchRun]) -> RunResult
         kv_cache_bytes_peak=peak(r.kv_cache_bytes_peak for r in runs),
         preemptions=sum(r.preemptions for r in runs),
         steps=sum(r.steps for r in runs),
-        extra={"rounds": len(runs), **runs[0].extra},
+        extra=_merge_extra(runs),
     )
+
+
+def _host_line(extra: dict) -> str:
+    """'; admission 0.27 s a round, host ms a step: ...' for the log."""
+    ms = extra["host_ms"]
+    parts = ", ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in ms.items() if v >= 0.005)
+    admit = sum(extra["admit_s"]) / len(extra["admit_s"])
+    return f"; admission {admit:.3f} s a round; host ms a step: {parts}"
 
 
 def run_offline(spec: OfflineSpec, backend, progress: bool = True) -> list[RunResult]:
@@ -203,14 +233,15 @@ def run_offline(spec: OfflineSpec, backend, progress: bool = True) -> list[RunRe
             ) as bar:
                 runs.append(backend.run_batch(batch, params, spec.split, bar))
         results.append(merge_runs(backend.name, b, runs))
-        s = results[-1].summary()
+        s, extra = results[-1].summary(), results[-1].extra
         logger.info(
-            "%s batch %d: %.1f frames/s, %.2f audio-s/s, latency p50 %.2f s, ttfa p50 %s",
+            "%s batch %d: %.1f frames/s, %.2f audio-s/s, latency p50 %.2f s, ttfa p50 %s%s",
             backend.name,
             b,
             s["frames_per_s"],
             s["audio_seconds_per_s"],
             s["latency_s"]["p50"] or 0.0,
             s["ttfa_s"]["p50"],
+            _host_line(extra) if "host_ms" in extra else "",
         )
     return results
