@@ -116,7 +116,8 @@ offline() {  # DIR "ENGINE FLAGS" BATCH: bench offline at 469 frames (10 s) a re
     mkdir -p "$1"
     timeout 240 $CLI bench offline $MODEL_ARGS $2 --dtype bfloat16 --batch-sizes "$3" --frames 469 \
         --lengths fixed --rounds 2 --no-plots --no-progress --out "$1/offline_b$3" > "$1/offline_b$3.txt" 2>&1
-    echo "bench offline batch $3 ($2) rc=$?"; tail -4 "$1/offline_b$3.txt"
+    echo "bench offline batch $3 ($2) rc=$?"; grep -h "bench.offline: ttsserve batch" "$1/offline_b$3.txt"
+    tail -4 "$1/offline_b$3.txt"
 }
 if [[ $parts == *" offline "* ]]; then
     echo "${OFFLINE_ARGS:-}" > "$OUT/offline_args.txt"
