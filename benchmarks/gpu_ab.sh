@@ -11,7 +11,10 @@
 # from the start, 560): no run starts that could not end before it, so a device call's limit never cuts one off;
 # A_TREE: another checkout of the repo (`git worktree add DIR REV`, or `git archive REV | tar -x -C DIR`) whose
 # package and gpu_targets.sh serve the A runs, to measure a code change rather than a flag (ARGS_A may then equal
-# ARGS_B); A_ENV / B_ENV: environment assignments for the A / B servers (e.g. B_ENV="TTSSERVE_VOCODER_FUSED=1").
+# ARGS_B); A_ENV / B_ENV: environment assignments for the A / B servers (e.g. B_ENV="TTSSERVE_VOCODER_FUSED=1");
+# PARTS=offline: each run is gpu_targets.sh's bench offline part instead (1 and OFFLINE_BATCH x 10 s, the ARGS as
+# its engine flags; POINTS unused), e.g. PARTS=offline A_ENV=TTSSERVE_DECODE_GEMV=0 bash benchmarks/gpu_ab.sh OUT
+# "--kv-cache-dtype fp8" "--kv-cache-dtype fp8".
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:?usage: $0 OUT ARGS_A ARGS_B [POINTS] [ROUNDS]}
@@ -31,8 +34,9 @@ run() {  # NAME ARGS
     tree=$REPO run_env=${B_ENV:-}
     case "$1" in a*) tree=${A_TREE:-$REPO} run_env=${A_ENV:-} ;; esac
     # shellcheck disable=SC2086 # run_env: VAR=VALUE words
-    (cd "$tree" && env $run_env PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PARTS=serve SERVE_POINTS="$POINTS" \
-        DUR="${DUR:-12}" SERVE_ARGS="$2" timeout "$t" bash benchmarks/gpu_targets.sh "$OUT/$1") > "$OUT/$1.log" 2>&1
+    (cd "$tree" && env $run_env PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" PARTS="${PARTS:-serve}" \
+        SERVE_POINTS="$POINTS" DUR="${DUR:-12}" SERVE_ARGS="$2" OFFLINE_ARGS="$2" timeout "$t" \
+        bash benchmarks/gpu_targets.sh "$OUT/$1") > "$OUT/$1.log" 2>&1
     echo "$1 ($2): rc=$?"
     # a server a timeout cut off must not hold the port or the GPU for the next run
     pkill -INT -f 'entrypoints.cli serve' 2> /dev/null && sleep 3

@@ -46,3 +46,28 @@ def test_each_b_run_is_judged_against_its_neighbouring_a_runs(tmp_path: Path) ->
     assert python == {"b1": 0.943, "b2": 1.1}  # 3.3 / mean(4.0, 3.0); 3.3 / mean(3.0, 3.0)
     (tmp_path / "b3").mkdir()  # a run cut off before its report: no line, no pair
     assert "b3" not in {p["run"] for p in ab_summary.summarize(tmp_path)["b_against_neighbouring_a"]}
+
+
+def test_offline_points_are_read_from_bench_offline_reports(tmp_path: Path) -> None:
+    """gpu_ab.sh with PARTS=offline: each run's offline_b* reports, judged as the served points are."""
+    for name, audio in (("a1", 2500.0), ("b1", 2600.0), ("a2", 2700.0)):
+        summary = {
+            "audio_seconds_per_s": audio,
+            "latency_s": {"p50": 2.0},
+            "ttfa_s": {"p50": 0.39, "p99": 0.4},
+            "num_ok": 1024,
+            "num_requests": 1024,
+            "wall_s": 4.0,
+        }
+        host = {"schedule_ms": 1.0, "update_ms": 0.5, "outputs_ms": 1.5, "runner_ms": 20.0, "runner_wait_ms": 6.0}
+        run = {"steps": 126, "extra": {"admit_s": [0.1, 0.1], "host_ms": host}}
+        (tmp_path / name / "offline_b512").mkdir(parents=True)
+        report = {"results": [{"summary": summary, "run": run}]}
+        (tmp_path / name / "offline_b512" / "report.json").write_text(json.dumps(report))
+    got = ab_summary.summarize(tmp_path)
+    point = got["runs"]["b1"]["offline_b512"]
+    assert point["python_ms"] == 3.0 and point["device_wait_ms"] == 6.0 and point["steps_per_s"] == 31.5
+    assert point["latency_p50_s"] == 2.0 and point["ok"] == "1024/1024"
+    assert got["b_against_neighbouring_a"] == [
+        {"run": "b1", "point": "offline_b512", "b_over_a": 1.0, "python_ms_b_over_a": 1.0}
+    ]
