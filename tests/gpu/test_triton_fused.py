@@ -12,7 +12,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from triton_env import DEVICE, assert_rel_close, require_cuda_or_interpreter, seeded_randn  # noqa: E402
+from triton_env import DEVICE, DTYPES, assert_rel_close, require_cuda_or_interpreter, seeded_randn  # noqa: E402
 
 require_cuda_or_interpreter()
 
@@ -20,7 +20,6 @@ from ttsserve.layers import triton_fused  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
 from ttsserve.sample import sampler, triton_sampler  # noqa: E402
 
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 # Largest difference allowed, relative to the largest value: fp32 differs by summation order only; bf16 (8 bits of
 # mantissa) may round a value the other way where torch rounds an intermediate the kernel keeps in fp32
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
-from triton_env import DEVICE, assert_rel_close, require_cuda_or_interpreter, seeded_randn  # noqa: E402
+from triton_env import DEVICE, DTYPES, assert_rel_close, require_cuda_or_interpreter, seeded_randn  # noqa: E402
 
 require_cuda_or_interpreter()
 
@@ -23,7 +23,6 @@ from ttsserve.layers import triton_gemv  # noqa: E402
 from ttsserve.model.gpt import GPT  # noqa: E402
 from ttsserve.runner import decode_ops  # noqa: E402
 
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 # fp32: summation order only; bf16: a value may round the other way where the kernel keeps an fp32 intermediate
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
 

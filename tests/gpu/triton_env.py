@@ -10,6 +10,8 @@ import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# the dtypes a kernel test runs in: fp32 everywhere, and bf16 (the engine's) on CUDA (the interpreter has no bf16)
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
 def require_cuda_or_interpreter() -> None:
