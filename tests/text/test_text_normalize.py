@@ -240,3 +240,32 @@ def test_warm_up_text_path_pays_the_normalizers_imports_in_a_fresh_process():
         "assert seconds > 0\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# Pieces that the verbalising rules look for, digits among them and not: month names, "No.", units, currency,
+# separators, CJK, letters (hypothesis joins them into segments; as normalize_text hands them over, with every
+# digit ASCII).
+_PIECES = [*"0123456789", *" .,:;-/~%$#&@+='", "No.", "Jan", "March", "pm", "a.m.", "km", "kg", "°C",
+           "st", "th", "s", "年", "年代", "至", "万", "元", "A.", "B.", "Dr.", "abc", "中文", "，"]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=14).map("".join), st.sampled_from(["en", "zh"]))
+def test_rules_skipped_on_digit_free_text_would_not_have_matched(text: str, lang: str) -> None:
+    """A rule marked `digits` is not run over text without a digit: on any text, digits or not, the segment
+    reads as with every rule run."""
+    from ttsserve.text.expand import RULES, apply_rule, expand_segment
+
+    every_rule = text
+    for rule in RULES:
+        every_rule = apply_rule(rule, every_rule, lang)
+    assert expand_segment(text, lang) == every_rule
+    if not re.search(r"\d", text):
+        assert not [r.name for r in RULES if r.digits and r.pattern.search(text)]
+
+
+def test_other_scripts_digits_read_as_numbers() -> None:
+    """Arabic-Indic, Devanagari and full-width digits are numbers like 0-9 (the Chinese readings once raised on
+    them)."""
+    assert normalize_text("I have ٣ apples and ३ pears", "en").text == "I have three apples and three pears"
+    assert normalize_text("我有٣个苹果，１２个梨", "zh").text == "我有三个苹果，十二个梨"

@@ -13,6 +13,7 @@ pipeline, so we keep it rather than feeding it apostrophe tokens.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 from ttsserve.text.expand import expand_segment
@@ -38,6 +39,9 @@ _FULLWIDTH_ALNUM = str.maketrans(
      **{chr(0xFF21 + i): chr(0x41 + i) for i in range(26)},
      **{chr(0xFF41 + i): chr(0x61 + i) for i in range(26)}, "％": "%"}
 )  # fmt: skip
+# Other scripts' decimal digits (Arabic-Indic ٣, Devanagari ३, ...: what \d matches beyond 0-9) read as their ASCII
+# digit: the number rules match them, and the Chinese readings (cn2an) reject them.
+_OTHER_DIGIT_RE = re.compile(r"(?![0-9])\d")
 _WHITESPACE_RE = re.compile(r"[\t\n\r\f\v\u3000\u00a0]")
 # A line break after a word (no punctuation) ends a sentence: it becomes a full stop, not a mere space.
 _BARE_NEWLINE_RE = re.compile(r"(?<=[^\s,.!?;:，。！？；：、\]])[ \t\u3000]*(?:\r?\n)+")
@@ -124,7 +128,7 @@ def normalize_text(
         raise ValueError(f"lang must be 'zh', 'en' or None, got {lang!r}")
     if not expand_numbers:
         return _reference(text, lang, homophones)
-    text = text.translate(_FULLWIDTH_ALNUM)
+    text = _OTHER_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m.group())), text.translate(_FULLWIDTH_ALNUM))
     lang = lang or detect_language(text)
     text = _WHITESPACE_RE.sub(" ", _BARE_NEWLINE_RE.sub(". " if lang == "en" else "。", text))
     expanded = "".join(
