@@ -29,8 +29,12 @@ def test_a_slow_step_is_counted_and_logged_once_a_while(caplog):
     for _ in range(3):
         c.observe_step(200.0, PHASES, rows=8, tokens=8, gc_ms=0.0)
     assert c.slow_steps >= 2 and len(caplog.records) == 1  # counted, not logged again within the interval
+    c.slow_step_logged_at = float("-inf")  # the interval over
+    c.observe_step(300.0, PHASES, rows=8, tokens=8, gc_ms=1.0)
+    msg = caplog.records[-1].getMessage()
+    assert "GC 1.0 ms" in msg and "generation 2" not in msg  # a young pass: the objects are not walked
     hist = c.step_times.as_dict()
-    assert sum(hist["counts"]) == c.steps == 35 and hist["max_s"] == 0.2
+    assert sum(hist["counts"]) == c.steps == 36 and hist["max_s"] == 0.3
     assert hist["counts"][hist["le_s"].index(0.01)] == 30  # a bound is inclusive, as Prometheus' le
 
 

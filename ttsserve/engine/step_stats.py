@@ -43,6 +43,10 @@ FIRST_AUDIO_BUCKETS_S = (
 # A slow step: over SLOW_STEP_FACTOR x the moving average and SLOW_STEP_MIN_MS; one in SLOW_STEP_LOG_INTERVAL_S
 # is logged with what it held (a stalled step delays the first audio of every stream in flight).
 SLOW_STEP_FACTOR, SLOW_STEP_MIN_MS, SLOW_STEP_LOG_INTERVAL_S = 4.0, 20.0, 10.0
+# The log names the objects a full GC pass walks only after a pause this long: counting them walks them too
+# (~50 ms for 215,000 objects on an H100 host, in the step being logged), and a young-generation pass of ~1 ms
+# is not the pause that grows with uptime.
+GC_WALK_MIN_MS = 10.0
 
 
 @dataclass
@@ -127,7 +131,7 @@ class EngineCounters:
                 where = ", ".join(f"{k.removesuffix('_ms')} {v * 1e3:.1f}" for k, v in phases_s.items())
                 # what a full pass walks (O(objects), once per interval at most): long-lived tracked objects
                 # the start-up freeze did not cover are what makes such a pause grow with uptime
-                gen2 = f", {len(gc.get_objects(2))} objects in generation 2" if gc_ms > 0 else ""
+                gen2 = f", {len(gc.get_objects(2))} objects in generation 2" if gc_ms >= GC_WALK_MIN_MS else ""
                 logger.info(
                     "slow engine step: %.1f ms against %.1f on average (%s ms; %d rows, %d tokens; "
                     "vocoder %d calls, %d frames; GC %.1f ms%s%s; %d slow steps so far)",
