@@ -72,3 +72,19 @@ def test_freeze_when_warm_does_nothing_where_nothing_was_frozen_or_pending(monke
     freeze.check()
     assert gc.get_freeze_count() == before == 0 and not freeze.pending
     assert not heap.FreezeWhenWarm(eng, "test").pending  # warm from the start (CUDA): nothing to wait for
+
+
+def test_frozen_heap_is_undone_on_exit():
+    """bench offline's frozen heap: what is alive is out of the collected generations, with the step loop's
+    thresholds, for the rounds only; then both are as before (a later engine of the process is not frozen)."""
+    from ttsserve.engine.core.heap import STEP_LOOP_GC_THRESHOLDS, frozen_heap
+
+    node = _Node()
+    node.self = node
+    thresholds = gc.get_threshold()
+    assert thresholds != STEP_LOOP_GC_THRESHOLDS
+    with frozen_heap() as frozen:
+        assert frozen > 0 and gc.get_threshold() == STEP_LOOP_GC_THRESHOLDS
+        assert not any(o is node for o in gc.get_objects())
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
+    assert any(o is node for o in gc.get_objects())

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 _froze_this_process = False
@@ -40,6 +42,22 @@ def freeze_startup_heap(process: str, step_loop: bool = False) -> int:
     frozen = gc.get_freeze_count()
     logger.info("%s: %d start-up objects frozen (full GC passes skip them)", process, frozen)
     return frozen
+
+
+@contextmanager
+def frozen_heap() -> Iterator[int]:
+    """The step loop's heap (freeze_startup_heap with step_loop) for a while, in a process that does more than
+    serve (`bench offline` runs an engine, then may build another): undone on exit, the frozen objects back in
+    the generations and the thresholds restored. Yields how many objects are frozen."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*STEP_LOOP_GC_THRESHOLDS)
+    try:
+        yield gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 class FreezeWhenWarm:
