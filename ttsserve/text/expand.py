@@ -366,6 +366,7 @@ RULES: tuple[Rule, ...] = (
     _r("number", SNUM, _number),
     _r("symbol", r"[&@+=×÷°]", _symbol, digits=False),
 )
+_DIGIT_FREE_RULES = tuple(r for r in RULES if not r.digits)
 
 
 def _pad(out: str, text: str, start: int, end: int) -> str:
@@ -392,7 +393,6 @@ def apply_rule(rule: Rule, text: str, default_lang: str) -> str:
 
 def expand_segment(text: str, default_lang: str) -> str:
     """Verbalise one tag-free segment; `default_lang` decides ties between scripts."""
-    for rule in RULES:
-        if not rule.digits or _DIGIT.search(text):
-            text = apply_rule(rule, text, default_lang)
+    for rule in RULES if _DIGIT.search(text) else _DIGIT_FREE_RULES:  # no handler writes a digit
+        text = apply_rule(rule, text, default_lang)
     return text
