@@ -84,17 +84,19 @@ def test_figures_are_consistent(report) -> None:
 
 def test_admission_and_host_phases_are_reported(report) -> None:
     """The engine's rounds report the time to admit their requests and the host ms a step by phase: the phases
-    of a step add up to no more than the stepping time of the rounds, and the device wait is part of runner_ms."""
+    of a step add up to no more than the stepping time of the rounds; the device wait is part of runner_ms, the
+    GC pauses part of the phases."""
     data, _ = report
     for r in (r for r in data["results"] if r["summary"]["backend"] == "ttsserve"):
         extra, wall, steps = r["run"]["extra"], r["summary"]["wall_s"], r["run"]["steps"]
         assert len(extra["admit_s"]) == 2 and all(a > 0 for a in extra["admit_s"])
         ms = extra["host_ms"]
-        assert {"schedule_ms", "runner_ms", "runner_wait_ms", "audio_step_ms", "outputs_ms"} <= set(ms)
+        assert {"schedule_ms", "runner_ms", "runner_wait_ms", "audio_step_ms", "outputs_ms", "gc_ms"} <= set(ms)
         assert 0 <= ms["runner_wait_ms"] <= ms["runner_ms"]
         stepping_ms = (wall - sum(extra["admit_s"])) * 1e3
-        host_ms = sum(v for k, v in ms.items() if k != "runner_wait_ms") * steps
+        host_ms = sum(v for k, v in ms.items() if k not in ("runner_wait_ms", "gc_ms")) * steps
         assert 0 < host_ms <= stepping_ms
+        assert 0 <= ms["gc_ms"] * steps <= stepping_ms
 
 
 def test_bad_flags_exit_2(capsys) -> None:

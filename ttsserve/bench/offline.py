@@ -17,6 +17,7 @@ from ttsserve.bench.corpus import LANGS, LENGTHS, Sentence, select_texts
 from ttsserve.bench.results import RequestRecord, RunResult
 from ttsserve.bench.sysinfo import PeakMemory
 from ttsserve.config import EngineConfig
+from ttsserve.engine.step_stats import gc_pauses
 from ttsserve.params import SamplingParams, SynthesisRequest
 
 logger = logging.getLogger(__name__)
@@ -163,9 +164,11 @@ class TTSServeBackend:
 
 def _host_phases(eng) -> dict[str, float]:
     """The engine's cumulative host ms by phase (Engine.timings), the runner's wait for the device split out of
-    its runner_ms (RunnerTimings.forward_ms): what a round spent where, without a profiler."""
+    its runner_ms (RunnerTimings.forward_ms) and the garbage collector's pauses (gc_ms, inside the phases): what
+    a round spent where, without a profiler."""
     phases = dict(eng.timings.__dict__)
     phases["runner_wait_ms"] = eng.runner.timings.forward_ms  # part of runner_ms
+    phases["gc_ms"] = gc_pauses().total_s() * 1e3  # the process's GC passes, inside whichever phases they stopped
     return phases
 
 
