@@ -44,8 +44,8 @@ FIRST_AUDIO_BUCKETS_S = (
 # is logged with what it held (a stalled step delays the first audio of every stream in flight).
 SLOW_STEP_FACTOR, SLOW_STEP_MIN_MS, SLOW_STEP_LOG_INTERVAL_S = 4.0, 20.0, 10.0
 # The log names the objects a full GC pass walks only after a pause this long: counting them walks them too
-# (~50 ms for 215,000 objects on an H100 host, in the step being logged), and a young-generation pass of ~1 ms
-# is not the pause that grows with uptime.
+# (~50 ms a count under py-spy for 215,000 objects on an H100 host, inside the step being logged), and a
+# young-generation pass of ~1 ms is not the pause that grows with uptime.
 GC_WALK_MIN_MS = 10.0
 
 
