@@ -269,3 +269,21 @@ def test_other_scripts_digits_read_as_numbers() -> None:
     them)."""
     assert normalize_text("I have ٣ apples and ३ pears", "en").text == "I have three apples and three pears"
     assert normalize_text("我有٣个苹果，１２个梨", "zh").text == "我有三个苹果，十二个梨"
+
+
+# digits of every kind the number rules may meet: ASCII, full-width, other scripts' (\d), and look-alikes that are
+# not decimal (superscripts, circled, fractions)
+_ODD_DIGITS = list("0123456789０１٣३۳໓߂௫ᠣ𝟙²³½①") + list(".,:-/%$€£¥ abc你好年月日号点万亿，。!?")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.text(st.characters(codec="utf-8"), max_size=30)
+    | st.lists(st.sampled_from(_ODD_DIGITS), max_size=25).map("".join),
+    st.sampled_from([None, "zh", "en"]),
+)
+def test_any_text_normalizes_without_raising(text: str, lang: str | None) -> None:
+    """Any string is read or dropped, never an exception from the readers (cn2an raised on other scripts'
+    digits)."""
+    out = normalize_text(text, lang=lang)
+    assert isinstance(out.text, str)
