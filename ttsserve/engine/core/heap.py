@@ -35,13 +35,17 @@ def freeze_startup_heap(process: str, step_loop: bool = False) -> int:
     process runs the engine's step loop (STEP_LOOP_GC_THRESHOLDS). Returns how many objects are frozen in all."""
     global _froze_this_process
     _froze_this_process = True
+    frozen = _freeze(step_loop)
+    logger.info("%s: %d start-up objects frozen (full GC passes skip them)", process, frozen)
+    return frozen
+
+
+def _freeze(step_loop: bool) -> int:
     gc.collect()
     gc.freeze()
     if step_loop:
         gc.set_threshold(*STEP_LOOP_GC_THRESHOLDS)
-    frozen = gc.get_freeze_count()
-    logger.info("%s: %d start-up objects frozen (full GC passes skip them)", process, frozen)
-    return frozen
+    return gc.get_freeze_count()
 
 
 @contextmanager
@@ -50,11 +54,8 @@ def frozen_heap() -> Iterator[int]:
     serve (`bench offline` runs an engine, then may build another): undone on exit, the frozen objects back in
     the generations and the thresholds restored. Yields how many objects are frozen."""
     thresholds = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*STEP_LOOP_GC_THRESHOLDS)
     try:
-        yield gc.get_freeze_count()
+        yield _freeze(step_loop=True)
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
