@@ -70,6 +70,22 @@ def test_qkv_rotary_matches_torch(dtype: torch.dtype) -> None:
     assert got[2].data_ptr() == qkv[:, (hq + hkv) * d :].data_ptr()  # v is a view of qkv
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_rows_matches_torch(dtype: torch.dtype) -> None:
+    """The decode input of rows out of order (and a repeated padding row) from the last-token table: fp32 sums of
+    the four codebooks' rows, rounded once to the GPT dtype, as Embed.embed_codes(...).to(dtype)."""
+    q, v, h = 4, 626, 768 if DEVICE.type == "cuda" else 96
+    emb = seeded_randn(q, v, h, dtype=torch.float32, seed=8)
+    last = torch.randint(0, v, (12, q), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    rows = torch.tensor([7, 2, 11, 11, 0], device=DEVICE)
+    got = triton_fused.embed_rows(emb, last, rows, dtype)
+    want = decode_ops._embed_rows(emb, last, rows, dtype)
+    assert got.dtype == dtype and got.shape == (5, h)
+    _close(got, want)
+    assert torch.equal(got[2], got[3])
+    assert triton_fused.embed_rows(emb, last, rows[:0], dtype).shape == (0, h)
+
+
 def test_decode_ops_mode(monkeypatch) -> None:
     monkeypatch.delenv(decode_ops.DECODE_OPS_ENV, raising=False)
     cuda = torch.device("cuda")

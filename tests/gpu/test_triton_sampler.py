@@ -190,3 +190,46 @@ def test_the_text_vocabulary_and_host_logits_take_the_reference_sampler() -> Non
     logits = torch.randn(1, 1, 5000, generator=torch.Generator().manual_seed(3))
     batch = make_sampling_batch(params, [0], [0], [torch.zeros(0, 1)], 1, 4999)
     assert torch.equal(triton_sampler.sample_or_reference(logits, batch), sample(logits, batch))
+
+
+def test_sample_and_record_is_batch_sample_and_record_in_one_kernel() -> None:
+    """sample_and_record (the decode graphs' sampler: one kernel reading SamplingState's tables by row) against
+    state.batch -> sample -> state.record on a copy of the same state: the same tokens bit for bit (the same
+    arithmetic on the same fp32 roundings of the float64 parameters), the same rings and last tokens after, for
+    rows out of order, histories that wrap their window, and padding rows on the scratch row."""
+    from ttsserve.sample.state import SamplingState
+
+    b, num_rows = (40, 64) if DEVICE == "cuda" else (5, 8)
+    g = torch.Generator().manual_seed(11)
+    params = [
+        SamplingParams(
+            top_k=[20, 3, 700][i % 3],
+            top_p=[0.7, 1.0, 0.5][i % 3],
+            temperature=[0.3, 0.7, 1.0][i % 3],
+            repetition_penalty=[1.05, 1.0, 2.0][i % 3],
+            repetition_window=[16, 5][i % 2],
+            greedy=i % 4 == 1,
+            min_new_tokens=6 * (i % 2),
+        )
+        for i in range(b)
+    ]
+    rows = torch.randperm(num_rows, generator=g)[:b]
+    outputs = [[tuple(torch.randint(0, V, (R,), generator=g).tolist()) for _ in range(3 * i % 23)] for i in range(b)]
+    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    fused, ref = (SamplingState(num_rows, R, 16, torch.device(DEVICE)) for _ in range(2))
+    for state in (fused, ref):
+        state.set_rows(rows.tolist(), params, seeds, ["code"] * b, outputs)
+    pad = 2  # padding rows of a graph bucket: the scratch row, at step 0
+    rows_t = torch.cat([rows, torch.full((pad,), fused.scratch_row)]).to(DEVICE)
+    steps_t = torch.tensor([len(o) for o in outputs] + [0] * pad, device=DEVICE)
+    for step in range(2):  # the second step's penalties read what the first recorded
+        logits = (torch.randn(b + pad, R, V, generator=g) * 2.5).to(DEVICE)
+        got = triton_sampler.sample_and_record(logits, fused, rows_t, steps_t + step, EOS)
+        want = triton_sampler.sample(logits, ref.batch(rows_t, steps_t + step, R, EOS))
+        ref.record(rows_t, steps_t + step, want)
+        assert torch.equal(got[:b].cpu(), want[:b].cpu())
+        real = rows.to(DEVICE)
+        assert torch.equal(fused.ring[real], ref.ring[real]) and torch.equal(
+            fused.last_tokens[real], ref.last_tokens[real]
+        )
+        assert torch.equal(fused.fparams, ref.fparams) and torch.equal(fused.iparams, ref.iparams)

@@ -8,7 +8,9 @@ Arithmetic, per row of x (x's dtype, bf16 on the GPU, or any float dtype):
 - rmsnorm: y = x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then weight * y rounded once;
 - add_rmsnorm: s = residual + x rounded to x's dtype (the residual stream stays in x's dtype), then rmsnorm(s);
 - silu_mul: silu(gate) rounded to x's dtype, times up, rounded once (torch's op-by-op result);
-- rope: x * cos + rotate_half(x) * sin in fp32 from x, cos, sin, rounded once.
+- rope: x * cos + rotate_half(x) * sin in fp32 from x, cos, sin, rounded once;
+- embed_rows: the decode input of each row, sum over codebooks q (in order) of emb_code[q, last_tokens[row, q]] in
+  fp32, rounded once to the GPT dtype (Embed.embed_codes then .to(dtype), in one kernel instead of five).
 """
 
 from __future__ import annotations
@@ -89,6 +91,32 @@ def _rope_kernel(
     cos = tl.load(cos_ptr + t * stride_cos + d).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_sin + d).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (x.to(tl.float32) * cos + partner * sin).to(x.dtype))
+
+
+@triton.jit
+def _embed_rows_kernel(
+    emb_ptr,
+    last_ptr,
+    rows_ptr,
+    out_ptr,
+    stride_eq,
+    stride_ev,
+    stride_last,
+    stride_out,
+    n,
+    Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row b: out[b] = sum_q emb[q, last[rows[b], q]] (fp32, q ascending), in out's dtype."""
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for q in tl.static_range(Q):
+        tok = tl.load(last_ptr + row * stride_last + q)
+        acc += tl.load(emb_ptr + q * stride_eq + tok * stride_ev + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -172,3 +200,29 @@ def qkv_rotary(
         )
     v = qkv[:, heads * head_dim :].reshape(t, num_kv_heads, head_dim)
     return qk[:, :num_heads], qk[:, num_heads:], v
+
+
+def embed_rows(
+    emb_code: torch.Tensor, last_tokens: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """emb_code [Q, V, H], last_tokens [N, Q] int64, rows [B] int64 -> [B, H] in `dtype`: the code embedding of
+    each row's last frame (Embed.embed_codes(last_tokens[rows]).to(dtype))."""
+    q, _, h = emb_code.shape
+    b = rows.shape[0]
+    out = torch.empty(b, h, dtype=dtype, device=emb_code.device)
+    assert emb_code.stride(2) == 1 and last_tokens.stride(1) == 1 and last_tokens.shape[1] >= q
+    if b:
+        _embed_rows_kernel[(b,)](
+            emb_code,
+            last_tokens,
+            rows,
+            out,
+            emb_code.stride(0),
+            emb_code.stride(1),
+            last_tokens.stride(0),
+            out.stride(0),
+            h,
+            Q=q,
+            BLOCK=triton.next_power_of_2(h),
+        )
+    return out

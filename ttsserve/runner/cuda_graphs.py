@@ -2,9 +2,10 @@
 
 One graph per bucket covers the whole step on the device: the input frames (SamplingState.last_tokens of the
 rows), the code embedding, the GPT with paged attention (KV write fused), the heads, the sampler and the
-history update. The host fills one pinned int64 array [bucket, 4] (row, position, slot, step per sequence;
-padding rows point at the scratch row with slot -1 and so attend to nothing), copies it in one transfer,
-replays, and reads the sampled codes back: one small host sync per step.
+history update. The host fills one pinned int64 array [5, bucket] (row, position, slot, step and sequence
+length of each sequence, each a contiguous column the body reads as is: no gather or cast kernels in the graph;
+padding rows point at the scratch row with slot -1 and length 0 and so attend to nothing), copies it in one
+transfer, replays, and reads the sampled codes back: one small host sync per step.
 
 Captured largest first so that every smaller graph fits in the memory pool of the larger ones; with
 `capture(defer=True)` only the largest and smallest are captured at once and `capture_next()` takes the
@@ -34,7 +35,12 @@ from ttsserve.runner.graph_buckets import BucketedGraphs
 
 logger = logging.getLogger(__name__)
 
-_ROW, _POS, _SLOT, _STEP = range(4)
+_META = _ROW, _POS, _SLOT, _STEP, _SEQ_LEN = range(5)
+
+
+def _packed(flat: torch.Tensor, num_steps: int, bs: int) -> torch.Tensor:
+    """The first num_steps * 5 * bs elements of a flat meta buffer as [num_steps, 5, bs] (contiguous)."""
+    return flat[: num_steps * len(_META) * bs].view(num_steps, len(_META), bs)
 
 
 class _ZeroAttention:
@@ -101,15 +107,18 @@ class DecodeGraphs(BucketedGraphs):
         self.gemv = self.ops is not None and runner.device.type == "cuda" and decode_gemv() and _dense(runner)
         self._init_buckets(sizes)
         max_bs, dev = self.sizes[-1], runner.device
-        self.meta = torch.zeros(max_bs, 4, dtype=torch.int64, device=dev)
+        # Flat buffers, viewed [steps, 5, bs] for a bucket of bs rows (_packed): one step's meta is one contiguous
+        # [5, bs] block, which the bucket's graph reads at the start of self.meta.
+        self.meta = torch.zeros(len(_META) * max_bs, dtype=torch.int64, device=dev)
         self.max_steps = max_steps
-        self._burst_meta = torch.zeros(max_steps, max_bs, 4, dtype=torch.int64, device=dev)
-        # Pinned host buffers [max_steps, max_bs, 4], one per run() in turn: a run's copy from its buffer may
+        self._burst_meta = torch.zeros(max_steps * len(_META) * max_bs, dtype=torch.int64, device=dev)
+        # Pinned host buffers, one per run() in turn: a run's copy from its buffer may
         # still be queued when the next run is prepared (the engine's async scheduling queues step n + 1 before
         # it waits for step n, and a mixed step may run twice: a burst and single steps); it has run by the
         # time the buffer comes round again, after the wait for step n.
         self._meta_hosts = [
-            torch.zeros(max_steps, max_bs, 4, dtype=torch.int64, pin_memory=dev.type == "cuda") for _ in range(4)
+            torch.zeros(max_steps * len(_META) * max_bs, dtype=torch.int64, pin_memory=dev.type == "cuda")
+            for _ in range(4)
         ]
         self._turn = 0
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
@@ -118,13 +127,14 @@ class DecodeGraphs(BucketedGraphs):
         self.generation = None
         self.capture_s = 0.0
 
-    @property
-    def meta_host(self) -> torch.Tensor:
-        return self._meta_hosts[self._turn][0]
+    def _host(self, num_steps: int, bs: int) -> torch.Tensor:
+        """This turn's pinned meta [num_steps, 5, bs]."""
+        return _packed(self._meta_hosts[self._turn], num_steps, bs)
 
-    @property
-    def _meta_np(self) -> np.ndarray:
-        return self._meta_hosts[self._turn].numpy()
+    def load_padding(self, bs: int) -> None:
+        """Every row of a bs bucket a padding row, on the device (warm-ups and captures; waits for the copy)."""
+        self._fill_padding(0, bs, bs)
+        self.meta[: len(_META) * bs].copy_(self._host(1, bs).reshape(-1))
 
     @property
     def max_batch_size(self) -> int:
@@ -138,18 +148,15 @@ class DecodeGraphs(BucketedGraphs):
         """One decode step of `bs` rows from the static buffers into self.tokens / self.hidden (zero_attention:
         zeros for every attention output, which reads no KV cache: precompile())."""
         r = self.runner
-        meta = self.meta[:bs]
-        rows, positions = meta[:, _ROW].contiguous(), meta[:, _POS].contiguous()
-        slots, steps = meta[:, _SLOT].contiguous(), meta[:, _STEP].contiguous()
-        seq_lens = torch.where(slots >= 0, positions + 1, 0).to(torch.int32)
+        rows, positions, slots, steps, seq_lens = _packed(self.meta, 1, bs)[0]
+        seq_lens = seq_lens.to(torch.int32)
         # Host lengths are unknown to a replayed graph: the Triton kernels read seq_lens on the device and only
         # take the split count from max_seq_len. The uncaptured (CPU) body passes the true host values, which
         # the torch reference backend uses.
         if self.runner.device.type == "cuda":
             max_len, lens_cpu = r.max_model_len, [r.max_model_len] * bs
         else:
-            m = self.meta[:bs].numpy()  # on the CPU the "device" buffer is host memory
-            lens_cpu = np.where(m[:, _SLOT] >= 0, m[:, _POS] + 1, 0).tolist()
+            lens_cpu = seq_lens.tolist()  # on the CPU the "device" buffer is host memory
             max_len = max(lens_cpu)
         md = AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens[: bs + 1],
@@ -162,23 +169,24 @@ class DecodeGraphs(BucketedGraphs):
             cu_seqlens_q_cpu=list(range(bs + 1)),
             seq_lens_cpu=lens_cpu,
         )
-        x = r.model.embed.embed_codes(r.sampling.last_tokens[rows])
         if self.ops is None:
+            x = r.model.embed.embed_codes(r.sampling.last_tokens[rows])
             hidden = r._forward(x, md, positions).float()
             self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
         else:
+            x = self.ops.embed_rows(r.model.embed.emb_code, r.sampling.last_tokens, rows, r.model.gpt.dtype)
             ctx = _ZeroAttention() if zero_attention else PagedAttention(r.backend, r.kv.layers, md, r.scale)
             forward = gemv_gpt_forward if self.gemv and self.ops.compiled and bs == 1 else fused_gpt_forward
             hidden = forward(r.model.gpt, self.ops, x, positions, ctx).float()
-            self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", sample_fn=self.ops.sample)
+            self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", ops=self.ops)
         self.hidden[:bs] = hidden
 
-    def _fill_padding(self, start: int, end: int, num_steps: int = 1) -> None:
-        m = self._meta_np[:num_steps]
-        m[:, start:end, _ROW] = self.runner.sampling.scratch_row
-        m[:, start:end, _POS] = 0
-        m[:, start:end, _SLOT] = -1
-        m[:, start:end, _STEP] = 0
+    def _fill_padding(self, start: int, end: int, bs: int, num_steps: int = 1) -> None:
+        """Rows [start, end) of this turn's meta for a bs bucket: padding."""
+        m = self._host(num_steps, bs).numpy()[:, :, start:end]
+        m[:, _ROW] = self.runner.sampling.scratch_row
+        m[:, _POS] = m[:, _STEP] = m[:, _SEQ_LEN] = 0
+        m[:, _SLOT] = -1
 
     # ---- capture / replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -190,8 +198,7 @@ class DecodeGraphs(BucketedGraphs):
         if self.ops is None or not self.ops.traced or self.runner.device.type != "cuda":
             return
         bs = self.sizes[-1]
-        self._fill_padding(0, bs)
-        self.meta[:bs].copy_(self.meta_host[:bs])
+        self.load_padding(bs)
         self._or_uncompiled(lambda: self._body(bs, zero_attention=True), "torch.compile of the decode step")
         self._or_uncompiled(lambda: self._trace_qkv_rotary(bs), "torch.compile of the prefill graphs' RoPE")
 
@@ -237,8 +244,7 @@ class DecodeGraphs(BucketedGraphs):
             self._add_graph(bs, None)
             return
         torch.cuda.synchronize()  # a step in flight may still copy from the pinned buffer filled next
-        self._fill_padding(0, bs)
-        self.meta[:bs].copy_(self.meta_host[:bs])
+        self.load_padding(bs)
         self._warm_up(bs)
         graph, self.pool = capture_graph(lambda: self._body(bs), self.pool)
         graph.replay()  # padding rows only: the scratch row's state, no KV slot
@@ -272,23 +278,26 @@ class DecodeGraphs(BucketedGraphs):
         bs = self.bucket(b)
         block_size, table = self.runner.block_size, self.runner.input_batch.block_table_np
         self._turn = (self._turn + 1) % len(self._meta_hosts)
-        m = self._meta_np
+        host = self._host(num_steps, bs)
+        m = host.numpy()[:, :, :b]
         pos = starts[None, :] + np.arange(num_steps)[:, None]  # [num_steps, B]
-        m[:num_steps, :b, _ROW] = rows
-        m[:num_steps, :b, _POS] = pos
-        m[:num_steps, :b, _SLOT] = table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
-        m[:num_steps, :b, _STEP] = steps[None, :] + np.arange(num_steps)[:, None]
-        self._fill_padding(b, bs, num_steps)
-        host = self._meta_hosts[self._turn]
+        m[:, _ROW] = rows
+        m[:, _POS] = pos
+        m[:, _SLOT] = table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        m[:, _STEP] = steps[None, :] + np.arange(num_steps)[:, None]
+        m[:, _SEQ_LEN] = pos + 1
+        self._fill_padding(b, bs, bs, num_steps)
+        n = len(_META) * bs
         if num_steps == 1:
-            self.meta[:bs].copy_(host[0, :bs], non_blocking=True)
+            self.meta[:n].copy_(host.reshape(-1), non_blocking=True)
             self._replay(bs)
             return self.tokens[:b, None], self.hidden[None, :b]
-        self._burst_meta[:num_steps, :bs].copy_(host[:num_steps, :bs], non_blocking=True)
+        burst = _packed(self._burst_meta, num_steps, bs)
+        burst.copy_(host, non_blocking=True)
         tokens = torch.empty(b, num_steps, self.tokens.shape[1], dtype=self.tokens.dtype, device=self.tokens.device)
         hidden = torch.empty(num_steps, b, self.hidden.shape[1], dtype=self.hidden.dtype, device=self.hidden.device)
         for j in range(num_steps):
-            self.meta[:bs].copy_(self._burst_meta[j, :bs])
+            self.meta[:n].copy_(burst[j].reshape(-1))
             self._replay(bs)
             tokens[:, j] = self.tokens[:b]
             hidden[j] = self.hidden[:b]

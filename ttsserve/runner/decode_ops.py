@@ -54,6 +54,12 @@ def _qkv_rotary(
     return qk[:, :num_heads], qk[:, num_heads:], qkv[:, qk_width:].reshape(t, num_kv_heads, head_dim)
 
 
+def _embed_rows(emb_code: torch.Tensor, last_tokens: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype):
+    """[B, H] in dtype: the code embedding of each row's last frame (Embed.embed_codes)."""
+    q = torch.arange(emb_code.shape[0], device=emb_code.device)
+    return emb_code[q, last_tokens[rows, : emb_code.shape[0]]].sum(dim=1).to(dtype)
+
+
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -81,13 +87,14 @@ class DecodeOps:
     def __init__(self, compile: bool, triton: bool = False, sampler: str = "compile") -> None:
         """compile: torch.compile what Triton does not take (nothing when False); triton: the Triton norms / SiLU /
         RoPE; sampler: "triton" (sample/triton_sampler.py), "compile" or "eager" (sample/sampler.py)."""
-        from ttsserve.sample.sampler import sample
+        from ttsserve.sample.sampler import sample, sample_and_record
 
         fns = {
             "rmsnorm": _rmsnorm,
             "add_rmsnorm": _add_rmsnorm,
             "qkv_rotary": _qkv_rotary,
             "silu_mul": _silu_mul,
+            "embed_rows": _embed_rows,
             "sample": sample,
         }
         to_compile = [] if triton else ["rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"]
@@ -99,12 +106,14 @@ class DecodeOps:
         if triton:
             from ttsserve.layers import triton_fused
 
-            for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul"):
+            for name in ("rmsnorm", "add_rmsnorm", "qkv_rotary", "silu_mul", "embed_rows"):
                 fns[name] = getattr(triton_fused, name)
+        # sample_record(logits, state, rows, steps, eos_id): the sampler on a SamplingState's rows, recorded
+        fns["sample_record"] = lambda *args: sample_and_record(fns["sample"], *args)
         if sampler == "triton":
-            from ttsserve.sample.triton_sampler import sample_or_reference
+            from ttsserve.sample.triton_sampler import sample_and_record_or_reference, sample_or_reference
 
-            fns["sample"] = sample_or_reference
+            fns["sample"], fns["sample_record"] = sample_or_reference, sample_and_record_or_reference
         self.compiled = bool(to_compile and compile) or triton or sampler == "triton"
         self.traced = bool(to_compile and compile)  # torch.compile traces at first call: precompile() does it early
         for name, fn in fns.items():

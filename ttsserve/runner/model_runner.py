@@ -38,7 +38,7 @@ from ttsserve.runner.step_types import (
     SequenceState,
     StepGroup,
 )
-from ttsserve.sample.sampler import sample
+from ttsserve.sample.sampler import sample, sample_and_record
 from ttsserve.sample.state import SamplingState
 
 DEFAULT_HISTORY_WINDOW = 16
@@ -317,18 +317,19 @@ class ModelRunner:
         return self.sample_rows(hidden, rows_t, async_h2d(torch.from_numpy(steps), self.device), "code"), hidden
 
     def sample_rows(
-        self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str, sample_fn=sample
+        self, hidden: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor, mode: str, ops=None
     ) -> torch.Tensor:
         """Heads + sampler for hidden [B, H] fp32 of `rows` at `steps`; records the tokens in the rows'
-        histories. Returns [B, num_vq] (code) or [B, 1] (text) int64 on the device. Graph-capturable."""
+        histories. Returns [B, num_vq] (code) or [B, 1] (text) int64 on the device. Graph-capturable.
+        ops: DecodeOps, whose sample_record runs (the Triton sampler: one kernel); None: sampler.sample."""
         embed = self.model.embed
         if mode == "code":
-            logits, width, eos = embed.code_logits(hidden), self.cfg.num_vq, self.cfg.audio_eos_id
+            logits, eos = embed.code_logits(hidden), self.cfg.audio_eos_id
         else:
-            logits, width, eos = embed.text_logits(hidden)[:, None, :], 1, self.text_eos_id
-        tokens = sample_fn(logits, self.sampling.batch(rows, steps, width, eos))
-        self.sampling.record(rows, steps, tokens)
-        return tokens
+            logits, eos = embed.text_logits(hidden)[:, None, :], self.text_eos_id
+        if ops is not None:
+            return ops.sample_record(logits, self.sampling, rows, steps, eos)
+        return sample_and_record(sample, logits, self.sampling, rows, steps, eos)
 
     def _execute_general(self, scheduled: list, cols: ScheduledColumns, idx: np.ndarray | None, requests: dict) -> list:
         """Rows cols[idx] (all rows when idx is None) through the general path: vectorised inputs, one forward,

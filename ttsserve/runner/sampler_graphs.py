@@ -49,7 +49,7 @@ class SamplerGraphs(BucketedGraphs):
     def _body(self, bs: int) -> None:
         meta = self.meta[:bs]
         rows, steps = meta[:, _ROW].contiguous(), meta[:, _STEP].contiguous()
-        self.tokens[:bs] = self.runner.sample_rows(self.hidden[:bs], rows, steps, "code", sample_fn=self.ops.sample)
+        self.tokens[:bs] = self.runner.sample_rows(self.hidden[:bs], rows, steps, "code", ops=self.ops)
 
     def _fill(self, rows: np.ndarray, steps: np.ndarray, bs: int) -> None:
         self._turn ^= 1

@@ -95,3 +95,11 @@ def make_sampling_batch(
         steps=torch.tensor(list(num_generated), dtype=torch.int64, device=device),
         eos_id=eos_id,
     )
+
+
+def sample_and_record(sample_fn, logits: torch.Tensor, state, rows: torch.Tensor, steps: torch.Tensor, eos_id: int):
+    """sample_fn(logits [B, R, V], the SamplingBatch of a SamplingState's `rows` at `steps`), recorded in the
+    state's histories: tokens [B, R] int64. Graph-capturable (pure indexing)."""
+    tokens = sample_fn(logits, state.batch(rows, steps, logits.shape[1], eos_id))
+    state.record(rows, steps, tokens)
+    return tokens

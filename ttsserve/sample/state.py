@@ -18,7 +18,7 @@ from ttsserve.params import SamplingParams
 from ttsserve.sample.sampler import SamplingBatch
 
 # Columns of the float64 / int64 parameter tables.
-_TOP_P, _PENALTY = 0, 1  # fparams[:, :2]; temperatures follow in fparams[:, 2:2 + num_vq]
+_TOP_P, _PENALTY, _TEMPERATURE = 0, 1, 2  # fparams[:, :2]; temperatures in fparams[:, 2:2 + num_vq]
 _TOP_K, _GREEDY, _SEED, _MIN_NEW, _WINDOW = range(5)
 
 
@@ -88,7 +88,7 @@ class SamplingState:
         fp = np.empty((n, 2 + q), dtype=np.float64)
         # fp32 first: the temperature of the batch is fp32 (exactly what torch.tensor(float32) rounds to). A text
         # row reads column 2 only; temperatures(q)[0] equals its temperatures(1)[0].
-        fp[:, 2:] = np.array([p.temperatures(q) for p in params], dtype=np.float32)
+        fp[:, _TEMPERATURE:] = np.array([p.temperatures(q) for p in params], dtype=np.float32)
         fp[:, _TOP_P] = [p.top_p for p in params]
         fp[:, _PENALTY] = np.array([p.repetition_penalty for p in params], dtype=np.float32)
         # int64 back to back, each part contiguous: row index [n] | iparams [n, 5] | ring [n, q, w] | last [n, q]
@@ -123,7 +123,7 @@ class SamplingState:
         """The SamplingBatch of `rows` ([B] int64 device) at `steps` ([B] int64: tokens generated so far)."""
         fp, ip = self.fparams[rows], self.iparams[rows]
         return SamplingBatch(
-            temperature=fp[:, 2 : 2 + num_rows].float(),
+            temperature=fp[:, _TEMPERATURE : _TEMPERATURE + num_rows].float(),
             top_p=fp[:, _TOP_P],
             top_k=ip[:, _TOP_K],
             repetition_penalty=fp[:, _PENALTY].float(),

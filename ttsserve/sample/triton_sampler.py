@@ -96,6 +96,78 @@ def _cut_in_window(x, keys, threshold, k_eff, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _draw(
+    x,
+    v,
+    r,
+    temp,
+    pen,
+    hist_ptr,
+    stride_hw,
+    window,
+    top_p,
+    top_k,
+    banned,
+    greedy,
+    seed,
+    step,
+    vocab,
+    eos_id,
+    GOLDEN: tl.constexpr,
+    ROW_SALT: tl.constexpr,
+    STEP_SALT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOP_WINDOW: tl.constexpr,
+):
+    """The token of one (request, codebook row r): x [BLOCK] its fp32 logits (0 past vocab), v = arange(BLOCK);
+    temp / pen fp32, top_p fp64, top_k int64, banned / greedy bool, seed / step int64 scalars; the history is
+    `window` int64 tokens at hist_ptr + w * stride_hw (-1 where absent)."""
+    real = v < vocab
+    x = x / temp
+    # repetition penalty: alpha = penalty ** count, by repeated products (count <= window, small)
+    alpha = tl.full([BLOCK], 1.0, tl.float32)
+    for w in range(window):
+        tok = tl.load(hist_ptr + w * stride_hw)
+        alpha = tl.where(v == tok, alpha * pen, alpha)
+    x = tl.where(x < 0, x * alpha, x / alpha)
+    x = tl.where(real, x, -float("inf"))
+
+    # top-p then top-k on the stable ascending order: keys = order-preserving bits << 32 | column, the padding
+    # columns first (below every real key), so the real values hold the last `vocab` positions
+    xz = x + 0.0  # -0.0 sorts as +0.0 (torch's order)
+    bits = xz.to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    hi = tl.where(real, bits.to(tl.int64), -2147483648)
+    keys = (hi << 32) | v.to(tl.int64)
+    threshold = (1.0 - top_p.to(tl.float64)).to(tl.float32)
+    k_eff = tl.minimum(tl.maximum(top_k, 3), vocab).to(tl.int32)
+    # the kept tokens are (keys >= first_kept) & (x >= kth); first_kept is a key, kth a value
+    first_kept = tl.full([], 0, tl.int64)  # placeholders: a cut below sets both
+    kth = tl.full([], -float("inf"), tl.float32)
+    cut = tl.full([], 0, tl.int32)
+    if TOP_WINDOW > 0:
+        if k_eff <= TOP_WINDOW:
+            first_kept, kth, cut = _cut_in_window(x, keys, threshold, k_eff, TOP_WINDOW)
+    if cut == 0:
+        first_kept, kth = _cut_sorted(keys, v, threshold, k_eff, BLOCK)
+    x = tl.where((keys < first_kept) | (x < kth), -float("inf"), x)
+    x = tl.where((v == eos_id) & banned, -float("inf"), x)
+
+    # the draw: argmax(probs / -log(u)), u = rng.hash_uniform(seed, step, r, v); greedy rows: argmax(x)
+    h = _mix32((seed & 0xFFFFFFFF) ^ GOLDEN)
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ _mul32(step & 0xFFFFFFFF, STEP_SALT))
+    key = _mix32(h ^ _mul32((r + 1).to(tl.int64), ROW_SALT))
+    hv = _mix32(key ^ v.to(tl.int64))
+    hv = _mix32(hv ^ GOLDEN)
+    u = ((hv >> 9).to(tl.float32) + 0.5) * (2.0**-23)
+    e = tl.exp(x - tl.max(x, 0))
+    probs = e / tl.sum(e, 0)
+    race = tl.where(real, probs / -tl.log(u), -1.0)
+    return tl.where(greedy, tl.argmax(x, 0), tl.argmax(race, 0)).to(tl.int64)
+
+
+@triton.jit
 def _sample_kernel(
     out_ptr,
     logits_ptr,
@@ -137,53 +209,108 @@ def _sample_kernel(
     b, r = pid // num_rows, pid % num_rows
     b = b.to(tl.int64)
     v = tl.arange(0, BLOCK)
-    real = v < vocab
-    x = tl.load(logits_ptr + b * stride_lb + r * stride_lr + v, mask=real, other=0.0).to(tl.float32)
-    x = x / tl.load(temp_ptr + b * stride_tb + r)
-    # repetition penalty: alpha = penalty ** count, by repeated products (count <= window, small)
-    pen = tl.load(pen_ptr + b * stride_pen)
-    alpha = tl.full([BLOCK], 1.0, tl.float32)
-    for w in range(window):
-        tok = tl.load(hist_ptr + b * stride_hb + r * stride_hr + w * stride_hw)
-        alpha = tl.where(v == tok, alpha * pen, alpha)
-    x = tl.where(x < 0, x * alpha, x / alpha)
-    x = tl.where(real, x, -float("inf"))
+    x = tl.load(logits_ptr + b * stride_lb + r * stride_lr + v, mask=v < vocab, other=0.0).to(tl.float32)
+    token = _draw(
+        x,
+        v,
+        r,
+        tl.load(temp_ptr + b * stride_tb + r),
+        tl.load(pen_ptr + b * stride_pen),
+        hist_ptr + b * stride_hb + r * stride_hr,
+        stride_hw,
+        window,
+        tl.load(top_p_ptr + b * stride_p),
+        tl.load(top_k_ptr + b * stride_k),
+        tl.load(banned_ptr + b * stride_ban) != 0,
+        tl.load(greedy_ptr + b * stride_greedy) != 0,
+        tl.load(seed_ptr + b * stride_seed),
+        tl.load(step_ptr + b * stride_step),
+        vocab,
+        eos_id,
+        GOLDEN,
+        ROW_SALT,
+        STEP_SALT,
+        BLOCK,
+        TOP_WINDOW,
+    )
+    tl.store(out_ptr + pid, token)
 
-    # top-p then top-k on the stable ascending order: keys = order-preserving bits << 32 | column, the padding
-    # columns first (below every real key), so the real values hold the last `vocab` positions
-    xz = x + 0.0  # -0.0 sorts as +0.0 (torch's order)
-    bits = xz.to(tl.int32, bitcast=True)
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    hi = tl.where(real, bits.to(tl.int64), -2147483648)
-    keys = (hi << 32) | v.to(tl.int64)
-    threshold = (1.0 - tl.load(top_p_ptr + b * stride_p).to(tl.float64)).to(tl.float32)
-    k_eff = tl.minimum(tl.maximum(tl.load(top_k_ptr + b * stride_k), 3), vocab).to(tl.int32)
-    # the kept tokens are (keys >= first_kept) & (x >= kth); first_kept is a key, kth a value
-    first_kept = tl.full([], 0, tl.int64)  # placeholders: a cut below sets both
-    kth = tl.full([], -float("inf"), tl.float32)
-    cut = tl.full([], 0, tl.int32)
-    if TOP_WINDOW > 0:
-        if k_eff <= TOP_WINDOW:
-            first_kept, kth, cut = _cut_in_window(x, keys, threshold, k_eff, TOP_WINDOW)
-    if cut == 0:
-        first_kept, kth = _cut_sorted(keys, v, threshold, k_eff, BLOCK)
-    x = tl.where((keys < first_kept) | (x < kth), -float("inf"), x)
-    x = tl.where((v == eos_id) & (tl.load(banned_ptr + b * stride_ban) != 0), -float("inf"), x)
 
-    # the draw: argmax(probs / -log(u)), u = rng.hash_uniform(seed, step, r, v); greedy rows: argmax(x)
-    seed = tl.load(seed_ptr + b * stride_seed)
-    h = _mix32((seed & 0xFFFFFFFF) ^ GOLDEN)
-    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
-    h = _mix32(h ^ _mul32(tl.load(step_ptr + b * stride_step) & 0xFFFFFFFF, STEP_SALT))
-    key = _mix32(h ^ _mul32((r + 1).to(tl.int64), ROW_SALT))
-    hv = _mix32(key ^ v.to(tl.int64))
-    hv = _mix32(hv ^ GOLDEN)
-    u = ((hv >> 9).to(tl.float32) + 0.5) * (2.0**-23)
-    e = tl.exp(x - tl.max(x, 0))
-    probs = e / tl.sum(e, 0)
-    race = tl.where(real, probs / -tl.log(u), -1.0)
-    token = tl.where(tl.load(greedy_ptr + b * stride_greedy) != 0, tl.argmax(x, 0), tl.argmax(race, 0))
-    tl.store(out_ptr + pid, token.to(tl.int64))
+@triton.jit
+def _sample_record_kernel(
+    out_ptr,
+    logits_ptr,
+    rows_ptr,
+    steps_ptr,
+    fparams_ptr,
+    iparams_ptr,
+    ring_ptr,
+    last_ptr,
+    stride_lb,
+    stride_lr,
+    stride_f,
+    stride_i,
+    stride_rb,
+    stride_rr,
+    stride_rw,
+    stride_last,
+    num_rows,
+    vocab,
+    window,
+    eos_id,
+    TOP_P: tl.constexpr,
+    PENALTY: tl.constexpr,
+    TEMPERATURE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    GREEDY: tl.constexpr,
+    SEED: tl.constexpr,
+    MIN_NEW: tl.constexpr,
+    WINDOW: tl.constexpr,
+    GOLDEN: tl.constexpr,
+    ROW_SALT: tl.constexpr,
+    STEP_SALT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOP_WINDOW: tl.constexpr,
+):
+    """Grid (B * R,): _sample_kernel for the state rows rows[b] at steps[b], reading SamplingState's tables
+    directly (its batch(): float64 parameters rounded to fp32 as torch's .float() rounds them), then its record():
+    the token into the row's ring at step % its window and into last_tokens. Each program writes only the ring
+    slice it read (its own (row, r)); padding rows share the scratch row, whose contents nothing reads."""
+    pid = tl.program_id(0)
+    b, r = pid // num_rows, pid % num_rows
+    b = b.to(tl.int64)
+    row = tl.load(rows_ptr + b)
+    step = tl.load(steps_ptr + b)
+    fp, ip = fparams_ptr + row * stride_f, iparams_ptr + row * stride_i
+    hist = ring_ptr + row * stride_rb + r * stride_rr
+    v = tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + b * stride_lb + r * stride_lr + v, mask=v < vocab, other=0.0).to(tl.float32)
+    token = _draw(
+        x,
+        v,
+        r,
+        tl.load(fp + TEMPERATURE + r).to(tl.float32),
+        tl.load(fp + PENALTY).to(tl.float32),
+        hist,
+        stride_rw,
+        window,
+        tl.load(fp + TOP_P),
+        tl.load(ip + TOP_K),
+        step < tl.load(ip + MIN_NEW),
+        tl.load(ip + GREEDY) != 0,
+        tl.load(ip + SEED),
+        step,
+        vocab,
+        eos_id,
+        GOLDEN,
+        ROW_SALT,
+        STEP_SALT,
+        BLOCK,
+        TOP_WINDOW,
+    )
+    tl.store(out_ptr + pid, token)
+    tl.store(hist + (step % tl.load(ip + WINDOW)) * stride_rw, token)
+    tl.store(last_ptr + row * stride_last + r, token)
 
 
 def can_sample(logits: torch.Tensor) -> bool:
@@ -239,6 +366,70 @@ def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: 
     return out
 
 
+def sample_and_record(
+    logits: torch.Tensor, state, rows: torch.Tensor, steps: torch.Tensor, eos_id: int, num_warps: int = NUM_WARPS
+) -> torch.Tensor:
+    """sample(logits, state.batch(rows, steps, R, eos_id)) then state.record(rows, steps, tokens) as one kernel:
+    the ~11 gathers, casts and scatters of batch() and record() (each a kernel and a launch gap of a decode graph)
+    read and written by the sampler itself. logits: CUDA [B, R, V] (can_sample); state: a SamplingState on the
+    same device; rows / steps: int64 [B]. Returns tokens [B, R] int64; no host sync (graph-capturable)."""
+    from ttsserve.sample import state as st
+
+    b, r, v = logits.shape
+    out = torch.empty(b, r, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    fp, ip, ring, last = state.fparams, state.iparams, state.ring, state.last_tokens
+    assert logits.stride(-1) == 1 and fp.stride(1) == ip.stride(1) == last.stride(1) == 1 and r <= state.num_vq
+    _sample_record_kernel[(b * r,)](
+        out,
+        logits,
+        rows,
+        steps,
+        fp,
+        ip,
+        ring,
+        last,
+        logits.stride(0),
+        logits.stride(1),
+        fp.stride(0),
+        ip.stride(0),
+        ring.stride(0),
+        ring.stride(1),
+        ring.stride(2),
+        last.stride(0),
+        r,
+        v,
+        ring.shape[2],
+        eos_id,
+        TOP_P=st._TOP_P,
+        PENALTY=st._PENALTY,
+        TEMPERATURE=st._TEMPERATURE,
+        TOP_K=st._TOP_K,
+        GREEDY=st._GREEDY,
+        SEED=st._SEED,
+        MIN_NEW=st._MIN_NEW,
+        WINDOW=st._WINDOW,
+        GOLDEN=_GOLDEN,
+        ROW_SALT=_ROW_SALT,
+        STEP_SALT=_STEP_SALT,
+        BLOCK=triton.next_power_of_2(v),
+        TOP_WINDOW=min(TOP_WINDOW, triton.next_power_of_2(v)),
+        num_warps=num_warps,
+    )
+    return out
+
+
 def sample_or_reference(logits: torch.Tensor, batch) -> torch.Tensor:
     """sample() where it applies (CUDA, the code vocabulary), else sampler.sample."""
     return (sample if can_sample(logits) else sampler.sample)(logits, batch)
+
+
+def sample_and_record_or_reference(
+    logits: torch.Tensor, state, rows: torch.Tensor, steps: torch.Tensor, eos_id: int
+) -> torch.Tensor:
+    """sample_and_record() where the kernel applies (CUDA, the code vocabulary), else sampler.sample and
+    state.record op by op."""
+    if can_sample(logits):
+        return sample_and_record(logits, state, rows, steps, eos_id)
+    return sampler.sample_and_record(sampler.sample, logits, state, rows, steps, eos_id)
