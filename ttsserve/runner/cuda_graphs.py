@@ -171,15 +171,13 @@ class DecodeGraphs(BucketedGraphs):
         )
         if self.ops is None:
             x = r.model.embed.embed_codes(r.sampling.last_tokens[rows])
-            hidden = r._forward(x, md, positions).float()
-            self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code")
+            self.hidden[:bs] = r._forward(x, md, positions)  # cast to fp32 by the copy
         else:
             x = self.ops.embed_rows(r.model.embed.emb_code, r.sampling.last_tokens, rows, r.model.gpt.dtype)
             ctx = _ZeroAttention() if zero_attention else PagedAttention(r.backend, r.kv.layers, md, r.scale)
             forward = gemv_gpt_forward if self.gemv and self.ops.compiled and bs == 1 else fused_gpt_forward
-            hidden = forward(r.model.gpt, self.ops, x, positions, ctx).float()
-            self.tokens[:bs] = r.sample_rows(hidden, rows, steps, "code", ops=self.ops)
-        self.hidden[:bs] = hidden
+            self.hidden[:bs] = forward(r.model.gpt, self.ops, x, positions, ctx)
+        self.tokens[:bs] = r.sample_rows(self.hidden[:bs], rows, steps, "code", ops=self.ops)
 
     def _fill_padding(self, start: int, end: int, bs: int, num_steps: int = 1) -> None:
         """Rows [start, end) of this turn's meta for a bs bucket: padding."""
