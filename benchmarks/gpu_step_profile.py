@@ -91,6 +91,7 @@ def profile_point(model, concurrency: int, seconds: float, variant: str) -> dict
         "device_busy_share": busy_us(intervals) / wall_us,
         "profiled_wall_s": wall_us / 1e6,
         "device_ms_per_step": busy_us(intervals) / steps / 1e3,
+        "kernels_per_step": len(kernels) / steps,
         "kernel_ms_per_step_by_group": {
             g: round(v / steps / 1e3, 3) for g, v in sorted(groups.items(), key=lambda x: -x[1])
         },
@@ -130,7 +131,8 @@ def main() -> int:
         (out / "step_profile.json").write_text(json.dumps(points, indent=1))
         print(
             f"@{c}: {p['audio_s_per_s']:.0f} audio-s/s, {p['step_ms']:.2f} ms per step, device busy "
-            f"{p['device_busy_share']:.0%} ({p['device_ms_per_step']:.2f} ms per step); by group "
+            f"{p['device_busy_share']:.0%} ({p['device_ms_per_step']:.2f} ms, {p['kernels_per_step']:.0f} kernels per "
+            "step); by group "
             + ", ".join(f"{g} {v}" for g, v in p["kernel_ms_per_step_by_group"].items()),
             flush=True,
         )
