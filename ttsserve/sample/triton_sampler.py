@@ -20,6 +20,9 @@ import triton.language as tl
 from ttsserve.sample import sampler
 from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
 
+# the hash constants of sample/rng.py, as Triton reads module globals
+GOLDEN, ROW_SALT, STEP_SALT = tl.constexpr(_GOLDEN), tl.constexpr(_ROW_SALT), tl.constexpr(_STEP_SALT)
+
 MAX_VOCAB = 4096  # one row of logits per program; wider vocabularies (text) take sampler.sample
 # Rows whose k_eff <= TOP_WINDOW (ChatTTS's top_k is 20) take the TOP_WINDOW largest keys (a partial bitonic sort)
 # instead of sorting all 1,024 (0: always the full sort). H100, us a call (benchmarks/sampler_micro.py), ChatTTS's
@@ -113,9 +116,6 @@ def _draw(
     step,
     vocab,
     eos_id,
-    GOLDEN: tl.constexpr,
-    ROW_SALT: tl.constexpr,
-    STEP_SALT: tl.constexpr,
     BLOCK: tl.constexpr,
     TOP_WINDOW: tl.constexpr,
 ):
@@ -197,9 +197,6 @@ def _sample_kernel(
     vocab,
     window,
     eos_id,
-    GOLDEN: tl.constexpr,
-    ROW_SALT: tl.constexpr,
-    STEP_SALT: tl.constexpr,
     BLOCK: tl.constexpr,
     TOP_WINDOW: tl.constexpr,
 ):
@@ -227,9 +224,6 @@ def _sample_kernel(
         tl.load(step_ptr + b * stride_step),
         vocab,
         eos_id,
-        GOLDEN,
-        ROW_SALT,
-        STEP_SALT,
         BLOCK,
         TOP_WINDOW,
     )
@@ -266,9 +260,6 @@ def _sample_record_kernel(
     SEED: tl.constexpr,
     MIN_NEW: tl.constexpr,
     WINDOW: tl.constexpr,
-    GOLDEN: tl.constexpr,
-    ROW_SALT: tl.constexpr,
-    STEP_SALT: tl.constexpr,
     BLOCK: tl.constexpr,
     TOP_WINDOW: tl.constexpr,
 ):
@@ -302,9 +293,6 @@ def _sample_record_kernel(
         step,
         vocab,
         eos_id,
-        GOLDEN,
-        ROW_SALT,
-        STEP_SALT,
         BLOCK,
         TOP_WINDOW,
     )
@@ -356,9 +344,6 @@ def sample(logits: torch.Tensor, batch, num_warps: int = NUM_WARPS, top_window: 
         v,
         hist.shape[2],
         batch.eos_id,
-        GOLDEN=_GOLDEN,
-        ROW_SALT=_ROW_SALT,
-        STEP_SALT=_STEP_SALT,
         BLOCK=triton.next_power_of_2(v),
         TOP_WINDOW=min(top_window, triton.next_power_of_2(v)) if top_window else 0,
         num_warps=num_warps,
@@ -410,9 +395,6 @@ def sample_and_record(
         SEED=st._SEED,
         MIN_NEW=st._MIN_NEW,
         WINDOW=st._WINDOW,
-        GOLDEN=_GOLDEN,
-        ROW_SALT=_ROW_SALT,
-        STEP_SALT=_STEP_SALT,
         BLOCK=triton.next_power_of_2(v),
         TOP_WINDOW=min(TOP_WINDOW, triton.next_power_of_2(v)),
         num_warps=num_warps,
