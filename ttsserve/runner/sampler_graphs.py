@@ -3,7 +3,7 @@
 A request's first frame is sampled on the general path, after the last chunk of its prompt. Run op by op the
 heads, penalties, top-k / top-p and the seeded draw are ~60 small kernels launched from Python: on an H200
 under served load that was 7% of the engine core's time (one first frame per admitted request).
-Here one graph per row bucket replays them: the host copies [bucket, 2] (row, step) in one transfer,
+Here one graph per row bucket replays them: the host copies [2, bucket] (rows, then steps) in one transfer,
 the hidden states go into a static buffer, and padding rows point at the sampling state's scratch row.
 Graphs hold the sampling state's addresses; when the runner's `generation` changes they are captured again.
 """
@@ -36,9 +36,10 @@ class SamplerGraphs(BucketedGraphs):
         self._init_buckets(sizes)
         n, dev = self.sizes[-1], runner.device
         self.hidden = torch.zeros(n, runner.cfg.hidden_size, dtype=torch.float32, device=dev)
-        self.meta = torch.zeros(n, 2, dtype=torch.int64, device=dev)
+        # flat, viewed [2, bs] for a bucket of bs rows: the columns the body reads are contiguous (no copy kernels)
+        self.meta = torch.zeros(2 * n, dtype=torch.int64, device=dev)
         # two pinned buffers in turn, as in DecodeGraphs: pipelined, the previous step's copy may be queued
-        self._meta_hosts = [torch.zeros(n, 2, dtype=torch.int64, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._meta_hosts = [torch.zeros(2 * n, dtype=torch.int64, pin_memory=dev.type == "cuda") for _ in range(2)]
         self._turn = 0
         self.tokens = torch.zeros(n, runner.cfg.num_vq, dtype=torch.int64, device=dev)
         self.generation = None
@@ -47,17 +48,17 @@ class SamplerGraphs(BucketedGraphs):
         return num_rows <= self.sizes[-1]
 
     def _body(self, bs: int) -> None:
-        meta = self.meta[:bs]
-        rows, steps = meta[:, _ROW].contiguous(), meta[:, _STEP].contiguous()
+        rows, steps = self.meta[: 2 * bs].view(2, bs)
         self.tokens[:bs] = self.runner.sample_rows(self.hidden[:bs], rows, steps, "code", ops=self.ops)
 
     def _fill(self, rows: np.ndarray, steps: np.ndarray, bs: int) -> None:
         self._turn ^= 1
-        m = self._meta_hosts[self._turn].numpy()
+        host = self._meta_hosts[self._turn][: 2 * bs]
+        m = host.view(2, bs).numpy()
         b = len(rows)
-        m[:b, _ROW], m[:b, _STEP] = rows, steps
-        m[b:bs, _ROW], m[b:bs, _STEP] = self.runner.sampling.scratch_row, 0
-        self.meta[:bs].copy_(self._meta_hosts[self._turn][:bs], non_blocking=True)
+        m[_ROW, :b], m[_STEP, :b] = rows, steps
+        m[_ROW, b:], m[_STEP, b:] = self.runner.sampling.scratch_row, 0
+        self.meta[: 2 * bs].copy_(host, non_blocking=True)
 
     def _or_uncompiled(self, fn, what: str) -> None:
         or_uncompiled(self, fn, what)
