@@ -132,8 +132,7 @@ def main() -> int:
         print(
             f"@{c}: {p['audio_s_per_s']:.0f} audio-s/s, {p['step_ms']:.2f} ms per step, device busy "
             f"{p['device_busy_share']:.0%} ({p['device_ms_per_step']:.2f} ms, {p['kernels_per_step']:.0f} kernels per "
-            "step); by group "
-            + ", ".join(f"{g} {v}" for g, v in p["kernel_ms_per_step_by_group"].items()),
+            "step); by group " + ", ".join(f"{g} {v}" for g, v in p["kernel_ms_per_step_by_group"].items()),
             flush=True,
         )
         for k in p["top_kernels"][:15]:
