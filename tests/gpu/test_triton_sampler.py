@@ -67,6 +67,14 @@ def test_matches_the_reference_sampler() -> None:
     assert torch.equal(got[greedy], want[greedy])
 
 
+def _engine_rows(g: torch.Generator, b: int, num_rows: int, length_of) -> tuple[torch.Tensor, list, list[int]]:
+    """b distinct state rows out of num_rows in random order, request i's length_of(i) generated frames and seeds."""
+    rows = torch.randperm(num_rows, generator=g)[:b]
+    outputs = [[tuple(torch.randint(0, V, (R,), generator=g).tolist()) for _ in range(length_of(i))] for i in range(b)]
+    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    return rows, outputs, seeds
+
+
 def test_the_engines_sampling_state_layout() -> None:
     """The engine's SamplingBatch (sample/state.py): [B] parameters are strided columns of its parameter tables
     and the history a ring, gathered for rows out of order. The kernel must read them as the reference does."""
@@ -85,9 +93,7 @@ def test_the_engines_sampling_state_layout() -> None:
         )
         for i in range(b)
     ]
-    rows = torch.randperm(num_rows, generator=g)[:b]
-    outputs = [[tuple(torch.randint(0, V, (R,), generator=g).tolist()) for _ in range(i % 9)] for i in range(b)]
-    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    rows, outputs, seeds = _engine_rows(g, b, num_rows, lambda i: i % 9)
     steps = torch.tensor([len(o) for o in outputs])
     logits = torch.randn(b, R, V, generator=g) * 2.5
     batches = []
@@ -213,9 +219,7 @@ def test_sample_and_record_is_batch_sample_and_record_in_one_kernel() -> None:
         )
         for i in range(b)
     ]
-    rows = torch.randperm(num_rows, generator=g)[:b]
-    outputs = [[tuple(torch.randint(0, V, (R,), generator=g).tolist()) for _ in range(3 * i % 23)] for i in range(b)]
-    seeds = torch.randint(0, 2**62, (b,), generator=g).tolist()
+    rows, outputs, seeds = _engine_rows(g, b, num_rows, lambda i: 3 * i % 23)
     fused, ref = (SamplingState(num_rows, R, 16, torch.device(DEVICE)) for _ in range(2))
     for state in (fused, ref):
         state.set_rows(rows.tolist(), params, seeds, ["code"] * b, outputs)

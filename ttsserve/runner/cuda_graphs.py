@@ -133,8 +133,9 @@ class DecodeGraphs(BucketedGraphs):
 
     def load_padding(self, bs: int) -> None:
         """Every row of a bs bucket a padding row, on the device (warm-ups and captures; waits for the copy)."""
-        self._fill_padding(0, bs, bs)
-        self.meta[: len(_META) * bs].copy_(self._host(1, bs).reshape(-1))
+        host = self._host(1, bs)
+        self._fill_padding(host.numpy())
+        self.meta[: len(_META) * bs].copy_(host.reshape(-1))
 
     @property
     def max_batch_size(self) -> int:
@@ -179,9 +180,8 @@ class DecodeGraphs(BucketedGraphs):
             self.hidden[:bs] = forward(r.model.gpt, self.ops, x, positions, ctx)
         self.tokens[:bs] = r.sample_rows(self.hidden[:bs], rows, steps, "code", ops=self.ops)
 
-    def _fill_padding(self, start: int, end: int, bs: int, num_steps: int = 1) -> None:
-        """Rows [start, end) of this turn's meta for a bs bucket: padding."""
-        m = self._host(num_steps, bs).numpy()[:, :, start:end]
+    def _fill_padding(self, m: np.ndarray) -> None:
+        """Padding rows in m, meta [num_steps, 5, rows] (a slice of a pinned buffer)."""
         m[:, _ROW] = self.runner.sampling.scratch_row
         m[:, _POS] = m[:, _STEP] = m[:, _SEQ_LEN] = 0
         m[:, _SLOT] = -1
@@ -277,14 +277,15 @@ class DecodeGraphs(BucketedGraphs):
         block_size, table = self.runner.block_size, self.runner.input_batch.block_table_np
         self._turn = (self._turn + 1) % len(self._meta_hosts)
         host = self._host(num_steps, bs)
-        m = host.numpy()[:, :, :b]
+        whole = host.numpy()
+        m, padding = whole[:, :, :b], whole[:, :, b:]
         pos = starts[None, :] + np.arange(num_steps)[:, None]  # [num_steps, B]
         m[:, _ROW] = rows
         m[:, _POS] = pos
         m[:, _SLOT] = table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
         m[:, _STEP] = steps[None, :] + np.arange(num_steps)[:, None]
         m[:, _SEQ_LEN] = pos + 1
-        self._fill_padding(b, bs, bs, num_steps)
+        self._fill_padding(padding)
         n = len(_META) * bs
         if num_steps == 1:
             self.meta[:n].copy_(host.reshape(-1), non_blocking=True)

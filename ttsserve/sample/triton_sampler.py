@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ttsserve.sample import sampler
+from ttsserve.sample import state as st
 from ttsserve.sample.rng import _GOLDEN, _ROW_SALT, _STEP_SALT
 
 # the hash constants of sample/rng.py, as Triton reads module globals
@@ -358,8 +359,6 @@ def sample_and_record(
     the ~11 gathers, casts and scatters of batch() and record() (each a kernel and a launch gap of a decode graph)
     read and written by the sampler itself. logits: CUDA [B, R, V] (can_sample); state: a SamplingState on the
     same device; rows / steps: int64 [B]. Returns tokens [B, R] int64; no host sync (graph-capturable)."""
-    from ttsserve.sample import state as st
-
     b, r, v = logits.shape
     out = torch.empty(b, r, dtype=torch.int64, device=logits.device)
     if b == 0:
