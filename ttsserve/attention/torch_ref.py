@@ -135,9 +135,9 @@ class TorchPagedAttention:
     """PagedAttentionBackend in plain torch (see attention/backend.py for the contract).
 
     compile_decode: run decode-only steps on a CPU cache through torch.compile(paged_decode_attention);
-    None: only when $TTSSERVE_CPU_COMPILE is "1" (`ttsserve serve` on a CPU sets it; it costs ~5 s of
-    compilation per process, which warmup(background=True) hides, and pays off at batch >= 8:
-    benchmarks/cpu_kernels.py). Any
+    None: when $TTSSERVE_CPU_COMPILE is "attention" or "1" (servers default to "0", eager: it costs ~5 s of
+    compilation per process, which warmup(background=True) hides, and pays off only at larger batches on some
+    CPUs: benchmarks/cpu_kernels.py). Any
     compilation failure (e.g. no C++ compiler) falls back, once and for good, to the eager gather + SDPA
     path: slower, never wrong. Holds scratch buffers reused across layers and steps: one instance per
     engine thread.
